@@ -1,0 +1,145 @@
+"""The `eyrie` command line: the control plane of the embedded default and of the stack.
+
+Exit codes: 0 success; 1 a problem the message names (with its fix); 2 bad usage;
+3 `--wait` ended with the stage failed.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Optional
+
+import orjson
+import typer
+
+from eyrie.errors import EyrieError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="eyrie: prompts + target LLM -> EAGLE-3 drafter.")
+
+def command(func):
+    """Run a command; a user-fixable error becomes one line on stderr and exit code 1."""
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except EyrieError as exc:
+            typer.echo(f"eyrie: error: {exc}", err=True)
+            raise typer.Exit(1) from None
+    return wrapper
+
+
+def _context():
+    from eyrie.config import load_settings
+    from eyrie.queue import connect
+    from eyrie.store import open_store
+
+    settings = load_settings()
+    return settings, connect(settings.redis_url), open_store(settings)
+
+
+@app.command()
+@command
+def serve(model: Optional[str] = typer.Option(None, help="Model directory or HF id (EYRIE_MODEL)."),
+          port: Optional[int] = typer.Option(None, help="Port (EYRIE_PORT)."),
+          server: Optional[str] = typer.Option(None, help="transformers | vllm (EYRIE_SERVER)."),
+          host: Optional[str] = typer.Option(None, help="Bind address (EYRIE_HOST).")):
+    """Start the target's OpenAI server, wait until it answers, publish it in Redis."""
+    from eyrie.config import load_settings
+    from eyrie.queue import connect
+    from eyrie_inference.server import Server
+
+    settings = load_settings(model=model, port=port, server=server, host=host)
+    if not Path(settings.model).exists() and settings.model.startswith((".", "/")):
+        raise EyrieError(f"model directory {settings.model} does not exist.",
+                         "pass --model with a model directory or a Hugging Face id.")
+    raise typer.Exit(Server(settings, connect(settings.redis_url), settings.model).run())
+
+
+@app.command()
+@command
+def generate(dataset: str = typer.Option(..., "--dataset", help="Local .jsonl/.parquet, or HF dataset id."),
+             run: str = typer.Option(..., "--run", help="Run name."),
+             split: str = typer.Option("train", help="Dataset split (HF datasets)."),
+             revision: Optional[str] = typer.Option(None, help="Dataset revision (HF datasets)."),
+             limit: Optional[int] = typer.Option(None, min=1, help="Use only the first N rows."),
+             concurrency: Optional[int] = typer.Option(None, min=1, help="Requests in flight per worker."),
+             max_tokens: Optional[int] = typer.Option(None, min=1, help="Completion token limit."),
+             timeout: Optional[float] = typer.Option(None, min=1, help="Per-request timeout, seconds."),
+             temperature: Optional[float] = typer.Option(None, min=0, help="Sampling temperature."),
+             shard_size: Optional[int] = typer.Option(None, min=1, help="Rows per task."),
+             wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
+    """Answer a prompt dataset with the served target; results go to the store as shards."""
+    from eyrie.manifest import check_run_name
+    from eyrie_generator.plan import start_generate
+
+    check_run_name(run)
+    settings, conn, store = _context()
+    params = {"concurrency": concurrency, "max_tokens": max_tokens, "timeout": timeout,
+              "temperature": temperature, "shard_size": shard_size}
+    manifest, enqueued = start_generate(settings, conn, store, source=dataset, run=run, split=split,
+                                        revision=revision, limit=limit, params=params)
+    rows = manifest.dataset.row_end - manifest.dataset.row_start
+    typer.echo(f"run {run}: {rows} rows in {len(manifest.generate_shards)} shards; "
+               f"{enqueued} tasks enqueued now (store {store.url})")
+    if wait:
+        _wait(conn, store, run, "generate")
+
+
+def _wait(conn, store, run: str, stage: str) -> None:
+    from eyrie.display import live_progress
+
+    final = live_progress(conn, store, run, stage)
+    if final["state"] == "failed":
+        raise typer.Exit(3)
+
+
+@app.command()
+@command
+def worker(stage: str = typer.Argument(..., help="generate"),
+           burst: bool = typer.Option(False, "--burst", help="Exit when the queue is empty.")):
+    """Take tasks of one stage from the queue (any number of workers, on any host)."""
+    from eyrie.config import load_settings
+    from eyrie.queue import connect, run_worker
+
+    if stage != "generate":
+        raise EyrieError(f"unknown stage {stage!r} for a worker.", "use: eyrie worker generate")
+    import eyrie_generator.shard  # noqa: F401  imported once here, not in every task
+
+    settings = load_settings()
+    run_worker(connect(settings.redis_url), stage, burst)
+
+
+@app.command()
+@command
+def status(run: str = typer.Argument(..., help="Run name."),
+           as_json: bool = typer.Option(False, "--json", help="One JSON object.")):
+    """Per-stage state, counts, throughput and ETA of a run."""
+    from eyrie.display import render_status
+    from eyrie.status import run_status
+
+    _, conn, store = _context()
+    result = run_status(conn, store, run)
+    if as_json:
+        typer.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    else:
+        render_status(result)
+
+
+@app.command()
+@command
+def demo(run: str = typer.Option("demo", help="Run name."),
+         dataset: str = typer.Option("tests/data/tiny_prompts.jsonl", help="Prompt dataset.")):
+    """The pipeline on the embedded default: local processes, CPU, the tiny target."""
+    from eyrie.embedded import run_demo
+
+    raise typer.Exit(run_demo(run, dataset))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The one configuration object: every EYRIE_* environment variable, validated at start."""
+
+from __future__ import annotations
+
+from typing import Literal
+from urllib.parse import urlparse
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from eyrie.errors import EyrieError
+
+DEFAULT_TINY_MODEL = "assets/tiny-target"
+
+
+class Settings(BaseSettings):
+    """Where the services meet (Redis, store, server) and the defaults of every stage."""
+
+    model_config = SettingsConfigDict(env_prefix="EYRIE_", extra="ignore")
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Queues, run state, leases.")
+    store_url: str = Field("file://.eyrie/store", description="file://DIR or s3://BUCKET[/PREFIX].")
+    s3_endpoint: str | None = Field(None, description="S3/MinIO endpoint, e.g. http://minio:9000.")
+    s3_access_key: SecretStr | None = None
+    s3_secret_key: SecretStr | None = None
+    s3_region: str | None = None
+
+    inference_url: str | None = Field(
+        None, description="OpenAI-compatible base URL; unset: the endpoint `eyrie serve` published."
+    )
+    model: str = Field(DEFAULT_TINY_MODEL, description="Target model: local directory or HF id.")
+    server: Literal["transformers", "vllm"] = "transformers"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    tensor_parallel_size: int = Field(1, ge=1)
+    reasoning_parser: str | None = None
+    max_model_len: int | None = Field(None, ge=16)
+    vllm_args: str = Field("", description="Extra vLLM flags, shell-quoted.")
+    advertise_url: str | None = Field(None, description="URL workers use to reach this server.")
+    serve_deadline_s: float = Field(3600.0, gt=0, description="How long `eyrie serve` waits.")
+
+    concurrency: int = Field(200, ge=1, le=10000)
+    max_tokens: int = Field(8192, ge=1)
+    request_timeout_s: float = Field(1800.0, gt=0)
+    max_retries: int = Field(5, ge=0, le=50)
+    retry_backoff_s: float = Field(2.0, ge=0, description="First retry delay; doubles, capped at 60 s.")
+    shard_size: int = Field(1000, ge=1)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str) -> str:
+        if urlparse(v).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("must be redis://HOST:PORT/DB, rediss://… or unix://PATH")
+        return v
+
+    @field_validator("store_url")
+    @classmethod
+    def _store_scheme(cls, v: str) -> str:
+        parsed = urlparse(v)
+        if parsed.scheme not in ("file", "s3"):
+            raise ValueError("must be file://DIR (local) or s3://BUCKET[/PREFIX] (S3/MinIO)")
+        if parsed.scheme == "s3" and not parsed.netloc:
+            raise ValueError("s3:// needs a bucket name: s3://BUCKET[/PREFIX]")
+        return v
+
+    @field_validator("inference_url", "s3_endpoint", "advertise_url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and (urlparse(v).scheme not in ("http", "https") or not urlparse(v).netloc):
+            raise ValueError("must be an http(s)://HOST:PORT URL")
+        return v.rstrip("/") if v else v
+
+
+def load_settings(**overrides) -> Settings:
+    """Read EYRIE_* from the environment; raise one EyrieError listing every bad value."""
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            name = "EYRIE_" + "_".join(str(p) for p in err["loc"]).upper()
+            lines.append(f"{name}={err.get('input')!r}: {err['msg']}")
+        raise EyrieError(
+            "invalid configuration: " + "; ".join(lines),
+            "correct these environment variables (or flags) and start again.",
+        ) from None

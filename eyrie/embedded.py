@@ -1,0 +1,81 @@
+"""The embedded default as local processes: the same services `make up` runs in containers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from eyrie import inference
+from eyrie.config import load_settings
+from eyrie.display import console, render_status
+from eyrie.queue import connect
+from eyrie.status import run_status
+from eyrie.store import open_store
+
+LOGS = Path(".eyrie/logs")
+
+
+def start(name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
+    """One eyrie service as a child process, its output in .eyrie/logs/NAME.log."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log = open(LOGS / f"{name}.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "eyrie.cli", *args], stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_demo(run: str, dataset: str) -> int:
+    settings = load_settings()
+    conn, store = connect(settings.redis_url), open_store(settings)
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+    console.print(f"[bold]eyrie demo[/]: Redis {settings.redis_url}, store {store.url}, "
+                  f"target {settings.model} on transformers serve (CPU); logs in {LOGS}/")
+    procs = [start("inference", ["serve"], env)]
+    try:
+        started = time.monotonic()
+        inference.wait_ready(conn, 300)
+        console.print(f"inference ready in {time.monotonic() - started:.1f} s")
+        procs.append(start("generator", ["worker", "generate"], env))
+        generate = subprocess.run([sys.executable, "-m", "eyrie.cli", "generate", "--dataset", dataset,
+                                   "--run", run, "--concurrency", "8", "--max-tokens", "256",
+                                   "--shard-size", "16", "--wait"], env={**os.environ, **env})
+        if generate.returncode not in (0, 3):
+            return generate.returncode
+        report(conn, store, run)
+        return generate.returncode
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+
+
+def report(conn, store, run: str) -> None:
+    status = run_status(conn, store, run)
+    render_status(status)
+    from eyrie.manifest import Layout
+
+    layout = Layout(run)
+    keys = [k for k in store.list(f"{layout.root}/generate/shards/") if k.endswith(".jsonl")]
+    if keys:
+        import orjson
+
+        first = next((r for r in map(orjson.loads, store.get_bytes(keys[0]).splitlines())
+                      if r["status"] == "done"), None)
+        if first:
+            console.print(f"example: [dim]{first['messages'][-1]['content']!r}[/]\n"
+                          f"  reasoning ({first['reasoning_source']}): {first['reasoning']!r}\n"
+                          f"  answer: {first['content']!r}")
+    console.print(f"shards: {len(keys)} in {store.url}/{layout.root}/generate/shards/  ·  "
+                  f"again any time: eyrie status {run}")

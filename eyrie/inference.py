@@ -1,0 +1,53 @@
+"""Where the target is served: the inference service publishes, workers read, status shows."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+import redis
+from pydantic import BaseModel
+
+from eyrie.errors import EyrieError
+
+KEY = "eyrie:inference:{name}"
+
+
+class Endpoint(BaseModel):
+    name: str = "default"
+    url: str
+    model: str  # the name requests must carry (vLLM: served model name; transformers: the path)
+    server: str  # vllm | transformers
+    state: str  # starting | ready | stopped | failed
+    max_model_len: int | None = None
+    revision: str = "unresolved"
+    chat_template_sha256: str | None = None
+    progress: str = ""  # last load-progress line the server printed
+    host: str = ""
+    pid: int | None = None
+    updated_at: float = 0.0
+
+
+def publish(conn: redis.Redis, endpoint: Endpoint) -> None:
+    endpoint.updated_at = time.time()
+    conn.set(KEY.format(name=endpoint.name), orjson.dumps(endpoint.model_dump()))
+
+
+def read(conn: redis.Redis, name: str = "default") -> Endpoint | None:
+    raw = conn.get(KEY.format(name=name))
+    return Endpoint.model_validate(orjson.loads(raw)) if raw else None
+
+
+def wait_ready(conn: redis.Redis, deadline_s: float, name: str = "default") -> Endpoint:
+    """The published endpoint once it is ready; a clear error if it isn't by the deadline."""
+    limit = time.monotonic() + deadline_s
+    while True:
+        endpoint = read(conn, name)
+        if endpoint and endpoint.state == "ready":
+            return endpoint
+        if time.monotonic() > limit:
+            state = endpoint.state if endpoint else "never published"
+            raise EyrieError(f"no ready inference endpoint after {deadline_s:.0f} s (state: {state}).",
+                             "start it with `eyrie serve`, or set EYRIE_INFERENCE_URL to a running "
+                             "OpenAI-compatible server.")
+        time.sleep(1.0)

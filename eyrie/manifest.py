@@ -1,0 +1,153 @@
+"""What a run is made of: the run manifest, shard manifests and where each object lives."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+import eyrie
+from eyrie.errors import EyrieError
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_run_name(name: str) -> str:
+    if not RUN_NAME.match(name):
+        raise EyrieError(f"invalid run name {name!r}.",
+                         "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit.")
+    return name
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def code_version() -> str:
+    """Package version plus the git commit this code came from, where it can be known."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    return f"{eyrie.__version__}+{sha}" if sha else eyrie.__version__
+
+
+class Layout:
+    """Store keys of one run. Every stage writes only under its own prefix."""
+
+    def __init__(self, run: str):
+        self.run = check_run_name(run)
+        self.root = f"runs/{run}"
+
+    @property
+    def manifest(self) -> str:
+        return f"{self.root}/manifest.json"
+
+    def generate_input(self, shard: int) -> str:
+        return f"{self.root}/generate/input/shard-{shard:05d}.jsonl"
+
+    def generate_parts(self, shard: int) -> str:
+        return f"{self.root}/generate/parts/shard-{shard:05d}/"
+
+    def generate_part(self, shard: int, part: int) -> str:
+        return f"{self.generate_parts(shard)}part-{part:05d}.jsonl"
+
+    def generate_shard(self, shard: int) -> str:
+        return f"{self.root}/generate/shards/shard-{shard:05d}.jsonl"
+
+    def generate_shard_manifest(self, shard: int) -> str:
+        return f"{self.root}/generate/shards/shard-{shard:05d}.manifest.json"
+
+
+class DatasetRef(BaseModel):
+    source: str = Field(description="HF dataset id, or the local file/directory it was read from.")
+    kind: str = Field(description="jsonl | parquet | hf")
+    revision: str = Field(description="HF commit sha, or sha256 of the local file(s).")
+    split: str = "train"
+    row_start: int = 0
+    row_end: int
+
+
+class TargetRef(BaseModel):
+    model: str
+    revision: str
+    chat_template_sha256: str | None
+    server: str
+
+
+class SamplingParams(BaseModel):
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+class GenerateParams(BaseModel):
+    sampling: SamplingParams
+    concurrency: int
+    request_timeout_s: float
+    max_retries: int
+    retry_backoff_s: float = 2.0
+    shard_size: int
+    think_start: str = "<think>"
+    think_end: str = "</think>"
+
+
+class ShardPlan(BaseModel):
+    index: int
+    row_start: int
+    row_end: int
+    input_key: str
+    input_sha256: str
+
+
+class RunManifest(BaseModel):
+    run: str
+    created_at: str
+    code_version: str
+    target: TargetRef
+    dataset: DatasetRef
+    generate: GenerateParams
+    generate_shards: list[ShardPlan]
+    input_skips: dict[str, int] = Field(default_factory=dict,
+                                        description="rows unreadable at planning, by reason")
+
+
+class Counts(BaseModel):
+    total: int = 0
+    done: int = 0
+    skipped: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, other: "Counts") -> "Counts":
+        return Counts(**{k: getattr(self, k) + getattr(other, k) for k in Counts.model_fields})
+
+
+class ShardManifest(BaseModel):
+    run: str
+    stage: str
+    shard: int
+    object: str
+    sha256: str
+    bytes: int
+    counts: Counts
+    skip_reasons: dict[str, int]
+    failure_errors: dict[str, int]
+    started_at: str
+    finished_at: str
+    worker: str
+
+
+def load_run_manifest(store, run: str) -> RunManifest:
+    layout = Layout(run)
+    try:
+        return RunManifest.model_validate(store.get_json(layout.manifest))
+    except KeyError:
+        raise EyrieError(f"unknown run {run!r}: no {layout.manifest} in {store.url}.",
+                         "check the name (`eyrie status` lists nothing for it) or start it with "
+                         "`eyrie generate --run NAME --dataset …`.") from None

@@ -1,0 +1,29 @@
+"""Live per-task progress in Redis: workers write it, status reads it. The store stays the record."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+import redis
+
+
+def _key(run: str, stage: str) -> str:
+    return f"eyrie:progress:{run}:{stage}"
+
+
+def report(conn: redis.Redis, run: str, stage: str, task: str, **fields) -> None:
+    fields["updated_at"] = time.time()
+    with conn.pipeline() as pipe:
+        pipe.hset(_key(run, stage), task, orjson.dumps(fields))
+        pipe.hsetnx(f"eyrie:stage:{run}:{stage}", "started_at", time.time())
+        pipe.execute()
+
+
+def read(conn: redis.Redis, run: str, stage: str) -> dict[str, dict]:
+    return {k.decode(): orjson.loads(v) for k, v in conn.hgetall(_key(run, stage)).items()}
+
+
+def started_at(conn: redis.Redis, run: str, stage: str) -> float | None:
+    value = conn.hget(f"eyrie:stage:{run}:{stage}", "started_at")
+    return float(value) if value else None

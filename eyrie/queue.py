@@ -1,0 +1,128 @@
+"""Redis + RQ: connections, JSON-only queues, task enqueueing, workers and per-task leases."""
+
+from __future__ import annotations
+
+import socket
+import os
+from datetime import datetime, timedelta, timezone
+
+import redis
+from redis.lock import Lock
+from rq import Queue, Retry, Worker
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from eyrie.errors import EyrieError
+
+RETRY_INTERVALS_S = [10, 60, 300]
+LEASE_TTL_S = 15  # a dead worker's task is taken over within this time
+
+
+def connect(redis_url: str) -> redis.Redis:
+    """A checked connection: a clear error now beats a stack trace at the first enqueue."""
+    conn = redis.Redis.from_url(redis_url, socket_connect_timeout=5, health_check_interval=30)
+    try:
+        conn.ping()
+    except redis.exceptions.AuthenticationError:
+        raise EyrieError(f"Redis at {_safe(redis_url)} rejected the password.",
+                         "put the right password in EYRIE_REDIS_URL (redis://:PASSWORD@HOST:PORT/0).") from None
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+        raise EyrieError(f"cannot reach Redis at {_safe(redis_url)}.",
+                         "start redis-server or set EYRIE_REDIS_URL to a reachable Redis.") from None
+    return conn
+
+
+def _safe(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    if "@" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
+def queue(conn: redis.Redis, stage: str) -> Queue:
+    """The queue of one stage. JSON payloads only: nothing read from Redis is unpickled."""
+    return Queue(f"eyrie-{stage}", connection=conn, serializer=JSONSerializer)
+
+
+def job_state(conn: redis.Redis, job_id: str) -> str | None:
+    try:
+        job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+    except Exception:  # NoSuchJobError, or a payload that is not ours
+        return None
+    status = job.get_status(refresh=False)
+    return status.value if status else None
+
+
+def enqueue_task(conn: redis.Redis, stage: str, func: str, payload: dict, job_id: str,
+                 timeout_s: int = 48 * 3600) -> bool:
+    """Enqueue one task unless a live one with the same id exists. True if enqueued now.
+
+    A job that RQ still lists as started but whose lease is gone belonged to a dead worker:
+    it is replaced, so a crash never strands a task until RQ's own cleanup notices.
+    """
+    state = job_state(conn, job_id)
+    if state in (JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value):
+        return False
+    if state == JobStatus.STARTED.value and not _abandoned(conn, job_id):
+        return False
+    if state is not None:
+        Job.fetch(job_id, connection=conn, serializer=JSONSerializer).delete()
+    _enqueue(conn, stage, func, payload, job_id, timeout_s)
+    return True
+
+
+def _enqueue(conn, stage: str, func: str, payload: dict, job_id: str, timeout_s: int) -> None:
+    queue(conn, stage).enqueue(
+        func, payload, job_id=job_id, job_timeout=timeout_s, result_ttl=7 * 86400,
+        failure_ttl=30 * 86400, retry=Retry(max=len(RETRY_INTERVALS_S), interval=RETRY_INTERVALS_S),
+        description=f"{stage} {job_id}",
+    )
+
+
+def _abandoned(conn: redis.Redis, job_id: str) -> bool:
+    job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+    started = job.started_at.replace(tzinfo=timezone.utc) if job.started_at else None
+    old_enough = started is None or datetime.now(timezone.utc) - started > timedelta(seconds=LEASE_TTL_S)
+    return old_enough and not conn.exists(lease_key(job_id))
+
+
+def lease_key(task_id: str) -> str:
+    return f"eyrie:lease:{task_id}"
+
+
+def task_lease(conn: redis.Redis, task_id: str) -> Lock:
+    """Who is working on a task now. Expires LEASE_TTL_S after its holder stops renewing it."""
+    return Lock(conn, lease_key(task_id), timeout=LEASE_TTL_S, blocking_timeout=LEASE_TTL_S + 5,
+                thread_local=False)
+
+
+def worker_name(stage: str) -> str:
+    return f"{stage}-{socket.gethostname()}-{os.getpid()}"
+
+
+def reclaim_abandoned(conn: redis.Redis, stage: str) -> int:
+    """Requeue tasks RQ lists as started whose lease expired: their worker died."""
+    registry = queue(conn, stage).started_job_registry
+    reclaimed = 0
+    for entry in conn.zrange(registry.key, 0, -1):
+        job_id = registry.parse_job_id(entry)  # entries are job_id:execution_id
+        if job_state(conn, job_id) == JobStatus.STARTED.value and _abandoned(conn, job_id):
+            job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+            func, payload, timeout = job.func_name, job.args[0], job.timeout
+            conn.zrem(registry.key, entry)
+            job.delete()
+            _enqueue(conn, stage, func, payload, job_id, timeout)
+            reclaimed += 1
+    return reclaimed
+
+
+def run_worker(conn: redis.Redis, stage: str, burst: bool) -> None:
+    """An RQ worker on one stage's queue; the scheduler runs retries after their backoff.
+
+    RQ itself fails or retries a dead worker's job once its heartbeat lapses (~90 s); the
+    shorter task lease lets a new worker take it over sooner."""
+    reclaim_abandoned(conn, stage)
+    worker = Worker([queue(conn, stage)], connection=conn, serializer=JSONSerializer,
+                    name=worker_name(stage), maintenance_interval=60)
+    worker.work(burst=burst, with_scheduler=True, logging_level="INFO")

@@ -1,0 +1,76 @@
+"""A run's status, derived from its manifests in the store and live state in Redis."""
+
+from __future__ import annotations
+
+import time
+
+from eyrie import inference, progress
+from eyrie.manifest import Counts, Layout, ShardManifest, load_run_manifest
+from eyrie.queue import job_state
+
+LIVE_JOB_STATES = {"queued", "started", "scheduled", "deferred"}
+
+
+def run_status(conn, store, run: str) -> dict:
+    manifest = load_run_manifest(store, run)
+    endpoint = inference.read(conn)
+    return {
+        "run": run,
+        "created_at": manifest.created_at,
+        "target": manifest.target.model_dump(),
+        "dataset": manifest.dataset.model_dump(),
+        "stages": {"generate": generate_status(conn, store, manifest)},
+        "inference": endpoint.model_dump() if endpoint else None,
+    }
+
+
+def generate_status(conn, store, manifest) -> dict:
+    layout = Layout(manifest.run)
+    live = progress.read(conn, manifest.run, "generate")
+    counts, done_shards, jobs, finished, in_flight = Counts(), 0, {}, [], 0
+    skip_reasons: dict[str, int] = {}
+    for plan in manifest.generate_shards:
+        key = layout.generate_shard_manifest(plan.index)
+        if store.exists(key):
+            shard = ShardManifest.model_validate(store.get_json(key))
+            counts, done_shards = counts.add(shard.counts), done_shards + 1
+            finished.append(shard.finished_at)
+            for reason, n in shard.skip_reasons.items():
+                skip_reasons[reason] = skip_reasons.get(reason, 0) + n
+            continue
+        state = job_state(conn, f"generate-{manifest.run}-{plan.index:05d}") or "missing"
+        jobs[state] = jobs.get(state, 0) + 1
+        entry = live.get(str(plan.index))
+        if entry:
+            counts = counts.add(Counts(**{k: entry.get(k, 0) for k in Counts.model_fields if k != "total"}))
+            in_flight += entry.get("in_flight", 0) if state == "started" else 0
+    counts.total = manifest.dataset.row_end - manifest.dataset.row_start
+    state = _state(done_shards, len(manifest.generate_shards), jobs, counts)
+    return {
+        "state": state, **counts.model_dump(), "tokens": counts.completion_tokens,
+        "in_flight": in_flight, "shards_total": len(manifest.generate_shards), "shards_done": done_shards,
+        "jobs": jobs, "skip_reasons": skip_reasons, **_rates(conn, manifest.run, counts, state),
+    }
+
+
+def _state(done: int, total: int, jobs: dict, counts: Counts) -> str:
+    if done == total:
+        return "done"
+    if any(s in LIVE_JOB_STATES for s in jobs):
+        return "in_progress"
+    if jobs.get("failed"):
+        return "failed"
+    return "in_progress" if counts.done + counts.skipped + counts.failed else "pending"
+
+
+def _rates(conn, run: str, counts: Counts, state: str) -> dict:
+    started = progress.started_at(conn, run, "generate")
+    processed = counts.done + counts.skipped + counts.failed
+    if not started or not processed:
+        return {"tok_per_s": None, "samples_per_s": None, "eta_s": None}
+    updated = max((e.get("updated_at", 0) for e in progress.read(conn, run, "generate").values()),
+                  default=time.time())
+    elapsed = max(1e-6, (updated if state == "done" else time.time()) - started)
+    rate = processed / elapsed
+    return {"tok_per_s": round(counts.completion_tokens / elapsed, 1), "samples_per_s": round(rate, 3),
+            "eta_s": 0.0 if state == "done" else round((counts.total - processed) / rate, 1)}

@@ -1,0 +1,240 @@
+"""The artifact store: one interface, a local-filesystem backend and an S3/MinIO backend."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import orjson
+
+from eyrie.errors import EyrieError
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    sha256: str
+
+
+class CorruptObject(EyrieError):
+    pass
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _check_key(key: str) -> str:
+    if not key or key.startswith("/") or ".." in key.split("/"):
+        raise ValueError(f"invalid store key {key!r}")
+    return key
+
+
+class Store(ABC):
+    """Objects by key. A put is atomic: readers see the old object, or the whole new one."""
+
+    url: str
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> ObjectInfo: ...
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Every key under `prefix` (recursive), sorted."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    def free_bytes(self) -> int | None:
+        """Free space behind the store, or None where it cannot be known (S3)."""
+
+    def put_json(self, key: str, obj) -> ObjectInfo:
+        return self.put_bytes(key, orjson.dumps(obj, option=orjson.OPT_INDENT_2))
+
+    def get_json(self, key: str):
+        return orjson.loads(self.get_bytes(key))
+
+    def get_verified(self, key: str, sha256: str) -> bytes:
+        data = self.get_bytes(key)
+        if sha256_bytes(data) != sha256:
+            raise CorruptObject(
+                f"object {key} in {self.url} does not match its recorded sha256 {sha256[:12]}…",
+                "delete the object so the stage that wrote it produces it again.",
+            )
+        return data
+
+
+class FileStore(Store):
+    """Local directory. Atomic by writing a temporary file beside the target, then rename."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+        self.url = f"file://{self.root}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise EyrieError(
+                f"cannot create the store directory {self.root}: {exc.strerror}.",
+                "set EYRIE_STORE_URL=file://DIR to a writable directory.",
+            ) from None
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return ObjectInfo(key, len(data), sha256_bytes(data))
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        base = self.root / prefix.rstrip("/") if prefix else self.root
+        start = base if base.is_dir() else base.parent
+        if not start.is_dir():
+            return []
+        keys = []
+        for path in start.rglob("*"):
+            if path.is_file() and not path.name.startswith("."):
+                key = path.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def free_bytes(self) -> int | None:
+        return shutil.disk_usage(self.root).free
+
+
+class S3Store(Store):
+    """S3 or MinIO through the minio SDK. A PUT becomes visible only once complete."""
+
+    def __init__(self, bucket: str, prefix: str, endpoint: str, access_key: str, secret_key: str,
+                 region: str | None = None):
+        from minio import Minio
+
+        parsed = urlparse(endpoint)
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        self.client = Minio(parsed.netloc, access_key=access_key, secret_key=secret_key,
+                            secure=parsed.scheme == "https", region=region)
+        self._ensure_bucket(endpoint)
+
+    def _ensure_bucket(self, endpoint: str) -> None:
+        from minio.error import S3Error
+
+        try:
+            if not self.client.bucket_exists(self.bucket):
+                self.client.make_bucket(self.bucket)
+        except S3Error as exc:
+            raise EyrieError(
+                f"S3 endpoint {endpoint} refused bucket {self.bucket}: {exc.code}.",
+                "check EYRIE_S3_ACCESS_KEY / EYRIE_S3_SECRET_KEY and the bucket name.",
+            ) from None
+        except Exception as exc:  # urllib3 raises several kinds of connection errors
+            raise EyrieError(
+                f"cannot reach the S3 endpoint {endpoint}: {type(exc).__name__}.",
+                "start MinIO (or your S3 service) or correct EYRIE_S3_ENDPOINT.",
+            ) from None
+
+    def _name(self, key: str) -> str:
+        return f"{self.prefix}/{_check_key(key)}" if self.prefix else _check_key(key)
+
+    def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
+        digest = sha256_bytes(data)
+        self.client.put_object(self.bucket, self._name(key), io.BytesIO(data), len(data),
+                               metadata={"sha256": digest})
+        return ObjectInfo(key, len(data), digest)
+
+    def get_bytes(self, key: str) -> bytes:
+        from minio.error import S3Error
+
+        try:
+            resp = self.client.get_object(self.bucket, self._name(key))
+        except S3Error as exc:
+            if exc.code == "NoSuchKey":
+                raise KeyError(key) from None
+            raise
+        try:
+            return resp.read()
+        finally:
+            resp.close()
+            resp.release_conn()
+
+    def exists(self, key: str) -> bool:
+        from minio.error import S3Error
+
+        try:
+            self.client.stat_object(self.bucket, self._name(key))
+            return True
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchObject", "ResourceNotFound"):
+                return False
+            raise
+
+    def list(self, prefix: str) -> list[str]:
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        objects = self.client.list_objects(self.bucket, prefix=self._name(prefix) if prefix else
+                                           (self.prefix + "/" if self.prefix else None),
+                                           recursive=True)
+        return sorted(o.object_name[strip:] for o in objects)
+
+    def delete(self, key: str) -> None:
+        self.client.remove_object(self.bucket, self._name(key))
+
+    def free_bytes(self) -> int | None:
+        return None
+
+
+def open_store(settings) -> Store:
+    """The store named by EYRIE_STORE_URL (file:// or s3://)."""
+    parsed = urlparse(settings.store_url)
+    if parsed.scheme == "file":
+        return FileStore(parsed.netloc + parsed.path)
+    if not settings.s3_endpoint:
+        raise EyrieError(
+            f"EYRIE_STORE_URL={settings.store_url} is an S3 URL but EYRIE_S3_ENDPOINT is not set.",
+            "set EYRIE_S3_ENDPOINT=http://HOST:9000 and the access/secret keys.",
+        )
+    if not (settings.s3_access_key and settings.s3_secret_key):
+        raise EyrieError(
+            "EYRIE_S3_ACCESS_KEY and EYRIE_S3_SECRET_KEY must be set for an s3:// store.",
+            "set both to the credentials of your MinIO/S3 service.",
+        )
+    return S3Store(parsed.netloc, parsed.path, settings.s3_endpoint,
+                   settings.s3_access_key.get_secret_value(),
+                   settings.s3_secret_key.get_secret_value(), settings.s3_region)

@@ -1,0 +1,70 @@
+"""The target model's identity for the manifest: revision and chat template hash."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from pydantic import BaseModel
+
+
+class TargetInfo(BaseModel):
+    model: str
+    revision: str
+    chat_template_sha256: str | None
+    max_model_len: int | None
+
+
+def describe(model: str) -> TargetInfo:
+    """Local directory: hash of its config, tokenizer files and weight names/sizes (hashing
+    hundreds of GB of weights would take longer than the run). Hub id: the commit sha."""
+    path = Path(model)
+    if path.is_dir():
+        return _describe_local(path)
+    return _describe_hub(model)
+
+
+def _describe_local(path: Path) -> TargetInfo:
+    digest = hashlib.sha256()
+    for file in sorted(path.iterdir()):
+        if file.suffix in (".json", ".jinja", ".txt", ".model") and file.is_file():
+            digest.update(file.name.encode() + file.read_bytes())
+        elif file.is_file():
+            digest.update(f"{file.name}:{file.stat().st_size}".encode())
+    return TargetInfo(model=str(path.resolve()), revision=f"sha256:{digest.hexdigest()}",
+                      chat_template_sha256=_template_hash(path), max_model_len=_context(path))
+
+
+def _describe_hub(model: str) -> TargetInfo:
+    from huggingface_hub import HfApi, hf_hub_download
+
+    try:
+        sha = HfApi().model_info(model).sha
+        config_dir = Path(hf_hub_download(model, "tokenizer_config.json", revision=sha)).parent
+        hf_hub_download(model, "config.json", revision=sha)
+    except Exception:  # offline or gated: the run still records the name
+        return TargetInfo(model=model, revision="unresolved", chat_template_sha256=None,
+                          max_model_len=None)
+    return TargetInfo(model=model, revision=sha, chat_template_sha256=_template_hash(config_dir),
+                      max_model_len=_context(config_dir))
+
+
+def _template_hash(path: Path) -> str | None:
+    template = None
+    if (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    elif (path / "tokenizer_config.json").is_file():
+        template = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+    if isinstance(template, list):  # named templates
+        template = json.dumps(template, sort_keys=True)
+    return hashlib.sha256(template.encode()).hexdigest() if template else None
+
+
+def _context(path: Path) -> int | None:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config)
+    return config.get("max_position_embeddings")

@@ -1,0 +1,158 @@
+"""Prompt datasets: local JSONL, local parquet, or HF datasets (hub id or local directory)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+
+from eyrie.errors import EyrieError
+from eyrie.manifest import DatasetRef
+
+Row = tuple[int, dict | None, str | None]  # (row index, parsed row, why it could not be read)
+
+
+def _sha256_files(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(path.name.encode())
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def resolve(source: str, split: str = "train", revision: str | None = None,
+            limit: int | None = None) -> DatasetRef:
+    """Identify the dataset exactly (revision or content hash) and how many rows to use."""
+    path = Path(source)
+    if path.is_file():
+        kind = "parquet" if path.suffix == ".parquet" else "jsonl"
+        total = _count_parquet(path) if kind == "parquet" else _count_jsonl(path)
+        rev = _sha256_files([path])
+    elif path.is_dir():
+        kind = "hf"
+        rev = _sha256_files([p for p in path.rglob("*") if p.is_file() and ".cache" not in p.parts])
+        total = len(_load_hf(str(path), split, None))
+    elif _looks_like_path(source):
+        raise EyrieError(f"dataset file {source} does not exist.",
+                         "check the path, or give a Hugging Face dataset id such as "
+                         "mlabonne/open-perfectblend.")
+    else:
+        kind = "hf"
+        rev = _hub_revision(source, revision)
+        total = len(_load_hf(source, split, rev))
+    row_end = total if limit is None else min(total, limit)
+    if row_end == 0:
+        raise EyrieError(f"dataset {source} has no rows.", "give a dataset with at least one row.")
+    return DatasetRef(source=str(path.resolve()) if kind != "hf" or path.is_dir() else source,
+                      kind=kind, revision=rev, split=split, row_end=row_end)
+
+
+def iter_rows(ref: DatasetRef) -> Iterator[Row]:
+    """Rows [row_start, row_end) in order. A row that cannot be read comes with a reason."""
+    if ref.kind == "jsonl":
+        yield from _iter_jsonl(Path(ref.source), ref.row_start, ref.row_end)
+    elif ref.kind == "parquet":
+        yield from _iter_parquet(Path(ref.source), ref.row_start, ref.row_end)
+    else:
+        ds = _load_hf(ref.source, ref.split, None if Path(ref.source).is_dir() else ref.revision)
+        for i in range(ref.row_start, ref.row_end):
+            yield i, ds[i], None
+
+
+def _looks_like_path(source: str) -> bool:
+    return source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet")) \
+        or source.count("/") != 1
+
+
+def _count_jsonl(path: Path) -> int:
+    with path.open("rb") as f:
+        return sum(1 for _ in f)
+
+
+def _iter_jsonl(path: Path, start: int, end: int) -> Iterator[Row]:
+    with path.open("rb") as f:
+        for i, line in enumerate(f):
+            if i >= end:
+                break
+            if i >= start:
+                yield (i, *_parse_line(line))
+
+
+def _parse_line(line: bytes) -> tuple[dict | None, str | None]:
+    if not line.strip():
+        return None, "empty_line"
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not_utf8"
+    try:
+        return orjson.loads(text), None
+    except orjson.JSONDecodeError:
+        return None, "invalid_json"
+
+
+def _open_parquet(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise EyrieError(f"parquet file {path} cannot be read ({exc}).",
+                         "re-download or re-export the file; a truncated copy is the usual cause.") from None
+
+
+def _count_parquet(path: Path) -> int:
+    return _open_parquet(path).metadata.num_rows
+
+
+def _iter_parquet(path: Path, start: int, end: int) -> Iterator[Row]:
+    import pyarrow as pa
+
+    pf, offset = _open_parquet(path), 0
+    for group in range(pf.num_row_groups):
+        n = pf.metadata.row_group(group).num_rows
+        if offset + n > start and offset < end:
+            try:
+                rows = pf.read_row_group(group).to_pylist()
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise EyrieError(f"parquet file {path} is damaged in row group {group} ({exc}).",
+                                 "re-download or re-export the file.") from None
+            for j, row in enumerate(rows):
+                if start <= offset + j < end:
+                    yield offset + j, row, None
+        offset += n
+
+
+_HF_CACHE: dict = {}
+
+
+def _load_hf(source: str, split: str, revision: str | None):
+    """A Hugging Face dataset split, loaded once per process (hub id or local directory)."""
+    key = (source, split, revision)
+    if key not in _HF_CACHE:
+        import datasets
+
+        try:
+            _HF_CACHE[key] = datasets.load_dataset(source, split=split, revision=revision)
+        except Exception as exc:  # datasets raises many types for a missing/unreadable dataset
+            raise EyrieError(f"cannot load dataset {source} (split {split}): {type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}",
+                             "check the id, split and revision, and that the hub (or HF cache) is "
+                             "reachable; or pass a local .jsonl/.parquet file.") from None
+    return _HF_CACHE[key]
+
+
+def _hub_revision(source: str, revision: str | None) -> str:
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().dataset_info(source, revision=revision).sha
+    except Exception as exc:
+        raise EyrieError(f"cannot resolve dataset {source} on the Hugging Face hub ({type(exc).__name__}).",
+                         "check the id and network access (HF_HUB_OFFLINE must be unset), or pass "
+                         "a local file.") from None

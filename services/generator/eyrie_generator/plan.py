@@ -1,0 +1,121 @@
+"""Start (or continue) the generate stage of a run: freeze inputs, write the manifest, enqueue.
+
+The dataset rows are copied into the store as input shards, so workers on any host need only
+Redis and the store, and a rerun reads exactly the rows the first attempt read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import orjson
+
+from eyrie import inference
+from eyrie.config import Settings
+from eyrie.errors import EyrieError
+from eyrie.manifest import (GenerateParams, Layout, RunManifest, SamplingParams, ShardPlan, TargetRef,
+                            code_version, now_iso)
+from eyrie.queue import enqueue_task
+from eyrie.store import Store
+from eyrie.target import describe
+from eyrie_generator import dataset
+from eyrie_generator.shard import task_id
+
+TASK_FUNC = "eyrie_generator.shard.run_generate_shard"
+
+
+def sample_id(ref, row: int) -> str:
+    """Deterministic from (dataset, revision, split, row): the same row is the same sample."""
+    key = f"{ref.source}|{ref.revision}|{ref.split}|{row}"
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def start_generate(settings: Settings, conn, store: Store, *, source: str, run: str,
+                   split: str = "train", revision: str | None = None, limit: int | None = None,
+                   params: dict | None = None) -> tuple[RunManifest, int]:
+    """Returns the run manifest and how many tasks were enqueued now."""
+    layout = Layout(run)
+    if store.exists(layout.manifest):
+        manifest = RunManifest.model_validate(store.get_json(layout.manifest))
+        _check_same(manifest, source, limit, params or {})
+    else:
+        manifest = _new_run(settings, conn, store, layout, source, split, revision, limit, params or {})
+    enqueued = sum(
+        enqueue_task(conn, "generate", TASK_FUNC, {"run": run, "shard": plan.index},
+                     task_id(run, plan.index))
+        for plan in manifest.generate_shards
+        if not store.exists(layout.generate_shard_manifest(plan.index))
+    )
+    return manifest, enqueued
+
+
+def _new_run(settings, conn, store, layout, source, split, revision, limit, params) -> RunManifest:
+    ref = dataset.resolve(source, split, revision, limit)
+    generate = GenerateParams(
+        sampling=SamplingParams(max_tokens=params.get("max_tokens") or settings.max_tokens,
+                                temperature=params.get("temperature"), top_p=params.get("top_p")),
+        concurrency=params.get("concurrency") or settings.concurrency,
+        request_timeout_s=params.get("timeout") or settings.request_timeout_s,
+        max_retries=settings.max_retries if params.get("max_retries") is None else params["max_retries"],
+        retry_backoff_s=settings.retry_backoff_s,
+        shard_size=params.get("shard_size") or settings.shard_size,
+    )
+    shards, skips = _write_inputs(store, layout, ref, generate.shard_size)
+    manifest = RunManifest(run=layout.run, created_at=now_iso(), code_version=code_version(),
+                           target=_target(settings, conn), dataset=ref, generate=generate,
+                           generate_shards=shards, input_skips=skips)
+    store.put_json(layout.manifest, manifest.model_dump())
+    return manifest
+
+
+def _target(settings: Settings, conn) -> TargetRef:
+    """The served target as the inference service published it, else the configured model."""
+    endpoint = None if settings.inference_url else inference.read(conn)
+    if endpoint:
+        return TargetRef(model=endpoint.model, revision=endpoint.revision,
+                         chat_template_sha256=endpoint.chat_template_sha256, server=endpoint.server)
+    info = describe(settings.model)
+    return TargetRef(model=info.model, revision=info.revision,
+                     chat_template_sha256=info.chat_template_sha256, server=settings.server)
+
+
+def _write_inputs(store, layout, ref, shard_size: int) -> tuple[list[ShardPlan], dict[str, int]]:
+    shards, lines, skips, start = [], [], {}, ref.row_start
+
+    def close(end: int) -> None:
+        index = len(shards)
+        info = store.put_bytes(layout.generate_input(index), b"".join(lines))
+        shards.append(ShardPlan(index=index, row_start=start, row_end=end,
+                                input_key=info.key, input_sha256=info.sha256))
+        lines.clear()
+
+    for row, data, problem in dataset.iter_rows(ref):
+        entry = {"row": row, "sample_id": sample_id(ref, row)}
+        entry.update({"skip": problem} if problem else {"data": data})
+        if problem:
+            skips[problem] = skips.get(problem, 0) + 1
+        lines.append(orjson.dumps(entry, default=str) + b"\n")
+        if len(lines) == shard_size:
+            close(row + 1)
+            start = row + 1
+    if lines:
+        close(ref.row_end)
+    return shards, skips
+
+
+def _check_same(manifest: RunManifest, source: str, limit: int | None, params: dict) -> None:
+    """A rerun continues the run; it may not silently change what the run is."""
+    ref = manifest.dataset
+    wanted = dataset.resolve(source, ref.split, None, limit) if source else None
+    problems = []
+    if wanted and (wanted.source, wanted.revision) != (ref.source, ref.revision):
+        problems.append(f"dataset {wanted.source}@{wanted.revision[:12]} vs {ref.source}@{ref.revision[:12]}")
+    if wanted and limit is not None and wanted.row_end != ref.row_end:
+        problems.append(f"rows {wanted.row_end} vs {ref.row_end}")
+    sampling = manifest.generate.sampling
+    for name in ("max_tokens", "temperature", "top_p"):
+        if params.get(name) is not None and params[name] != getattr(sampling, name):
+            problems.append(f"{name} {params[name]} vs {getattr(sampling, name)}")
+    if problems:
+        raise EyrieError(f"run {manifest.run} already exists with other settings: {'; '.join(problems)}.",
+                         "rerun with the original settings to continue it, or choose a new --run name.")

@@ -1,0 +1,63 @@
+"""A dataset row to the chat prompt the target answers, or the reason it can't be one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROLES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "bot": "assistant", "model": "assistant",
+    "system": "system",
+}
+
+
+@dataclass(frozen=True)
+class Skip:
+    reason: str
+
+
+def to_prompt(row) -> list[dict] | Skip:
+    """Messages up to and including the last human turn, system turns kept.
+
+    Accepts `conversations` or `messages`, with turns as `from`/`value` (ShareGPT, as in
+    mlabonne/open-perfectblend) or `role`/`content` (OpenAI, UltraChat).
+    """
+    if not isinstance(row, dict):
+        return Skip("row_not_an_object")
+    turns = row.get("conversations", row.get("messages"))
+    if turns is None:
+        return Skip("no_conversation_field")
+    if not isinstance(turns, list):
+        return Skip("conversation_not_a_list")
+    if not turns:
+        return Skip("empty_conversation")
+    messages = []
+    for turn in turns:
+        message = _to_message(turn)
+        if isinstance(message, Skip):
+            return message
+        messages.append(message)
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last_user is None:
+        return Skip("no_human_turn")
+    if not messages[last_user]["content"].strip():
+        return Skip("empty_prompt")
+    return messages[: last_user + 1]
+
+
+def _to_message(turn) -> dict | Skip:
+    if not isinstance(turn, dict):
+        return Skip("turn_not_an_object")
+    if "from" in turn or "value" in turn:
+        role, text = turn.get("from"), turn.get("value")
+    elif "role" in turn or "content" in turn:
+        role, text = turn.get("role"), turn.get("content")
+    else:
+        return Skip("turn_without_role_or_text")
+    if not isinstance(role, str) or role.lower() not in ROLES:
+        return Skip("unknown_role")
+    if text is None:
+        return Skip("null_text")
+    if not isinstance(text, str):
+        return Skip("text_not_a_string")
+    return {"role": ROLES[role.lower()], "content": text}

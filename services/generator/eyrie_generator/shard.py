@@ -1,0 +1,223 @@
+"""One generate task: a shard of prompts answered by the target, every row accounted for.
+
+Exactly-once: results are flushed to the store in parts as they arrive; a retried task reads
+the parts back and asks only for what is missing; the finished shard is written once, then
+its manifest (the proof of completion), then the parts are removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections import Counter
+
+import aiohttp
+import orjson
+import redis
+
+from eyrie import inference, progress
+from eyrie.config import Settings
+from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest, now_iso
+from eyrie.queue import LEASE_TTL_S, task_lease
+from eyrie.store import Store
+from eyrie_generator.client import ChatClient, Completion
+from eyrie_generator.prompt_budget import PromptBudget
+from eyrie_generator.prompts import Skip, to_prompt
+
+FLUSH_EVERY = 64
+FLUSH_SECONDS = 10.0
+
+
+def task_id(run: str, shard: int) -> str:
+    return f"generate-{run}-{shard:05d}"
+
+
+class ShardRunner:
+    def __init__(self, settings: Settings, conn: redis.Redis, store: Store, run: str, shard: int):
+        self.settings, self.conn, self.store = settings, conn, store
+        self.layout = Layout(run)
+        self.manifest: RunManifest = load_run_manifest(store, run)
+        self.plan = self.manifest.generate_shards[shard]
+        self.run_name, self.shard, self.task = run, shard, task_id(run, shard)
+        self.records: dict[str, dict] = {}
+        self.pending: list[dict] = []
+        self.parts_written = 0
+        self.in_flight = 0
+        self.in_flight_area = 0.0
+        self._last_tick = time.monotonic()
+
+    def run(self) -> dict:
+        if self.store.exists(self.layout.generate_shard_manifest(self.shard)):
+            return {"shard": self.shard, "status": "already_done"}
+        lease = task_lease(self.conn, self.task)
+        if not lease.acquire(blocking=True):
+            return {"shard": self.shard, "status": "held_by_another_worker"}
+        try:
+            return asyncio.run(self._run(lease))
+        finally:
+            try:
+                lease.release()
+            except redis.exceptions.LockError:
+                pass
+
+    async def _run(self, lease) -> dict:
+        started_at, self._t0 = now_iso(), time.monotonic()
+        self._load_parts()
+        todo = [row for row in self._input_rows() if row["sample_id"] not in self.records]
+        keeper = asyncio.create_task(self._keep_lease(lease))
+        try:
+            if any("messages" in row for row in todo):
+                await self._answer(todo)
+            else:
+                for row in todo:
+                    self._add(row, Completion("skipped", reason=row["skip"]))
+            self._flush()
+        finally:
+            keeper.cancel()
+        return self._finish(started_at)
+
+    def _input_rows(self) -> list[dict]:
+        raw = self.store.get_verified(self.plan.input_key, self.plan.input_sha256)
+        rows = []
+        for line in raw.splitlines():
+            row = orjson.loads(line)
+            prompt = to_prompt(row["data"]) if row.get("skip") is None else Skip(row["skip"])
+            if isinstance(prompt, Skip):
+                rows.append({"row": row["row"], "sample_id": row["sample_id"], "skip": prompt.reason})
+            else:
+                rows.append({"row": row["row"], "sample_id": row["sample_id"], "messages": prompt})
+        return rows
+
+    def _load_parts(self) -> None:
+        for key in self.store.list(self.layout.generate_parts(self.shard)):
+            for line in self.store.get_bytes(key).splitlines():
+                record = orjson.loads(line)
+                self.records.setdefault(record["sample_id"], record)
+            self.parts_written += 1
+
+    async def _answer(self, todo: list[dict]) -> None:
+        endpoint = self._endpoint()
+        params = self.manifest.generate
+        budget = PromptBudget.load(self.manifest.target.model, endpoint.max_model_len)
+        connector = aiohttp.TCPConnector(limit=params.concurrency, limit_per_host=params.concurrency)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            client = ChatClient(session, endpoint.url, endpoint.model, endpoint.server,
+                                params.sampling.model_dump(), params.request_timeout_s,
+                                params.max_retries, (params.think_start, params.think_end),
+                                params.retry_backoff_s)
+            rows = iter(todo)
+
+            async def lane() -> None:
+                for row in rows:
+                    await self._answer_one(client, budget, row)
+
+            reporter = asyncio.create_task(self._report_loop())
+            try:
+                await asyncio.gather(*(lane() for _ in range(params.concurrency)))
+            finally:
+                reporter.cancel()
+
+    async def _answer_one(self, client: ChatClient, budget: "PromptBudget", row: dict) -> None:
+        if "skip" in row:
+            return self._add(row, Completion("skipped", reason=row["skip"]))
+        max_tokens = budget.max_tokens(row["messages"], self.manifest.generate.sampling.max_tokens)
+        if isinstance(max_tokens, Skip):
+            return self._add(row, Completion("skipped", reason=max_tokens.reason))
+        self._tick(+1)
+        try:
+            result = await client.complete(row["messages"], max_tokens)
+        finally:
+            self._tick(-1)
+        self._add(row, result)
+
+    def _tick(self, delta: int) -> None:
+        now = time.monotonic()
+        self.in_flight_area += self.in_flight * (now - self._last_tick)
+        self._last_tick, self.in_flight = now, self.in_flight + delta
+
+    def _endpoint(self) -> inference.Endpoint:
+        if self.settings.inference_url:
+            return inference.Endpoint(url=self.settings.inference_url, model=self.manifest.target.model,
+                                      server=self.manifest.target.server, state="ready",
+                                      max_model_len=self.settings.max_model_len)
+        return inference.wait_ready(self.conn, self.settings.serve_deadline_s)
+
+    def _add(self, row: dict, result: Completion) -> None:
+        record = {"sample_id": row["sample_id"], "row": row["row"], "messages": row.get("messages"),
+                  **result.__dict__}
+        self.records[row["sample_id"]] = record
+        self.pending.append(record)
+        if len(self.pending) >= FLUSH_EVERY:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        data = b"".join(orjson.dumps(r) + b"\n" for r in self.pending)
+        self.store.put_bytes(self.layout.generate_part(self.shard, self.parts_written), data)
+        self.parts_written += 1
+        self.pending = []
+        self._report()
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self._report()
+            if self.pending and time.monotonic() - self._last_tick > FLUSH_SECONDS:
+                self._flush()
+
+    def _report(self, final: bool = False) -> None:
+        counts = self._counts()
+        progress.report(self.conn, self.run_name, "generate", str(self.shard), **counts.model_dump(),
+                        in_flight=self.in_flight, worker=socket.gethostname(), final=final)
+
+    async def _keep_lease(self, lease) -> None:
+        while True:
+            await asyncio.sleep(LEASE_TTL_S / 3)
+            lease.extend(LEASE_TTL_S, replace_ttl=True)  # raises if the lease was lost: task retried
+
+    def _counts(self) -> Counts:
+        statuses = Counter(r["status"] for r in self.records.values())
+        return Counts(total=self.plan.row_end - self.plan.row_start, done=statuses["done"],
+                      skipped=statuses["skipped"], failed=statuses["failed"],
+                      prompt_tokens=sum((r.get("usage") or {}).get("prompt_tokens", 0) or 0
+                                        for r in self.records.values()),
+                      completion_tokens=sum((r.get("usage") or {}).get("completion_tokens", 0) or 0
+                                            for r in self.records.values()))
+
+    def _finish(self, started_at: str) -> dict:
+        records = sorted(self.records.values(), key=lambda r: r["row"])
+        expected = self.plan.row_end - self.plan.row_start
+        if len(records) != expected:
+            raise RuntimeError(f"shard {self.shard}: {len(records)} records for {expected} rows")
+        data = b"".join(orjson.dumps(r) + b"\n" for r in records)
+        info = self.store.put_bytes(self.layout.generate_shard(self.shard), data)
+        counts = self._counts()
+        shard_manifest = ShardManifest(
+            run=self.run_name, stage="generate", shard=self.shard, object=info.key, sha256=info.sha256,
+            bytes=info.size, counts=counts,
+            skip_reasons=dict(Counter(r["reason"] for r in records if r["status"] == "skipped")),
+            failure_errors=dict(Counter((r["error"] or "")[:80] for r in records if r["status"] == "failed")),
+            started_at=started_at, finished_at=now_iso(), worker=socket.gethostname())
+        self.store.put_json(self.layout.generate_shard_manifest(self.shard), shard_manifest.model_dump())
+        for key in self.store.list(self.layout.generate_parts(self.shard)):
+            self.store.delete(key)
+        self._report(final=True)
+        self._tick(0)
+        wall = max(1e-9, time.monotonic() - self._t0)
+        return {"shard": self.shard, "status": "done", **counts.model_dump(), "wall_s": round(wall, 3),
+                "mean_in_flight": round(self.in_flight_area / wall, 2)}
+
+
+def run_generate_shard(payload: dict) -> dict:
+    """RQ entry point. The payload is JSON, validated before anything runs."""
+    from eyrie.config import load_settings
+    from eyrie.queue import connect
+    from eyrie.store import open_store
+    from eyrie_generator.tasks import GenerateTask
+
+    task = GenerateTask.model_validate(payload)
+    settings = load_settings()
+    return ShardRunner(settings, connect(settings.redis_url), open_store(settings), task.run,
+                       task.shard).run()

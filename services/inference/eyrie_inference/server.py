@@ -1,0 +1,123 @@
+"""`eyrie serve`: start the target's OpenAI server, wait until it answers, publish it in Redis."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+from eyrie import inference
+from eyrie.config import Settings
+from eyrie.errors import EyrieError
+from eyrie.target import describe
+
+PROGRESS = re.compile(r"(\d{1,3})%\|")  # tqdm bars, e.g. vLLM's "Loading safetensors ... 37%|"
+
+
+def command(settings: Settings, model: str) -> list[str]:
+    """The real command line of the server."""
+    if settings.server == "vllm":
+        cmd = ["vllm", "serve", model, "--host", settings.host, "--port", str(settings.port),
+               "--tensor-parallel-size", str(settings.tensor_parallel_size)]
+        if settings.reasoning_parser:
+            cmd += ["--reasoning-parser", settings.reasoning_parser]
+        if settings.max_model_len:
+            cmd += ["--max-model-len", str(settings.max_model_len)]
+        return cmd + shlex.split(settings.vllm_args)
+    binary = Path(sys.executable).with_name("transformers")
+    return [str(binary if binary.exists() else "transformers"), "serve", model, "--host", settings.host,
+            "--port", str(settings.port), "--device", "cpu"]
+
+
+def health_path(server: str) -> str:
+    # transformers serve lists only the hub cache in /v1/models: /health is its readiness probe
+    return "/v1/models" if server == "vllm" else "/health"
+
+
+class Server:
+    def __init__(self, settings: Settings, conn, model: str):
+        self.settings, self.conn = settings, conn
+        info = describe(model)
+        self.model = info.model if Path(model).is_dir() else model
+        host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.gethostname()
+        self.endpoint = inference.Endpoint(
+            url=settings.advertise_url or f"http://{host}:{settings.port}", model=self.model,
+            server=settings.server, state="starting", host=socket.gethostname(),
+            max_model_len=settings.max_model_len or info.max_model_len, revision=info.revision,
+            chat_template_sha256=info.chat_template_sha256)
+        self.proc: subprocess.Popen | None = None
+
+    def run(self) -> int:
+        """Start, wait for readiness, then supervise until the server exits or we are stopped."""
+        cmd = command(self.settings, self.model)
+        print(f"eyrie serve: {shlex.join(cmd)}", flush=True)
+        env = {**os.environ, "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                     text=True, bufsize=1)
+        threading.Thread(target=self._follow_output, daemon=True).start()
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        self._publish("starting")
+        try:
+            self._wait_ready()
+            self._publish("ready")
+            print(f"eyrie serve: ready at {self.endpoint.url} (model {self.model})", flush=True)
+            while self.proc.poll() is None:
+                time.sleep(5)
+                self._publish("ready")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.stop()
+        return 0
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.settings.serve_deadline_s
+        url = f"http://127.0.0.1:{self.settings.port}{health_path(self.settings.server)}"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._publish("failed")
+                raise EyrieError(f"the {self.settings.server} server exited with code {self.proc.returncode} "
+                                 "before it answered (its output is above).",
+                                 "read the server's last lines; common causes: wrong model path, "
+                                 "port in use, not enough GPU memory.")
+            try:
+                if requests.get(url, timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self._publish("failed")
+        raise EyrieError(f"the server did not answer {url} within {self.settings.serve_deadline_s:.0f} s.",
+                         "raise EYRIE_SERVE_DEADLINE_S (large models load for tens of minutes) or read "
+                         "the server's output above.")
+
+    def _follow_output(self) -> None:
+        for line in self.proc.stdout:
+            sys.stdout.write(line)
+            match = PROGRESS.search(line)
+            if match and self.endpoint.state == "starting":
+                self.endpoint.progress = line.strip()[-120:]
+                self._publish("starting")
+
+    def _publish(self, state: str) -> None:
+        self.endpoint.state = state
+        inference.publish(self.conn, self.endpoint)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if self.endpoint.state != "failed":
+            self._publish("stopped")

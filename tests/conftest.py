@@ -1,0 +1,177 @@
+"""Real parts for every test: a redis-server and an S3 server (moto) of their own on loopback,
+both store backends, and the tiny target served by `transformers serve`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "assets" / "tiny-target"
+BIN = Path(sys.executable).parent
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 60, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            if requests.get(url, timeout=1).status_code < 500:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    binary = shutil.which("redis-server")
+    if not binary:
+        pytest.fail("redis-server is not installed: `make test` installs it (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL)
+    conn = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            conn.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    stop(proc)
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """A clean Redis for each test; the published inference endpoints survive."""
+    conn = redis.Redis.from_url(redis_server)
+    for key in conn.scan_iter():
+        if not key.startswith(b"eyrie:inference:"):
+            conn.delete(key)
+    return redis_server
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    port = free_port()
+    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_http(f"http://127.0.0.1:{port}/", proc=proc)
+    yield f"http://127.0.0.1:{port}"
+    stop(proc)
+
+
+@pytest.fixture(params=["file", "s3"])
+def store_env(request, tmp_path) -> dict:
+    """EYRIE_* variables for one store backend: local directory, or a bucket on the S3 server."""
+    if request.param == "file":
+        return {"EYRIE_STORE_URL": f"file://{tmp_path / 'store'}"}
+    endpoint = request.getfixturevalue("s3_server")
+    return {"EYRIE_STORE_URL": f"s3://eyrie-{uuid.uuid4().hex[:8]}/runs-prefix", "EYRIE_S3_ENDPOINT": endpoint,
+            "EYRIE_S3_ACCESS_KEY": "testing", "EYRIE_S3_SECRET_KEY": "testing-secret"}
+
+
+@pytest.fixture
+def env(redis_url, store_env, monkeypatch) -> dict:
+    """The full environment of the services under test, also applied to this process."""
+    values = {**OFFLINE, "EYRIE_REDIS_URL": redis_url, **store_env, "EYRIE_RETRY_BACKOFF_S": "0.05"}
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+    return {**os.environ, **values}
+
+
+def eyrie(*args: str, env: dict, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the real `eyrie` command line."""
+    result = subprocess.run([str(BIN / "eyrie"), *args], env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"eyrie {' '.join(args)} -> {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def start_worker(env: dict, burst: bool = True) -> subprocess.Popen:
+    return subprocess.Popen([str(BIN / "eyrie"), "worker", "generate", *(["--burst"] if burst else [])],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(redis_server):
+    """`eyrie serve` on the tiny target: real transformers serve, published in Redis."""
+    port = free_port()
+    env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_server}
+    proc = subprocess.Popen([str(BIN / "eyrie"), "serve", "--model", str(TINY), "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    from eyrie import inference
+
+    conn = redis.Redis.from_url(redis_server)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        endpoint = inference.read(conn)
+        if endpoint and endpoint.state == "ready":
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"eyrie serve exited: {proc.stdout.read()}")
+        time.sleep(0.5)
+    else:
+        pytest.fail("eyrie serve did not become ready in 180 s")
+    yield endpoint
+    stop(proc)
+
+
+@pytest.fixture
+def stub_server(request):
+    """Factory: the vLLM stand-in with a response shape, latency and scripted faults."""
+    procs = []
+
+    def start(shape: str = "reasoning", latency: float = 0.0, tokens: int = 8, faults: dict | None = None,
+              tmp: Path | None = None) -> str:
+        import json
+
+        port = free_port()
+        args = [sys.executable, str(ROOT / "tests" / "stub_openai.py"), "--port", str(port),
+                "--shape", shape, "--latency", str(latency), "--tokens", str(tokens)]
+        if faults:
+            path = (tmp or Path(request.getfixturevalue("tmp_path"))) / f"faults-{port}.json"
+            path.write_text(json.dumps(faults))
+            args += ["--faults", str(path)]
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/health", proc=proc)
+        return url
+
+    yield start
+    for proc in procs:
+        stop(proc)

@@ -1,0 +1,133 @@
+"""Generate against the vLLM stand-in (vLLM cannot run here; the stub speaks its response shape):
+reasoning shapes, token ids, retries, recorded failures, a SIGKILLed worker, exactly-once."""
+
+import json
+import os
+import signal
+import time
+
+import orjson
+import psutil
+import pytest
+import redis
+import requests
+
+from conftest import eyrie, start_worker
+from eyrie.config import load_settings
+from eyrie.manifest import Layout
+from eyrie.store import open_store
+from eyrie_generator.shard import FLUSH_EVERY
+
+
+def write_prompts(path, n, prefix="q"):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"conversations": [{"from": "human", "value": f"{prefix}{i}"}]}) + "\n")
+    return path
+
+
+def records(run):
+    store, layout = open_store(load_settings()), Layout(run)
+    out = []
+    for key in store.list(f"{layout.root}/generate/shards/"):
+        if key.endswith(".jsonl"):
+            out += [orjson.loads(line) for line in store.get_bytes(key).splitlines()]
+    return out
+
+
+@pytest.mark.parametrize("shape,source", [("reasoning", "reasoning"),
+                                          ("reasoning_content", "reasoning_content"),
+                                          ("think_tags", "think_tags")])
+def test_reasoning_captured_from_each_response_shape(env, stub_server, tmp_path, shape, source):
+    url = stub_server(shape=shape, tokens=6)
+    env = {**env, "EYRIE_INFERENCE_URL": url, "EYRIE_SERVER": "vllm"}
+    data = write_prompts(tmp_path / "p.jsonl", 5)
+    eyrie("generate", "--dataset", str(data), "--run", "shapes", "--concurrency", "3", env=env)
+    eyrie("worker", "generate", "--burst", env=env)
+    recs = records("shapes")
+    assert len(recs) == 5 and all(r["status"] == "done" for r in recs)
+    for r in recs:
+        assert r["reasoning_source"] == source
+        assert r["reasoning"] == "step step step"
+        assert r["content"].startswith("answer answer answer [q")
+        assert "<think>" not in r["content"]
+        assert r["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 6
+        # vLLM returns exact token ids when asked with return_token_ids
+        assert r["prompt_token_ids"] == list(range(10))
+        assert r["completion_token_ids"] == list(range(100, 106))
+
+
+def test_server_errors_are_retried_and_final_failures_recorded(env, stub_server, tmp_path):
+    faults = {"q0": [500, 503, "ok"], "q1": [429, "ok"], "q2": ["drop", "ok"], "q3": [503],
+              "q4": [400], "q5": [408, "ok"]}
+    url = stub_server(faults=faults, tmp=tmp_path)
+    env = {**env, "EYRIE_INFERENCE_URL": url, "EYRIE_SERVER": "vllm", "EYRIE_MAX_RETRIES": "3"}
+    eyrie("generate", "--dataset", str(write_prompts(tmp_path / "p.jsonl", 8)), "--run", "errs", env=env)
+    eyrie("worker", "generate", "--burst", env=env)
+    by_prompt = {r["messages"][-1]["content"]: r for r in records("errs")}
+    assert by_prompt["q0"]["status"] == "done" and by_prompt["q0"]["attempts"] == 3
+    assert by_prompt["q1"]["status"] == "done" and by_prompt["q1"]["attempts"] == 2
+    assert by_prompt["q2"]["status"] == "done" and by_prompt["q2"]["attempts"] == 2
+    assert by_prompt["q5"]["status"] == "done" and by_prompt["q5"]["attempts"] == 2
+    assert by_prompt["q3"]["status"] == "failed" and by_prompt["q3"]["attempts"] == 4
+    assert "HTTP 503" in by_prompt["q3"]["error"]
+    assert by_prompt["q4"]["status"] == "failed" and by_prompt["q4"]["attempts"] == 1  # 400: no retry
+    assert "HTTP 400" in by_prompt["q4"]["error"]
+    stats = requests.get(f"{url}/stats").json()["requests"]
+    assert stats["q3"] == 4 and stats["q4"] == 1 and stats["q6"] == 1
+    status = json.loads(eyrie("status", "errs", "--json", env=env).stdout)["stages"]["generate"]
+    assert (status["state"], status["total"], status["done"], status["failed"]) == ("done", 8, 6, 2)
+
+
+def test_sigkilled_worker_then_rerun_gives_exactly_one_record_per_sample(env, stub_server, tmp_path):
+    n, concurrency = 400, 8
+    url = stub_server(latency=0.05, tokens=4)
+    env = {**env, "EYRIE_INFERENCE_URL": url, "EYRIE_SERVER": "vllm"}
+    data = write_prompts(tmp_path / "p.jsonl", n)
+    args = ("generate", "--dataset", str(data), "--run", "crash", "--concurrency", str(concurrency),
+            "--shard-size", "200")
+    eyrie(*args, env=env)
+    worker = start_worker(env, burst=True)
+    store, layout = open_store(load_settings()), Layout("crash")
+    deadline = time.monotonic() + 120
+    while not store.list(layout.generate_parts(0)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert store.list(layout.generate_parts(0)), "no part was flushed before the kill"
+    for proc in psutil.Process(worker.pid).children(recursive=True) + [psutil.Process(worker.pid)]:
+        proc.send_signal(signal.SIGKILL)  # the worker and its work horse, mid-shard
+    worker.wait()
+    answered_before = requests.get(f"{url}/stats").json()["total"]
+    assert answered_before < n, "the worker finished before it was killed: the test proves nothing"
+
+    conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
+    deadline = time.monotonic() + 60  # a dead worker's lease lapses within LEASE_TTL_S
+    while conn.exists("eyrie:lease:generate-crash-00000") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    rerun = eyrie(*args, env=env)  # the same command again: continues, re-enqueues what is missing
+    assert "tasks enqueued now" in rerun.stdout
+    eyrie("worker", "generate", "--burst", env=env, timeout=600)
+
+    recs = records("crash")
+    ids = [r["sample_id"] for r in recs]
+    assert len(ids) == n and len(set(ids)) == n
+    assert sorted(r["row"] for r in recs) == list(range(n))
+    assert all(r["status"] == "done" for r in recs)
+    asked = requests.get(f"{url}/stats").json()["requests"]
+    # Resumed from the flushed parts: asked twice are only answers not yet flushed at the kill
+    # (at most FLUSH_EVERY) and requests in flight then (at most the concurrency).
+    assert sum(asked.values()) - n <= FLUSH_EVERY + concurrency
+    assert max(asked.values()) <= 2
+    status = json.loads(eyrie("status", "crash", "--json", env=env).stdout)["stages"]["generate"]
+    assert status["state"] == "done" and status["done"] == n
+
+
+def test_same_run_enqueued_twice_is_done_once(env, stub_server, tmp_path):
+    url = stub_server(tokens=4)
+    env = {**env, "EYRIE_INFERENCE_URL": url, "EYRIE_SERVER": "vllm"}
+    args = ("generate", "--dataset", str(write_prompts(tmp_path / "p.jsonl", 30)), "--run", "twice",
+            "--shard-size", "10")
+    first, second = eyrie(*args, env=env), eyrie(*args, env=env)
+    assert "3 tasks enqueued now" in first.stdout and "0 tasks enqueued now" in second.stdout
+    eyrie("worker", "generate", "--burst", env=env)
+    assert requests.get(f"{url}/stats").json()["total"] == 30
+    assert "0 tasks enqueued now" in eyrie(*args, env=env).stdout
