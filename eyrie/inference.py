@@ -47,7 +47,7 @@ def wait_ready(conn: redis.Redis, deadline_s: float, name: str = "default") -> E
             return endpoint
         if time.monotonic() > limit:
             state = endpoint.state if endpoint else "never published"
-            raise EyrieError(f"no ready inference endpoint after {deadline_s:.0f} s (state: {state}).",
+            raise EyrieError(f"no ready inference endpoint after {deadline_s:g} s (state: {state}).",
                              "start it with `eyrie serve`, or set EYRIE_INFERENCE_URL to a running "
                              "OpenAI-compatible server.")
         time.sleep(1.0)

@@ -27,8 +27,8 @@ class PromptBudget:
     def max_tokens(self, messages: list[dict], wanted: int) -> int | Skip:
         if self.tokenizer is None or not self.max_model_len:
             return wanted
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        n = len(ids["input_ids"] if isinstance(ids, dict) else ids)
+        n = len(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False))
         if n >= self.max_model_len:
             return Skip("prompt_too_long")
         return min(wanted, self.max_model_len - n)

@@ -96,7 +96,7 @@ class Server:
                 pass
             time.sleep(0.5)
         self._publish("failed")
-        raise EyrieError(f"the server did not answer {url} within {self.settings.serve_deadline_s:.0f} s.",
+        raise EyrieError(f"the server did not answer {url} within {self.settings.serve_deadline_s:g} s.",
                          "raise EYRIE_SERVE_DEADLINE_S (large models load for tens of minutes) or read "
                          "the server's output above.")
 

@@ -1,0 +1,70 @@
+"""`eyrie serve` (readiness published in Redis, deadlines, the real vLLM command line) and the
+queue's JSON-only, schema-checked payloads."""
+
+import json
+import subprocess
+import zlib
+
+import redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from conftest import BIN, OFFLINE, TINY, eyrie, free_port
+from eyrie import inference
+from eyrie.config import load_settings
+from eyrie.queue import connect, queue
+from eyrie_inference.server import command, health_path
+
+
+def test_serve_publishes_a_ready_endpoint(tiny_server, redis_server):
+    endpoint = inference.read(redis.Redis.from_url(redis_server))
+    assert endpoint.state == "ready" and endpoint.server == "transformers"
+    assert endpoint.model == str(TINY) and endpoint.max_model_len == 512
+    assert endpoint.revision.startswith("sha256:") and len(endpoint.chat_template_sha256) == 64
+    import requests
+
+    assert requests.get(f"{endpoint.url}/health", timeout=5).status_code == 200
+
+
+def test_serve_fails_clearly_when_the_server_dies(redis_url, tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # a model directory the server cannot load
+    env = {**__import__("os").environ, **OFFLINE, "EYRIE_REDIS_URL": redis_url,
+           "EYRIE_SERVE_DEADLINE_S": "120"}
+    result = subprocess.run([str(BIN / "eyrie"), "serve", "--model", str(tmp_path), "--port", str(free_port())],
+                            env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 1
+    assert "exited with code" in result.stderr and "Fix:" in result.stderr
+    assert inference.read(redis.Redis.from_url(redis_url)).state == "failed"
+
+
+def test_serve_deadline(redis_url):
+    env = {**__import__("os").environ, **OFFLINE, "EYRIE_REDIS_URL": redis_url, "EYRIE_SERVE_DEADLINE_S": "0.5"}
+    result = subprocess.run([str(BIN / "eyrie"), "serve", "--model", str(TINY), "--port", str(free_port())],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "did not answer" in result.stderr and "within 0.5 s" in result.stderr
+
+
+def test_vllm_command_line(monkeypatch):
+    monkeypatch.setenv("EYRIE_SERVER", "vllm")
+    monkeypatch.setenv("EYRIE_TENSOR_PARALLEL_SIZE", "8")
+    monkeypatch.setenv("EYRIE_REASONING_PARSER", "kimi_k2")
+    monkeypatch.setenv("EYRIE_MAX_MODEL_LEN", "16384")
+    monkeypatch.setenv("EYRIE_VLLM_ARGS", "--trust-remote-code --gpu-memory-utilization 0.92")
+    settings = load_settings(port=8000, host="0.0.0.0")
+    assert command(settings, "/models/kimi") == [
+        "vllm", "serve", "/models/kimi", "--host", "0.0.0.0", "--port", "8000",
+        "--tensor-parallel-size", "8", "--reasoning-parser", "kimi_k2", "--max-model-len", "16384",
+        "--trust-remote-code", "--gpu-memory-utilization", "0.92"]
+    assert health_path("vllm") == "/v1/models" and health_path("transformers") == "/health"
+
+
+def test_payloads_outside_the_schema_are_rejected_unexecuted(env):
+    conn = connect(env["EYRIE_REDIS_URL"])
+    job = queue(conn, "generate").enqueue("eyrie_generator.shard.run_generate_shard",
+                                          {"run": "../etc", "shard": -1, "rm": "-rf"}, job_id="evil")
+    eyrie("worker", "generate", "--burst", env=env)
+    job = Job.fetch("evil", connection=conn, serializer=JSONSerializer)
+    assert job.get_status().value == "failed"
+    assert "ValidationError" in job.latest_result().exc_string
+    stored = json.loads(zlib.decompress(conn.hget("rq:job:evil", "data")))  # JSON, never a pickle
+    assert stored[2] == [{"run": "../etc", "shard": -1, "rm": "-rf"}]
