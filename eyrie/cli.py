@@ -88,9 +88,11 @@ def generate(dataset: str = typer.Option(..., "--dataset", help="Local .jsonl/.p
 
 
 def _wait(conn, store, run: str, stage: str) -> None:
-    from eyrie.display import live_progress
+    from eyrie.display import live_progress, render_status
+    from eyrie.status import run_status
 
     final = live_progress(conn, store, run, stage)
+    render_status(run_status(conn, store, run))
     if final["state"] == "failed":
         raise typer.Exit(3)
 

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import time
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
 console = Console()
+
+
+def _si(value) -> str:
+    if value is None:
+        return "-"
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f}{unit}"
+    return f"{value:g}"
 
 
 def _eta(seconds) -> str:
@@ -18,17 +28,22 @@ def _eta(seconds) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+STATE_STYLE = {"done": "green", "in_progress": "yellow", "failed": "red", "pending": "dim"}
+
+
 def stage_table(status: dict) -> Table:
-    table = Table(title=f"run {status['run']}  ·  target {status['target']['model']}")
-    for column in ("stage", "state", "progress", "done", "skipped", "failed", "total", "tokens",
-                   "tok/s", "ETA"):
-        table.add_column(column, justify="right" if column not in ("stage", "state", "progress") else "left")
+    table = Table(title=f"run {status['run']}  ·  {status['target']['model']}", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("stage", "state", "progress", "done/skip/fail", "tokens", "tok/s", "ETA"):
+        table.add_column(column, no_wrap=True, justify="left" if column in ("stage", "state", "progress")
+                         else "right")
     for name, s in status["stages"].items():
         processed = s["done"] + s["skipped"] + s["failed"]
-        bar = Progress(BarColumn(bar_width=24), TextColumn("{task.percentage:>3.0f}%"))
+        bar = Progress(BarColumn(bar_width=10), TextColumn("{task.percentage:>3.0f}%"))
         bar.add_task("", total=max(1, s["total"]), completed=processed)
-        table.add_row(name, s["state"], bar, str(s["done"]), str(s["skipped"]), str(s["failed"]),
-                      str(s["total"]), str(s["tokens"]), str(s["tok_per_s"] or "-"), _eta(s["eta_s"]))
+        table.add_row(name, f"[{STATE_STYLE.get(s['state'], '')}]{s['state']}[/]", bar,
+                      f"{s['done']}/{s['skipped']}/{s['failed']} of {s['total']}", _si(s["tokens"]),
+                      _si(s["tok_per_s"]), "-" if s["state"] == "done" else _eta(s["eta_s"]))
     return table
 
 
@@ -39,6 +54,10 @@ def render_status(status: dict) -> None:
         console.print(f"inference: {endpoint['state']} at {endpoint['url']} ({endpoint['server']})"
                       + (f"  {endpoint['progress']}" if endpoint["state"] == "starting" else ""))
     for name, s in status["stages"].items():
+        if s["state"] == "in_progress" and not s.get("workers"):
+            console.print(f"[yellow]{name}: no worker is listening; start one with `eyrie worker {name}`[/]")
+        for error in s.get("errors", []):
+            console.print(f"[red]{name} error[/] {error}")
         if s.get("skip_reasons"):
             reasons = ", ".join(f"{k}={v}" for k, v in sorted(s["skip_reasons"].items()))
             console.print(f"{name} skipped: {reasons}")
@@ -50,7 +69,7 @@ def live_progress(conn, store, run: str, stage: str, poll_s: float = 1.0) -> dic
 
     from eyrie.status import run_status
 
-    with Live(console=console, refresh_per_second=2, transient=False) as live:
+    with Live(console=console, refresh_per_second=2, transient=True) as live:
         while True:
             status = run_status(conn, store, run)
             live.update(stage_table(status))

@@ -11,9 +11,8 @@ from pathlib import Path
 
 from eyrie import inference
 from eyrie.config import load_settings
-from eyrie.display import console, render_status
+from eyrie.display import console
 from eyrie.queue import connect
-from eyrie.status import run_status
 from eyrie.store import open_store
 
 LOGS = Path(".eyrie/logs")
@@ -62,8 +61,6 @@ def run_demo(run: str, dataset: str) -> int:
 
 
 def report(conn, store, run: str) -> None:
-    status = run_status(conn, store, run)
-    render_status(status)
     from eyrie.manifest import Layout
 
     layout = Layout(run)

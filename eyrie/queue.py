@@ -54,6 +54,21 @@ def job_state(conn: redis.Redis, job_id: str) -> str | None:
     return status.value if status else None
 
 
+def workers_on(conn: redis.Redis, stage: str) -> int:
+    return Worker.count(queue=queue(conn, stage))
+
+
+def job_errors(conn: redis.Redis, job_ids: list[str], limit: int = 5) -> list[str]:
+    """The last line of the error of each failed task, most recent first."""
+    errors = []
+    for job_id in job_ids:
+        if job_state(conn, job_id) == JobStatus.FAILED.value:
+            result = Job.fetch(job_id, connection=conn, serializer=JSONSerializer).latest_result()
+            if result and result.exc_string:
+                errors.append((result.created_at, f"{job_id}: {result.exc_string.strip().splitlines()[-1]}"))
+    return [text for _, text in sorted(errors, reverse=True)[:limit]]
+
+
 def enqueue_task(conn: redis.Redis, stage: str, func: str, payload: dict, job_id: str,
                  timeout_s: int = 48 * 3600) -> bool:
     """Enqueue one task unless a live one with the same id exists. True if enqueued now.

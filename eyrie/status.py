@@ -6,7 +6,7 @@ import time
 
 from eyrie import inference, progress
 from eyrie.manifest import Counts, Layout, ShardManifest, load_run_manifest
-from eyrie.queue import job_state
+from eyrie.queue import job_errors, job_state, workers_on
 
 LIVE_JOB_STATES = {"queued", "started", "scheduled", "deferred"}
 
@@ -49,7 +49,9 @@ def generate_status(conn, store, manifest) -> dict:
     return {
         "state": state, **counts.model_dump(), "tokens": counts.completion_tokens,
         "in_flight": in_flight, "shards_total": len(manifest.generate_shards), "shards_done": done_shards,
-        "jobs": jobs, "skip_reasons": skip_reasons, **_rates(conn, manifest.run, counts, state),
+        "jobs": jobs, "workers": workers_on(conn, "generate"), "skip_reasons": skip_reasons,
+        "errors": job_errors(conn, [f"generate-{manifest.run}-{p.index:05d}" for p in manifest.generate_shards]),
+        **_rates(conn, manifest.run, counts, state),
     }
 
 
