@@ -16,7 +16,7 @@ DEFAULT_TINY_MODEL = "assets/tiny-target"
 class Settings(BaseSettings):
     """Where the services meet (Redis, store, server) and the defaults of every stage."""
 
-    model_config = SettingsConfigDict(env_prefix="EYRIE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="EYRIE_", extra="ignore", env_ignore_empty=True)
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Queues, run state, leases.")
     store_url: str = Field("file://.eyrie/store", description="file://DIR or s3://BUCKET[/PREFIX].")

@@ -79,7 +79,8 @@ def test_server_errors_are_retried_and_final_failures_recorded(env, stub_server,
     assert (status["state"], status["total"], status["done"], status["failed"]) == ("done", 8, 6, 2)
 
 
-def test_sigkilled_worker_then_rerun_gives_exactly_one_record_per_sample(env, stub_server, tmp_path):
+@pytest.mark.parametrize("recovery", ["rerun", "new_worker"])
+def test_sigkilled_worker_then_rerun_gives_exactly_one_record_per_sample(env, stub_server, tmp_path, recovery):
     n, concurrency = 400, 8
     url = stub_server(latency=0.05, tokens=4)
     env = {**env, "EYRIE_INFERENCE_URL": url, "EYRIE_SERVER": "vllm"}
@@ -103,8 +104,9 @@ def test_sigkilled_worker_then_rerun_gives_exactly_one_record_per_sample(env, st
     deadline = time.monotonic() + 60  # a dead worker's lease lapses within LEASE_TTL_S
     while conn.exists("eyrie:lease:generate-crash-00000") and time.monotonic() < deadline:
         time.sleep(0.5)
-    rerun = eyrie(*args, env=env)  # the same command again: continues, re-enqueues what is missing
-    assert "tasks enqueued now" in rerun.stdout
+    if recovery == "rerun":  # the same command again: continues, re-enqueues what is missing
+        assert "1 tasks enqueued now" in eyrie(*args, env=env).stdout
+    # else: a new worker finds the dead worker's task (RQ still lists it as started) and takes it
     eyrie("worker", "generate", "--burst", env=env, timeout=600)
 
     recs = records("crash")

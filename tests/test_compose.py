@@ -1,0 +1,446 @@
+"""The Compose stack, checked without a Docker engine: both files against the compose-spec schema,
+the GPU merge (with a Compose CLI when one is installed, otherwise a PyYAML deep merge), build
+contexts and Dockerfiles, and that .env.example documents every variable the files use."""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+GPU = ROOT / "compose.gpu.yml"
+ENV_EXAMPLE = ROOT / ".env.example"
+DOCKERIGNORE = ROOT / ".dockerignore"
+CHECK_JSONSCHEMA = Path(sys.executable).with_name("check-jsonschema")
+
+SERVICES = {"redis", "minio", "minio-init", "inference", "generator", "extractor", "trainer"}
+BUILT = {"inference", "generator", "extractor", "trainer"}
+GPU_SERVICES = {"inference", "extractor", "trainer"}
+ONE_SHOT = {"minio-init"}
+WORKER_STAGE = {"generator": "generate", "extractor": "extract", "trainer": "train"}
+COMMON_ENV = {"EYRIE_REDIS_URL", "EYRIE_STORE_URL", "EYRIE_S3_ENDPOINT", "EYRIE_S3_ACCESS_KEY",
+              "EYRIE_S3_SECRET_KEY"}
+
+VAR_REF = re.compile(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+SECRET_NAME = re.compile(r"SECRET|PASSWORD|PASSWD|(?:^|_)TOKEN(?:$|_)|ACCESS_KEY|API_KEY|PRIVATE_KEY",
+                         re.I)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def env_example() -> tuple[dict[str, str], set[str]]:
+    """(variables set in .env.example, variables only documented there as commented-out lines)."""
+    values, commented = {}, set()
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        if m := re.fullmatch(r"([A-Z_][A-Z0-9_]*)=(.*)", line.strip()):
+            values[m[1]] = m[2]
+        elif m := re.fullmatch(r"#\s*([A-Z_][A-Z0-9_]*)=.*", line.strip()):
+            commented.add(m[1])
+    return values, commented
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's interpolation: ${V}, ${V:-d}, ${V-d}, ${V:?e}, ${V?e}; $$ is a literal $."""
+    def sub(m: re.Match) -> str:
+        name, op, arg = m[1], m[2], m[3]
+        value = env.get(name)
+        if op in (":-", "-"):
+            return arg if value is None or (op == ":-" and value == "") else value
+        if op in (":?", "?"):
+            if value is None or (op == ":?" and value == ""):
+                raise ValueError(f"required variable {name} is missing a value: {arg}")
+            return value
+        return value or ""
+    return VAR_REF.sub(sub, text).replace("$$", "$")
+
+
+def interpolate_tree(node, env: dict[str, str]):
+    """Interpolate every string of a parsed file, as Compose does (after parsing, not before)."""
+    if isinstance(node, dict):
+        return {key: interpolate_tree(value, env) for key, value in node.items()}
+    if isinstance(node, list):
+        return [interpolate_tree(value, env) for value in node]
+    return interpolate(node, env) if isinstance(node, str) else node
+
+
+def deep_merge(base, override):
+    """Compose's merge of several -f files for mappings (later files win key by key)."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = dict(base)
+        for key, value in override.items():
+            merged[key] = deep_merge(base[key], value) if key in base else copy.deepcopy(value)
+        return merged
+    return copy.deepcopy(override)
+
+
+def compose_cli() -> list[str] | None:
+    """`docker compose` (v2 plugin) or `docker-compose` (v1 from Debian, or a v2 binary)."""
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True,
+                               timeout=60)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+def merged_config(env_file: Path = ENV_EXAMPLE) -> tuple[dict, str]:
+    """The merged, interpolated stack and how it was obtained."""
+    cli = compose_cli()
+    if cli:
+        version = subprocess.run([*cli, "version"], capture_output=True, text=True, timeout=60).stdout
+        proc = subprocess.run([*cli, "--env-file", str(env_file), "-f", str(COMPOSE), "-f", str(GPU),
+                               "config"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"{' '.join(cli)} config failed:\n{proc.stderr}"
+        return yaml.safe_load(proc.stdout), f"{' '.join(cli)} config ({version.splitlines()[0]})"
+    env = dotenv(env_file)
+    docs = [interpolate_tree(load(p), env) for p in (COMPOSE, GPU)]
+    merged = deep_merge(docs[0], docs[1])
+    for service in merged["services"].values():  # pass-through variables resolve from the env file
+        environment = service.get("environment") or {}
+        for key, value in list(environment.items()):
+            if value is None and key in env:
+                environment[key] = env[key]
+    return merged, "PyYAML deep merge (no Compose CLI on PATH)"
+
+
+def dotenv(path: Path) -> dict[str, str]:
+    return dict(re.fullmatch(r"([A-Z_][A-Z0-9_]*)=(.*)", line.strip()).groups()
+                for line in path.read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#"))
+
+
+def gpu_devices(service: dict) -> list[dict]:
+    return (((service.get("deploy") or {}).get("resources") or {}).get("reservations") or {}
+            ).get("devices") or []
+
+
+def valid_count(count) -> bool:
+    """What Compose accepts for a device count: 'all' (-1 once parsed) or a positive number."""
+    if count in (-1, "all"):
+        return True
+    return bool(re.fullmatch(r"[1-9][0-9]*", str(count)))
+
+
+def dockerfile_lines(text: str) -> list[str]:
+    """Instructions with their continuation lines joined, comments dropped."""
+    lines, current = [], ""
+    for raw in text.splitlines():
+        if raw.lstrip().startswith("#") and not current:
+            continue
+        current += raw.rstrip().removesuffix("\\") + " " if raw.rstrip().endswith("\\") else raw
+        if not raw.rstrip().endswith("\\"):
+            if current.strip():
+                lines.append(current.strip())
+            current = ""
+    return lines
+
+
+def secrets_in(text: str) -> list[str]:
+    """Secret-looking ENV/ARG values, or `NAME=value` pairs of secret-looking names anywhere."""
+    found = []
+    for line in dockerfile_lines(text):
+        instr = line.split(None, 1)[0].upper()
+        rest = line.split(None, 1)[1] if " " in line else ""
+        if instr in ("ENV", "ARG"):
+            pairs = re.findall(r"([A-Za-z_][A-Za-z0-9_]*)(?:=(\"[^\"]*\"|'[^']*'|\S*))?", rest)
+            if instr == "ENV" and "=" not in rest and len(rest.split()) >= 2:  # legacy `ENV K V`
+                pairs = [(rest.split()[0], rest.split(None, 1)[1])]
+            found += [f"{instr} {k}" for k, v in pairs if SECRET_NAME.search(k) and v.strip("\"'")]
+        if instr not in ("ENV", "ARG"):
+            found += [m[0] for m in re.finditer(r"\b(\w+)=[^\s\"']+", line) if SECRET_NAME.search(m[1])]
+    return found
+
+
+def final_user(lines: list[str]) -> str | None:
+    users = [line.split(None, 1)[1].strip() for line in lines if line.upper().startswith("USER ")]
+    return users[-1] if users else None
+
+
+def dockerignored(rel: str, patterns: list[str]) -> bool:
+    """Enough of .dockerignore's rules for our COPY sources: last matching pattern wins."""
+    ignored = False
+    rel = rel.rstrip("/")
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pat = pattern.lstrip("!").rstrip("/").removeprefix("./")
+        if any(fnmatch.fnmatch(p, pat) or fnmatch.fnmatch(p, pat.removeprefix("**/"))
+               for p in prefixes):
+            ignored = not negate
+    return ignored
+
+
+def dockerignore_patterns() -> list[str]:
+    return [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
+# ---------------------------------------------------------------------------------------------
+# schema
+
+
+@pytest.mark.parametrize("path", [COMPOSE, GPU], ids=lambda p: p.name)
+def test_compose_file_matches_compose_spec(path):
+    proc = subprocess.run([str(CHECK_JSONSCHEMA), "--builtin-schema", "vendor.compose-spec", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_schema_check_rejects_a_broken_file(tmp_path):
+    """The validator really validates: a misspelt key and a bad depends_on condition fail."""
+    broken = load(COMPOSE)
+    broken["services"]["redis"]["healthcheck"]["retrys"] = 5
+    broken["services"]["generator"]["depends_on"]["redis"]["condition"] = "service_ready"
+    path = tmp_path / "docker-compose.yml"
+    path.write_text(yaml.safe_dump(broken))
+    proc = subprocess.run([str(CHECK_JSONSCHEMA), "--builtin-schema", "vendor.compose-spec", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "retrys" in proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# the merge of docker-compose.yml + compose.gpu.yml
+
+
+def test_gpu_merge_reserves_devices_for_gpu_services(capsys):
+    config, how = merged_config()
+    with capsys.disabled():
+        print(f"\n[test_compose] merge checked with: {how}")
+    services = config["services"]
+    assert set(services) == SERVICES, how
+    for name in GPU_SERVICES:
+        devices = gpu_devices(services[name])
+        assert len(devices) == 1, f"{name}: {devices} ({how})"
+        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"], how
+        assert valid_count(devices[0]["count"]), f"{name}: count {devices[0]['count']!r} ({how})"
+        # the merge kept the base file's definition (it did not replace the service)
+        assert services[name]["build"]["dockerfile"] == f"services/{name}/Dockerfile", how
+        assert COMMON_ENV <= set(services[name]["environment"]), how
+    for name in SERVICES - GPU_SERVICES:
+        assert not gpu_devices(services[name]), f"{name} must not reserve GPUs ({how})"
+
+
+def test_gpu_counts_from_env_are_numbers_or_all(tmp_path):
+    """Defaults and .env.example values of every GPU count are what Compose accepts, and a bad
+    value is caught (by the Compose CLI, or by this check when there is none)."""
+    raw = GPU.read_text()
+    refs = {m[1]: m[3] for m in VAR_REF.finditer(raw)}
+    assert set(refs) == {"EYRIE_INFERENCE_GPUS", "EYRIE_EXTRACTOR_GPUS", "EYRIE_TRAINER_GPUS"}
+    values, _ = env_example()
+    for name, default in refs.items():
+        assert valid_count(default), f"default of {name}: {default!r}"
+        assert valid_count(values[name]), f".env.example {name}={values[name]!r}"
+    bad = tmp_path / "bad.env"
+    bad.write_text(ENV_EXAMPLE.read_text() + "\nEYRIE_TRAINER_GPUS=one\n")
+    try:
+        config, how = merged_config(bad)
+    except AssertionError as exc:  # Compose v2 refuses it itself
+        assert "one" in str(exc)
+        return
+    count = gpu_devices(config["services"]["trainer"])[0]["count"]
+    assert not valid_count(count), how
+
+
+def test_merge_fallback_agrees_with_the_files():
+    """The PyYAML path on its own (what runs where no Compose CLI is installed)."""
+    env, _ = env_example()
+    base, gpu = (interpolate_tree(load(p), env) for p in (COMPOSE, GPU))
+    merged = deep_merge(base, gpu)
+    assert merged["services"]["inference"]["ports"] == base["services"]["inference"]["ports"]
+    assert str(gpu_devices(merged["services"]["trainer"])[0]["count"]) == env["EYRIE_TRAINER_GPUS"]
+    assert merged["services"]["inference"]["environment"]["EYRIE_REDIS_URL"] == (
+        f"redis://:{env['EYRIE_REDIS_PASSWORD']}@redis:6379/0")
+    with pytest.raises(ValueError, match="EYRIE_REDIS_PASSWORD"):
+        interpolate_tree(load(COMPOSE), {k: v for k, v in env.items() if k != "EYRIE_REDIS_PASSWORD"})
+
+
+# ---------------------------------------------------------------------------------------------
+# services
+
+
+def test_services_are_wired_as_the_stack_needs():
+    services = load(COMPOSE)["services"]
+    assert set(services) == SERVICES
+    for name, svc in services.items():
+        assert svc.get("networks") == ["eyrie"], name
+        if name not in ONE_SHOT:
+            assert svc.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+        image = svc.get("image")
+        if image:  # pinned: an explicit tag, never latest
+            assert re.fullmatch(r"[\w./-]+:[\w.-]+", image) and not image.endswith(":latest"), image
+    assert "--appendonly yes" in " ".join(services["redis"]["command"])
+    assert "ports" not in services["redis"] and "ports" not in services["minio"]
+    assert re.search(r":RELEASE\.\d{4}-", services["minio"]["image"])
+    assert re.search(r":RELEASE\.\d{4}-", services["minio-init"]["image"])
+    assert "${EYRIE_DATA_DIR:-./data}:/data" in services["minio"]["volumes"]
+    assert "mc mb --ignore-existing" in " ".join(services["minio-init"]["command"])
+    gen = services["generator"]
+    assert "container_name" not in gen and "ports" not in gen, "generator must scale"
+    for name in BUILT - {"inference"}:
+        deps = services[name]["depends_on"]
+        assert deps["redis"]["condition"] == "service_healthy", name
+        assert deps["minio"]["condition"] == "service_healthy", name
+        assert deps["minio-init"]["condition"] == "service_completed_successfully", name
+    assert services["minio-init"]["depends_on"]["minio"]["condition"] == "service_healthy"
+    assert services["inference"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    for name, stage in WORKER_STAGE.items():
+        assert f"rq:worker:{stage}-" in " ".join(services[name]["healthcheck"]["test"]), name
+
+
+def test_service_environment():
+    services = load(COMPOSE)["services"]
+    for name in BUILT:
+        env = services[name]["environment"]
+        assert COMMON_ENV <= set(env), name
+        assert env["EYRIE_REDIS_URL"] == "redis://:${EYRIE_REDIS_PASSWORD:?set EYRIE_REDIS_PASSWORD in .env}@redis:6379/0"
+        assert env["EYRIE_STORE_URL"] == "s3://${EYRIE_BUCKET:-eyrie}"
+        assert env["EYRIE_S3_ENDPOINT"] == "http://minio:9000"
+    inf = services["inference"]
+    env = inf["environment"]
+    for key in ("EYRIE_MODEL", "EYRIE_TENSOR_PARALLEL_SIZE", "EYRIE_REASONING_PARSER",
+                "EYRIE_MAX_MODEL_LEN", "EYRIE_SERVE_DEADLINE_S", "EYRIE_ADVERTISE_URL"):
+        assert key in env, key
+    assert env["EYRIE_ADVERTISE_URL"] == "http://inference:8000" and env["EYRIE_SERVER"] == "vllm"
+    # optional integers must be pass-through: an empty value would fail eyrie's config at start
+    assert env["EYRIE_MAX_MODEL_LEN"] is None
+    assert inf["shm_size"] and any(p.endswith(":8000") and "${EYRIE_INFERENCE_PORT:-8000}" in p
+                                   for p in inf["ports"])
+    assert any(v.endswith(":/models:ro") for v in inf["volumes"])
+    assert any(v.startswith("hf-cache:") for v in inf["volumes"])
+
+
+def test_env_example_documents_every_variable():
+    used = set()
+    for path in (COMPOSE, GPU):
+        used |= {m[1] for m in VAR_REF.finditer(path.read_text())}
+        for svc in load(path)["services"].values():  # pass-through variables (no value)
+            env = svc.get("environment") or {}
+            used |= {k for k, v in (env.items() if isinstance(env, dict) else []) if v is None}
+    values, commented = env_example()
+    documented = set(values) | commented
+    assert used - documented == set(), f"not in .env.example: {sorted(used - documented)}"
+    assert documented - used == set(), f"in .env.example but unused: {sorted(documented - used)}"
+    lines = ENV_EXAMPLE.read_text().splitlines()
+    for i, line in enumerate(lines):  # one comment line above each variable
+        if re.match(r"#?\s*[A-Z_][A-Z0-9_]*=", line):
+            above = lines[i - 1]
+            assert above.startswith("# ") and not re.match(r"#\s*[A-Z_][A-Z0-9_]*=", above), line
+    required = {m[1] for p in (COMPOSE, GPU) for m in VAR_REF.finditer(p.read_text()) if m[2] == ":?"}
+    assert required and required <= set(values), f"required but unset: {required - set(values)}"
+    for name, value in values.items():  # placeholders only, never a real secret
+        if SECRET_NAME.search(name):
+            assert value.startswith("change-me"), f"{name} must be a change-me placeholder"
+
+
+# ---------------------------------------------------------------------------------------------
+# images
+
+
+@pytest.mark.parametrize("service", sorted(BUILT))
+def test_build_context_dockerfile_and_requirements(service):
+    build = load(COMPOSE)["services"][service]["build"]
+    context = (ROOT / build["context"]).resolve()
+    assert context == ROOT and context.is_dir()
+    dockerfile = context / build["dockerfile"]
+    assert dockerfile.is_file(), dockerfile
+    lines = dockerfile_lines(dockerfile.read_text())
+    patterns = dockerignore_patterns()
+    for line in lines:
+        if line.upper().startswith("COPY ") and "--from" not in line:
+            sources = [a for a in line.split()[1:-1] if not a.startswith("--")]
+            for src in sources:
+                assert (context / src).exists(), f"{service}: COPY {src} missing from the context"
+                assert not dockerignored(src, patterns), f"{service}: COPY {src} is .dockerignored"
+    reqs = ROOT / "services" / service / "requirements.txt"
+    assert reqs.is_file()
+    assert any(f"-r services/{service}/requirements.txt" in line for line in lines), \
+        f"{service}: the Dockerfile must install its requirements.txt"
+    for line in reqs.read_text().splitlines():  # nested -r resolve as pip resolves them
+        if line.startswith("-r "):
+            assert (reqs.parent / line.split(None, 1)[1]).resolve().is_file(), line
+    # dependencies before code: the first pip install precedes the COPY of the packages
+    first_pip = next(i for i, line in enumerate(lines) if "pip install" in line)
+    first_code = next(i for i, line in enumerate(lines) if line.startswith("COPY eyrie/"))
+    assert first_pip < first_code
+    assert any("pip install --no-deps ." in line for line in lines)
+
+
+@pytest.mark.parametrize("service", sorted(BUILT))
+def test_dockerfile_pinned_non_root_without_secrets(service):
+    path = ROOT / "services" / service / "Dockerfile"
+    text = path.read_text()
+    lines = dockerfile_lines(text)
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, re.M))
+    bases = [re.sub(r"\$\{(\w+)\}", lambda m: args[m[1]], line.split()[1])
+             for line in lines if line.upper().startswith("FROM ")]
+    assert bases and all(re.fullmatch(r"[\w./-]+:[\w.-]+", b) and not b.endswith(":latest")
+                         for b in bases), bases
+    expected = {"generator": "python:3.11-slim-bookworm", "inference": "vllm/vllm-openai:v0.33.0"}
+    if service in expected:
+        assert bases[-1] == expected[service]
+    else:
+        assert re.fullmatch(r"pytorch/pytorch:2\.\d+\.\d+-cuda\d+\.\d+-cudnn9-runtime", bases[-1])
+    user = final_user(lines)
+    assert user and user.split(":")[0] not in ("root", "0"), f"{service} runs as {user!r}"
+    assert secrets_in(text) == [], f"{service}: {secrets_in(text)}"
+    assert any(line.upper().startswith(("ENTRYPOINT", "CMD")) for line in lines)
+    if service in WORKER_STAGE:
+        assert f'CMD ["worker", "{WORKER_STAGE[service]}"]' in text
+
+
+def test_secret_detector_flags_baked_secrets():
+    """The check above can fail: it catches the usual ways a secret gets baked into an image."""
+    assert secrets_in("FROM x\nENV EYRIE_S3_SECRET_KEY=hunter22\n")
+    assert secrets_in("FROM x\nENV REDIS_PASSWORD hunter22\n")
+    assert secrets_in("FROM x\nARG HF_TOKEN=hf_abc\n")
+    assert secrets_in("FROM x\nRUN curl -u x https://h?PASSWORD=abc\n")
+    assert secrets_in("FROM x\nRUN export AWS_SECRET_ACCESS_KEY=abc && true\n")
+    assert not secrets_in("FROM x\nARG HF_TOKEN\nENV EYRIE_PORT=8000 EYRIE_MAX_TOKENS=8192\n")
+    assert not secrets_in("FROM x\nRUN PIP_BREAK_SYSTEM_PACKAGES=1 pip install .\n")
+    assert final_user(["FROM x", "USER eyrie", "USER root"]) == "root"
+
+
+def test_dockerignore_keeps_secrets_and_state_out():
+    patterns = dockerignore_patterns()
+    for path in (".env", ".git", ".venv", ".eyrie", "data", "tests/artifacts"):
+        assert dockerignored(path, patterns), path
+    for path in ("eyrie", "requirements/base.txt", "pyproject.toml", "services/inference/entrypoint.sh"):
+        assert not dockerignored(path, patterns), path
+
+
+def test_inference_entrypoint_shows_the_real_vllm_command():
+    script = ROOT / "services" / "inference" / "entrypoint.sh"
+    assert os.access(script, os.X_OK)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "EYRIE_MODEL": "/models/target", "EYRIE_HOST": "0.0.0.0", "EYRIE_PORT": "8000",
+           "EYRIE_TENSOR_PARALLEL_SIZE": "8", "EYRIE_REASONING_PARSER": "kimi_k2",
+           "EYRIE_MAX_MODEL_LEN": "32768", "EYRIE_VLLM_ARGS": "--max-num-seqs 200 --trust-remote-code"}
+    proc = subprocess.run([str(script), "--print-command"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("vllm serve /models/target --host 0.0.0.0 --port 8000 "
+                                   "--tensor-parallel-size 8 --reasoning-parser kimi_k2 "
+                                   "--max-model-len 32768 --max-num-seqs 200 --trust-remote-code")
+    env["EYRIE_MAX_MODEL_LEN"] = ""
+    proc = subprocess.run([str(script), "--print-command"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "EYRIE_MAX_MODEL_LEN" in proc.stderr
