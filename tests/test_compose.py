@@ -443,4 +443,9 @@ def test_inference_entrypoint_shows_the_real_vllm_command():
     env["EYRIE_MAX_MODEL_LEN"] = ""
     proc = subprocess.run([str(script), "--print-command"], env=env, capture_output=True, text=True,
                           timeout=120)
-    assert proc.returncode != 0 and "EYRIE_MAX_MODEL_LEN" in proc.stderr
+    # An empty variable (as Compose passes an unset one) means "not set": the flag is left out.
+    assert proc.returncode == 0 and "--max-model-len" not in proc.stdout, proc.stderr
+    env["EYRIE_TENSOR_PARALLEL_SIZE"] = "zero"
+    proc = subprocess.run([str(script), "--print-command"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "EYRIE_TENSOR_PARALLEL_SIZE" in proc.stderr
