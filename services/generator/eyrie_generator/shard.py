@@ -42,6 +42,8 @@ class ShardRunner:
         self.run_name, self.shard, self.task = run, shard, task_id(run, shard)
         self.records: dict[str, dict] = {}
         self.pending: list[dict] = []
+        self.flushes: list[asyncio.Future] = []
+        self._last_flush = time.monotonic()
         self.parts_written = 0
         self.in_flight = 0
         self.in_flight_area = 0.0
@@ -73,6 +75,7 @@ class ShardRunner:
                 for row in todo:
                     self._add(row, Completion("skipped", reason=row["skip"]))
             self._flush()
+            await asyncio.gather(*self.flushes)
         finally:
             keeper.cancel()
         return self._finish(started_at)
@@ -94,7 +97,8 @@ class ShardRunner:
             for line in self.store.get_bytes(key).splitlines():
                 record = orjson.loads(line)
                 self.records.setdefault(record["sample_id"], record)
-            self.parts_written += 1
+            number = int(key.rsplit("part-", 1)[1].split(".")[0])
+            self.parts_written = max(self.parts_written, number + 1)  # never overwrite a part
 
     async def _answer(self, todo: list[dict]) -> None:
         endpoint = self._endpoint()
@@ -152,19 +156,23 @@ class ShardRunner:
             self._flush()
 
     def _flush(self) -> None:
+        """Write the pending records as the next part, off the event loop (an S3 PUT takes tens
+        of ms; the requests in flight must not wait for it)."""
+        for flush in self.flushes:
+            if flush.done() and flush.exception():
+                raise flush.exception()  # the store failed: the task fails and is retried
         if not self.pending:
             return
         data = b"".join(orjson.dumps(r) + b"\n" for r in self.pending)
-        self.store.put_bytes(self.layout.generate_part(self.shard, self.parts_written), data)
-        self.parts_written += 1
-        self.pending = []
-        self._report()
+        key = self.layout.generate_part(self.shard, self.parts_written)
+        self.parts_written, self.pending, self._last_flush = self.parts_written + 1, [], time.monotonic()
+        self.flushes.append(asyncio.ensure_future(asyncio.to_thread(self.store.put_bytes, key, data)))
 
     async def _report_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
             self._report()
-            if self.pending and time.monotonic() - self._last_tick > FLUSH_SECONDS:
+            if self.pending and time.monotonic() - self._last_flush > FLUSH_SECONDS:
                 self._flush()
 
     def _report(self, final: bool = False) -> None:
