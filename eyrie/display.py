@@ -56,6 +56,8 @@ def render_status(status: dict) -> None:
     for name, s in status["stages"].items():
         if s["state"] == "in_progress" and not s.get("workers"):
             console.print(f"[yellow]{name}: no worker is listening; start one with `eyrie worker {name}`[/]")
+        for what in s.get("waiting_for", []):
+            console.print(f"[yellow]{name}: waiting for {what}[/]")
         for error in s.get("errors", []):
             console.print(f"[red]{name} error[/] {error}")
         if s.get("skip_reasons"):

@@ -27,14 +27,13 @@ def run_status(conn, store, run: str) -> dict:
 def generate_status(conn, store, manifest) -> dict:
     layout = Layout(manifest.run)
     live = progress.read(conn, manifest.run, "generate")
-    counts, done_shards, jobs, finished, in_flight = Counts(), 0, {}, [], 0
+    counts, done_shards, jobs, in_flight, waiting = Counts(), 0, {}, 0, set()
     skip_reasons: dict[str, int] = {}
     for plan in manifest.generate_shards:
         key = layout.generate_shard_manifest(plan.index)
         if store.exists(key):
             shard = ShardManifest.model_validate(store.get_json(key))
             counts, done_shards = counts.add(shard.counts), done_shards + 1
-            finished.append(shard.finished_at)
             for reason, n in shard.skip_reasons.items():
                 skip_reasons[reason] = skip_reasons.get(reason, 0) + n
             continue
@@ -44,11 +43,13 @@ def generate_status(conn, store, manifest) -> dict:
         if entry:
             counts = counts.add(Counts(**{k: entry.get(k, 0) for k in Counts.model_fields if k != "total"}))
             in_flight += entry.get("in_flight", 0) if state == "started" else 0
+            if state == "started" and entry.get("waiting_for"):
+                waiting.add(entry["waiting_for"])
     counts.total = manifest.dataset.row_end - manifest.dataset.row_start
     state = _state(done_shards, len(manifest.generate_shards), jobs, counts)
     return {
         "state": state, **counts.model_dump(), "tokens": counts.completion_tokens,
-        "in_flight": in_flight, "shards_total": len(manifest.generate_shards), "shards_done": done_shards,
+        "in_flight": in_flight, "waiting_for": sorted(waiting), "shards_total": len(manifest.generate_shards), "shards_done": done_shards,
         "jobs": jobs, "workers": workers_on(conn, "generate"), "skip_reasons": skip_reasons,
         "errors": job_errors(conn, [f"generate-{manifest.run}-{p.index:05d}" for p in manifest.generate_shards]),
         **_rates(conn, manifest.run, counts, state),

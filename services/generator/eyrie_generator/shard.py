@@ -145,6 +145,7 @@ class ShardRunner:
             return inference.Endpoint(url=self.settings.inference_url, model=self.manifest.target.model,
                                       server=self.manifest.target.server, state="ready",
                                       max_model_len=self.settings.max_model_len)
+        self._report(waiting_for="inference")  # visible in `eyrie status` while the server loads
         return inference.wait_ready(self.conn, self.settings.serve_deadline_s)
 
     def _add(self, row: dict, result: Completion) -> None:
@@ -175,10 +176,11 @@ class ShardRunner:
             if self.pending and time.monotonic() - self._last_flush > FLUSH_SECONDS:
                 self._flush()
 
-    def _report(self, final: bool = False) -> None:
+    def _report(self, final: bool = False, waiting_for: str | None = None) -> None:
         counts = self._counts()
         progress.report(self.conn, self.run_name, "generate", str(self.shard), **counts.model_dump(),
-                        in_flight=self.in_flight, worker=socket.gethostname(), final=final)
+                        in_flight=self.in_flight, worker=socket.gethostname(), final=final,
+                        waiting_for=waiting_for)
 
     async def _keep_lease(self, lease) -> None:
         while True:
