@@ -99,15 +99,60 @@ def _wait(conn, store, run: str, stage: str) -> None:
 
 @app.command()
 @command
-def worker(stage: str = typer.Argument(..., help="generate"),
+def extract(run: str = typer.Option(..., "--run", help="Run name (its generate stage must be done)."),
+            layers: Optional[str] = typer.Option(None, help="Aux layer ids, e.g. 2,16,29 (default [2, n//2, n-3])."),
+            dtype: Optional[str] = typer.Option(None, help="bf16 (default) or fp8 (e4m3, per-token scales)."),
+            max_length: Optional[int] = typer.Option(None, min=2, help="Longer samples are truncated (or skipped if the prompt alone is longer)."),
+            budget: Optional[str] = typer.Option(None, help="Refuse if the projection exceeds this, e.g. 2.8TB."),
+            wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
+    """Record the target's hidden states for every generated sample (speculators' layout)."""
+    from eyrie.manifest import check_run_name
+    from eyrie_extractor.budget import human
+    from eyrie_extractor.plan import start_extract
+
+    check_run_name(run)
+    if dtype not in (None, "bf16", "fp8"):
+        raise EyrieError(f"unknown --dtype {dtype!r}.", "use --dtype bf16 or --dtype fp8.")
+    try:
+        aux = [int(x) for x in layers.split(",")] if layers else None
+    except ValueError:
+        raise EyrieError(f"cannot read --layers {layers!r}.", "give comma-separated ids, e.g. --layers 2,16,29.") from None
+    _, conn, store = _context()
+    manifest, enqueued = start_extract(conn, store, run, layers=aux, dtype=dtype, max_length=max_length,
+                                       budget=budget)
+    p = manifest.extract
+    typer.echo(f"run {run}: extract {p.samples} samples, {p.tokens:,} tokens, layers {p.aux_layers} + last, "
+               f"{p.dtype}: {human(p.projected_bytes)} projected ({p.truncated} truncated); "
+               f"{enqueued} tasks enqueued now")
+    if wait:
+        _wait(conn, store, run, "extract")
+
+
+@app.command()
+@command
+def materialize(run: str = typer.Argument(..., help="Run name."),
+                out: Path = typer.Argument(..., help="Directory to write (speculators' training layout).")):
+    """Copy a run's hidden states from the store into the directory speculators trains from."""
+    from eyrie_extractor.materialize import materialize as copy_out
+
+    _, _, store = _context()
+    typer.echo(f"{copy_out(store, run, out)} samples in {out}")
+
+
+@app.command()
+@command
+def worker(stage: str = typer.Argument(..., help="generate | extract"),
            burst: bool = typer.Option(False, "--burst", help="Exit when the queue is empty.")):
     """Take tasks of one stage from the queue (any number of workers, on any host)."""
     from eyrie.config import load_settings
     from eyrie.queue import connect, run_worker
 
-    if stage != "generate":
-        raise EyrieError(f"unknown stage {stage!r} for a worker.", "use: eyrie worker generate")
-    import eyrie_generator.shard  # noqa: F401  imported once here, not in every task
+    if stage == "generate":
+        import eyrie_generator.shard  # noqa: F401  imported once here, not in every task
+    elif stage == "extract":
+        import eyrie_extractor.shard  # noqa: F401
+    else:
+        raise EyrieError(f"unknown stage {stage!r} for a worker.", "use: eyrie worker generate|extract")
 
     settings = load_settings()
     run_worker(connect(settings.redis_url), stage, burst)

@@ -46,6 +46,10 @@ class Settings(BaseSettings):
     retry_backoff_s: float = Field(2.0, ge=0, description="First retry delay; doubles, capped at 60 s.")
     shard_size: int = Field(1000, ge=1)
 
+    device: str = Field("auto", description="Extractor device: auto (cuda if present), cpu, cuda, cuda:N.")
+    extract_batch_tokens: int = Field(16384, ge=1, description="Padded tokens per forward batch.")
+    extract_write_threads: int = Field(4, ge=1, description="Uploads running beside the forward.")
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str) -> str:

@@ -53,14 +53,23 @@ class Layout:
     def generate_parts(self, shard: int) -> str:
         return f"{self.root}/generate/parts/shard-{shard:05d}/"
 
-    def generate_part(self, shard: int, part: int) -> str:
-        return f"{self.generate_parts(shard)}part-{part:05d}.jsonl"
-
     def generate_shard(self, shard: int) -> str:
         return f"{self.root}/generate/shards/shard-{shard:05d}.jsonl"
 
     def generate_shard_manifest(self, shard: int) -> str:
         return f"{self.root}/generate/shards/shard-{shard:05d}.manifest.json"
+
+    def extract_parts(self, shard: int) -> str:
+        return f"{self.root}/extract/parts/shard-{shard:05d}/"
+
+    def extract_sample(self, shard: int, sample_id: str) -> str:
+        return f"{self.root}/extract/shards/shard-{shard:05d}/{sample_id}.safetensors"
+
+    def extract_shard_manifest(self, shard: int) -> str:
+        return f"{self.root}/extract/shards/shard-{shard:05d}.manifest.json"
+
+    def shard_manifest(self, stage: str, shard: int) -> str:
+        return getattr(self, f"{stage}_shard_manifest")(shard)
 
 
 class DatasetRef(BaseModel):
@@ -96,6 +105,20 @@ class GenerateParams(BaseModel):
     think_end: str = "</think>"
 
 
+class ExtractParams(BaseModel):
+    backend: str  # hf | vllm
+    aux_layers: list[int]
+    dtype: str  # bf16 | fp8
+    max_length: int | None
+    num_layers: int
+    hidden_size: int
+    samples: int
+    tokens: int
+    truncated: int
+    projected_bytes: int
+    budget_bytes: int | None
+
+
 class ShardPlan(BaseModel):
     index: int
     row_start: int
@@ -114,6 +137,7 @@ class RunManifest(BaseModel):
     generate_shards: list[ShardPlan]
     input_skips: dict[str, int] = Field(default_factory=dict,
                                         description="rows unreadable at planning, by reason")
+    extract: ExtractParams | None = None
 
 
 class Counts(BaseModel):
@@ -121,8 +145,10 @@ class Counts(BaseModel):
     done: int = 0
     skipped: int = 0
     failed: int = 0
+    tokens: int = 0  # generate: completion tokens; extract: tokens forwarded
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    bytes: int = 0
 
     def add(self, other: "Counts") -> "Counts":
         return Counts(**{k: getattr(self, k) + getattr(other, k) for k in Counts.model_fields})
@@ -132,8 +158,8 @@ class ShardManifest(BaseModel):
     run: str
     stage: str
     shard: int
-    object: str
-    sha256: str
+    object: str | None = None  # generate: the shard's JSONL
+    sha256: str | None = None
     bytes: int
     counts: Counts
     skip_reasons: dict[str, int]
@@ -141,6 +167,9 @@ class ShardManifest(BaseModel):
     started_at: str
     finished_at: str
     worker: str
+    samples: list[dict] = Field(default_factory=list, description="extract: one entry per object")
+    mismatches: int = 0  # extract: server token ids that disagree with the chat template
+    truncated: int = 0  # extract: samples cut to --max-length
 
 
 def load_run_manifest(store, run: str) -> RunManifest:

@@ -4,55 +4,67 @@ from __future__ import annotations
 
 import time
 
-from eyrie import inference, progress
-from eyrie.manifest import Counts, Layout, ShardManifest, load_run_manifest
+from eyrie import gpu, inference, progress
+from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest
 from eyrie.queue import job_errors, job_state, workers_on
 
 LIVE_JOB_STATES = {"queued", "started", "scheduled", "deferred"}
 
 
+def task_id(stage: str, run: str, shard: int) -> str:
+    return f"{stage}-{run}-{shard:05d}"
+
+
 def run_status(conn, store, run: str) -> dict:
     manifest = load_run_manifest(store, run)
     endpoint = inference.read(conn)
+    stages = {"generate": stage_status(conn, store, manifest, "generate",
+                                       manifest.dataset.row_end - manifest.dataset.row_start)}
+    if manifest.extract:
+        stages["extract"] = stage_status(conn, store, manifest, "extract", manifest.extract.samples)
+        stages["extract"]["projected_bytes"] = manifest.extract.projected_bytes
     return {
         "run": run,
         "created_at": manifest.created_at,
         "target": manifest.target.model_dump(),
         "dataset": manifest.dataset.model_dump(),
-        "stages": {"generate": generate_status(conn, store, manifest)},
+        "stages": stages,
         "inference": endpoint.model_dump() if endpoint else None,
+        "gpu_lease": gpu.holder(conn),
     }
 
 
-def generate_status(conn, store, manifest) -> dict:
-    layout = Layout(manifest.run)
-    live = progress.read(conn, manifest.run, "generate")
+def stage_status(conn, store, manifest: RunManifest, stage: str, total: int) -> dict:
+    """One task per generate shard, in every stage; counts from finished shards' manifests
+    (the record) plus live progress of the others."""
+    layout, run = Layout(manifest.run), manifest.run
+    live = progress.read(conn, run, stage)
     counts, done_shards, jobs, in_flight, waiting = Counts(), 0, {}, 0, set()
     skip_reasons: dict[str, int] = {}
     for plan in manifest.generate_shards:
-        key = layout.generate_shard_manifest(plan.index)
+        key = layout.shard_manifest(stage, plan.index)
         if store.exists(key):
             shard = ShardManifest.model_validate(store.get_json(key))
             counts, done_shards = counts.add(shard.counts), done_shards + 1
             for reason, n in shard.skip_reasons.items():
                 skip_reasons[reason] = skip_reasons.get(reason, 0) + n
             continue
-        state = job_state(conn, f"generate-{manifest.run}-{plan.index:05d}") or "missing"
+        state = job_state(conn, task_id(stage, run, plan.index)) or "missing"
         jobs[state] = jobs.get(state, 0) + 1
         entry = live.get(str(plan.index))
         if entry:
             counts = counts.add(Counts(**{k: entry.get(k, 0) for k in Counts.model_fields if k != "total"}))
-            in_flight += entry.get("in_flight", 0) if state == "started" else 0
-            if state == "started" and entry.get("waiting_for"):
-                waiting.add(entry["waiting_for"])
-    counts.total = manifest.dataset.row_end - manifest.dataset.row_start
+            if state == "started":
+                in_flight += entry.get("in_flight", 0)
+                waiting.update([entry["waiting_for"]] if entry.get("waiting_for") else [])
+    counts.total = total
     state = _state(done_shards, len(manifest.generate_shards), jobs, counts)
     return {
-        "state": state, **counts.model_dump(), "tokens": counts.completion_tokens,
-        "in_flight": in_flight, "waiting_for": sorted(waiting), "shards_total": len(manifest.generate_shards), "shards_done": done_shards,
-        "jobs": jobs, "workers": workers_on(conn, "generate"), "skip_reasons": skip_reasons,
-        "errors": job_errors(conn, [f"generate-{manifest.run}-{p.index:05d}" for p in manifest.generate_shards]),
-        **_rates(conn, manifest.run, counts, state),
+        "state": state, **counts.model_dump(), "in_flight": in_flight, "waiting_for": sorted(waiting),
+        "shards_total": len(manifest.generate_shards), "shards_done": done_shards, "jobs": jobs,
+        "workers": workers_on(conn, stage), "skip_reasons": skip_reasons,
+        "errors": job_errors(conn, [task_id(stage, run, p.index) for p in manifest.generate_shards]),
+        **_rates(conn, run, stage, counts, state),
     }
 
 
@@ -66,14 +78,14 @@ def _state(done: int, total: int, jobs: dict, counts: Counts) -> str:
     return "in_progress" if counts.done + counts.skipped + counts.failed else "pending"
 
 
-def _rates(conn, run: str, counts: Counts, state: str) -> dict:
-    started = progress.started_at(conn, run, "generate")
+def _rates(conn, run: str, stage: str, counts: Counts, state: str) -> dict:
+    started = progress.started_at(conn, run, stage)
     processed = counts.done + counts.skipped + counts.failed
     if not started or not processed:
         return {"tok_per_s": None, "samples_per_s": None, "eta_s": None}
-    updated = max((e.get("updated_at", 0) for e in progress.read(conn, run, "generate").values()),
+    updated = max((e.get("updated_at", 0) for e in progress.read(conn, run, stage).values()),
                   default=time.time())
     elapsed = max(1e-6, (updated if state == "done" else time.time()) - started)
     rate = processed / elapsed
-    return {"tok_per_s": round(counts.completion_tokens / elapsed, 1), "samples_per_s": round(rate, 3),
-            "eta_s": 0.0 if state == "done" else round((counts.total - processed) / rate, 1)}
+    return {"tok_per_s": round(counts.tokens / elapsed, 1), "samples_per_s": round(rate, 3),
+            "eta_s": 0.0 if state == "done" else round(max(0, counts.total - processed) / rate, 1)}

@@ -19,6 +19,7 @@ import redis
 from eyrie import inference, progress
 from eyrie.config import Settings
 from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest, now_iso
+from eyrie.partlog import PartLog
 from eyrie.queue import LEASE_TTL_S, task_lease
 from eyrie.store import Store
 from eyrie_generator.client import ChatClient, Completion
@@ -44,7 +45,7 @@ class ShardRunner:
         self.pending: list[dict] = []
         self.flushes: list[asyncio.Future] = []
         self._last_flush = time.monotonic()
-        self.parts_written = 0
+        self.parts = PartLog(store, self.layout.generate_parts(shard))
         self.in_flight = 0
         self.in_flight_area = 0.0
         self._last_tick = time.monotonic()
@@ -93,12 +94,8 @@ class ShardRunner:
         return rows
 
     def _load_parts(self) -> None:
-        for key in self.store.list(self.layout.generate_parts(self.shard)):
-            for line in self.store.get_bytes(key).splitlines():
-                record = orjson.loads(line)
-                self.records.setdefault(record["sample_id"], record)
-            number = int(key.rsplit("part-", 1)[1].split(".")[0])
-            self.parts_written = max(self.parts_written, number + 1)  # never overwrite a part
+        for record in self.parts.load():
+            self.records.setdefault(record["sample_id"], record)
 
     async def _answer(self, todo: list[dict]) -> None:
         endpoint = self._endpoint()
@@ -164,9 +161,8 @@ class ShardRunner:
                 raise flush.exception()  # the store failed: the task fails and is retried
         if not self.pending:
             return
-        data = b"".join(orjson.dumps(r) + b"\n" for r in self.pending)
-        key = self.layout.generate_part(self.shard, self.parts_written)
-        self.parts_written, self.pending, self._last_flush = self.parts_written + 1, [], time.monotonic()
+        data, key = self.parts.encode(self.pending), self.parts.take_key()
+        self.pending, self._last_flush = [], time.monotonic()
         self.flushes.append(asyncio.ensure_future(asyncio.to_thread(self.store.put_bytes, key, data)))
 
     async def _report_loop(self) -> None:
@@ -189,12 +185,14 @@ class ShardRunner:
 
     def _counts(self) -> Counts:
         statuses = Counter(r["status"] for r in self.records.values())
-        return Counts(total=self.plan.row_end - self.plan.row_start, done=statuses["done"],
+        counts = Counts(total=self.plan.row_end - self.plan.row_start, done=statuses["done"],
                       skipped=statuses["skipped"], failed=statuses["failed"],
                       prompt_tokens=sum((r.get("usage") or {}).get("prompt_tokens", 0) or 0
                                         for r in self.records.values()),
                       completion_tokens=sum((r.get("usage") or {}).get("completion_tokens", 0) or 0
                                             for r in self.records.values()))
+        counts.tokens = counts.completion_tokens
+        return counts
 
     def _finish(self, started_at: str) -> dict:
         records = sorted(self.records.values(), key=lambda r: r["row"])
@@ -211,8 +209,7 @@ class ShardRunner:
             failure_errors=dict(Counter((r["error"] or "")[:80] for r in records if r["status"] == "failed")),
             started_at=started_at, finished_at=now_iso(), worker=socket.gethostname())
         self.store.put_json(self.layout.generate_shard_manifest(self.shard), shard_manifest.model_dump())
-        for key in self.store.list(self.layout.generate_parts(self.shard)):
-            self.store.delete(key)
+        self.parts.clear()
         self._report(final=True)
         self._tick(0)
         wall = max(1e-9, time.monotonic() - self._t0)

@@ -1,0 +1,64 @@
+"""Who may use the GPUs now: one lease in Redis, renewed by its holder, lapsing if it dies.
+
+The inference service holds it while vLLM runs; extractor and trainer take it before GPU work.
+Never two owners: acquisition is an atomic SET NX with a TTL."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import orjson
+import redis
+from redis.lock import Lock
+
+KEY = "eyrie:gpu:lease"
+INFO = "eyrie:gpu:holder"
+WAITING = "eyrie:gpu:waiting"
+TTL_S = 30
+
+
+class GpuLease:
+    def __init__(self, conn: redis.Redis, owner: str, devices: str = "all"):
+        self.conn, self.owner, self.devices = conn, owner, devices
+        self.lock = Lock(conn, KEY, timeout=TTL_S, thread_local=False)
+
+    def acquire(self, wait_s: float | None = None, poll_s: float = 1.0) -> bool:
+        """Block until the lease is ours (visible as waiting in status meanwhile)."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        self.conn.hset(WAITING, self.owner, time.time())
+        try:
+            while not self.lock.acquire(blocking=False):
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+                time.sleep(poll_s)
+        finally:
+            self.conn.hdel(WAITING, self.owner)
+        self._publish()
+        return True
+
+    def renew(self) -> None:
+        self.lock.extend(TTL_S, replace_ttl=True)
+        self._publish()
+
+    def release(self) -> None:
+        try:
+            self.lock.release()
+        except redis.exceptions.LockError:
+            pass
+        self.conn.delete(INFO)
+
+    def _publish(self) -> None:
+        info = {"owner": self.owner, "devices": self.devices, "host": socket.gethostname(),
+                "pid": os.getpid(), "since": time.time()}
+        self.conn.set(INFO, orjson.dumps(info), ex=TTL_S)
+
+
+def holder(conn: redis.Redis) -> dict | None:
+    """The current owner (None when free) and who is waiting."""
+    raw = conn.get(INFO) if conn.exists(KEY) else None
+    waiting = sorted(k.decode() for k in conn.hkeys(WAITING))
+    if raw is None and not waiting:
+        return None
+    return {"holder": orjson.loads(raw) if raw else None, "waiting": waiting}

@@ -1,0 +1,87 @@
+"""Hidden states from a HuggingFace transformers forward pass (CPU or GPU).
+
+Per sample: `[seq, n_aux + 1, H]`, the aux layers' inputs and the last decoder layer's output
+BEFORE the final norm (speculators applies the verifier's norm and lm_head itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Batch:
+    samples: list  # whatever the caller needs back, one per sequence
+    input_ids: list[list[int]]
+
+
+def token_budget_batches(items: list, lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices grouped longest first so that each batch's padded size stays within max_tokens."""
+    order = sorted(range(len(items)), key=lambda i: -lengths[i])
+    batches, current, longest = [], [], 0
+    for i in order:
+        longest_if_added = max(longest, lengths[i])
+        if current and longest_if_added * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, longest_if_added = [], lengths[i]
+        current.append(i)
+        longest = longest_if_added
+    if current:
+        batches.append(current)
+    return batches
+
+
+class HFCapture:
+    """Loads the target once; `forward` returns per-sequence hidden states on the host."""
+
+    def __init__(self, model_path: str, aux_layers: list[int], device: str, dtype: torch.dtype | None = None):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or "auto").to(self.device)
+        self.model.eval()
+        self.aux_layers = aux_layers
+        self.decoder_layers = self._decoder_layers()
+        self.num_layers = len(self.decoder_layers)
+        self.hidden_size = self.model.config.get_text_config().hidden_size
+        self._captured: dict[int, torch.Tensor] = {}
+        self._register_hooks()
+
+    def _decoder_layers(self):
+        base = getattr(self.model, self.model.base_model_prefix, self.model)
+        return base.layers
+
+    def _register_hooks(self) -> None:
+        """Layer id i = the input of decoder layer i; num_layers = the last layer's output."""
+        def keep(layer_id):
+            def hook(_module, args, kwargs, output=None):
+                tensor = output if output is not None else (args[0] if args else kwargs["hidden_states"])
+                self._captured[layer_id] = tensor[0] if isinstance(tensor, tuple) else tensor
+            return hook
+
+        for layer_id in set(self.aux_layers):
+            if layer_id < self.num_layers:
+                self.decoder_layers[layer_id].register_forward_pre_hook(
+                    lambda m, a, k, i=layer_id: keep(i)(m, a, k), with_kwargs=True)
+        last = self.num_layers
+        self.decoder_layers[-1].register_forward_hook(
+            lambda m, a, k, out, i=last: keep(i)(m, a, k, out), with_kwargs=True)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: list[list[int]]) -> torch.Tensor:
+        """Right-padded batch -> `[batch, max_len, n_aux + 1, H]` on the device (padding rows
+        are garbage; the caller slices each sequence to its length)."""
+        longest = max(len(ids) for ids in input_ids)
+        ids = torch.zeros(len(input_ids), longest, dtype=torch.long)
+        mask = torch.zeros(len(input_ids), longest, dtype=torch.long)
+        for row, seq in enumerate(input_ids):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+        self._captured.clear()
+        # The lm_head is not needed: run the base model only (saves the vocab projection).
+        base = getattr(self.model, self.model.base_model_prefix, self.model)
+        base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+        layers = [self._captured[i] for i in self.aux_layers] + [self._captured[self.num_layers]]
+        return torch.stack(layers, dim=2)

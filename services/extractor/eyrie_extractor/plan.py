@@ -1,0 +1,92 @@
+"""Start (or continue) the extract stage of a run: check the layers and the storage budget
+before any forward pass, record the plan in the run manifest, enqueue one task per shard."""
+
+from __future__ import annotations
+
+import orjson
+
+from eyrie.errors import EyrieError
+from eyrie.manifest import ExtractParams, Layout, RunManifest, ShardManifest, load_run_manifest
+from eyrie.queue import enqueue_task
+from eyrie.status import task_id
+from eyrie_extractor.budget import check_fits, parse_size
+from eyrie_extractor.layers import resolve_aux_layers
+from eyrie_extractor.render import fit, render
+
+TASK_FUNC = "eyrie_extractor.shard.run_extract_shard"
+
+
+def generated_records(store, manifest: RunManifest, shard: int) -> list[dict]:
+    """The done records of one generate shard, checksum-verified."""
+    layout = Layout(manifest.run)
+    shard_manifest = ShardManifest.model_validate(store.get_json(layout.generate_shard_manifest(shard)))
+    raw = store.get_verified(shard_manifest.object, shard_manifest.sha256)
+    return [r for r in map(orjson.loads, raw.splitlines()) if r["status"] == "done"]
+
+
+def target_shape(model: str) -> tuple[int, int]:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model).get_text_config()
+    except Exception as exc:
+        raise EyrieError(f"cannot read the config of the target {model} ({type(exc).__name__}).",
+                         "make the model directory (or HF cache) available to this host.") from None
+    return config.num_hidden_layers, config.hidden_size
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def start_extract(conn, store, run: str, *, layers: list[int] | None = None, dtype: str | None = None,
+                  max_length: int | None = None, budget: str | None = None,
+                  backend: str = "hf") -> tuple[RunManifest, int]:
+    manifest, layout = load_run_manifest(store, run), Layout(run)
+    missing = [p.index for p in manifest.generate_shards
+               if not store.exists(layout.generate_shard_manifest(p.index))]
+    if missing:
+        raise EyrieError(f"run {run}: generate is not finished ({len(missing)} of "
+                         f"{len(manifest.generate_shards)} shards to go).",
+                         f"wait for it (`eyrie status {run}`), then run extract again.")
+    if manifest.extract is None:
+        manifest.extract = _plan(store, manifest, layers, dtype or "bf16", max_length, budget, backend)
+        store.put_json(layout.manifest, manifest.model_dump())
+    else:
+        _check_same(manifest.extract, layers, dtype, max_length)
+    enqueued = sum(
+        enqueue_task(conn, "extract", TASK_FUNC, {"run": run, "shard": p.index}, task_id("extract", run, p.index))
+        for p in manifest.generate_shards if not store.exists(layout.extract_shard_manifest(p.index)))
+    return manifest, enqueued
+
+
+def _plan(store, manifest, layers, dtype, max_length, budget, backend) -> ExtractParams:
+    num_layers, hidden = target_shape(manifest.target.model)
+    aux = resolve_aux_layers(layers, num_layers)
+    tokenizer = load_tokenizer(manifest.target.model)
+    think = (manifest.generate.think_start, manifest.generate.think_end)
+    samples = tokens = truncated = 0
+    for plan in manifest.generate_shards:
+        for record in generated_records(store, manifest, plan.index):
+            rendered, note = fit(render(record, tokenizer, think), max_length)
+            if rendered is not None:
+                samples, tokens = samples + 1, tokens + len(rendered.input_ids)
+                truncated += note == "truncated"
+    budget_bytes = parse_size(budget) if budget else None
+    need = check_fits(tokens, samples, len(aux) + 1, hidden, dtype, budget_bytes, store.free_bytes())
+    return ExtractParams(backend=backend, aux_layers=aux, dtype=dtype, max_length=max_length,
+                         num_layers=num_layers, hidden_size=hidden, samples=samples, tokens=tokens,
+                         truncated=truncated, projected_bytes=need, budget_bytes=budget_bytes)
+
+
+def _check_same(params: ExtractParams, layers, dtype, max_length) -> None:
+    changed = [f"{name} {new} vs {old}" for name, new, old in
+               (("layers", layers, params.aux_layers), ("max_length", max_length, params.max_length))
+               if new is not None and new != old]
+    if dtype is not None and dtype != params.dtype:
+        changed.append(f"dtype {dtype} vs {params.dtype}")
+    if changed:
+        raise EyrieError(f"extract of this run was planned with other settings: {'; '.join(changed)}.",
+                         "rerun with the original settings to continue it, or start a new run.")

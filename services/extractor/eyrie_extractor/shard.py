@@ -1,0 +1,197 @@
+"""One extract task: a generate shard's samples through the target, hidden states to the store.
+
+The forward pass of batch k+1 runs while batch k is copied to the host, serialized and uploaded
+by a small thread pool (at most two batches waiting: bounded memory). Results go to the store
+in parts as they land, so a retried task forwards only what is missing; the shard manifest
+(the proof of completion) is written last.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import redis
+import torch
+from safetensors.torch import save
+
+from eyrie import progress
+from eyrie.config import Settings
+from eyrie.gpu import GpuLease
+from eyrie.manifest import Counts, Layout, ShardManifest, load_run_manifest, now_iso
+from eyrie.partlog import PartLog
+from eyrie.queue import LEASE_TTL_S, task_lease
+from eyrie.status import task_id
+from eyrie_extractor.capture import HFCapture, token_budget_batches
+from eyrie_extractor.plan import generated_records, load_tokenizer
+from eyrie_extractor.render import fit, render
+
+MAX_PENDING_BATCHES = 2
+
+
+def sample_tensors(states: torch.Tensor, input_ids: list[int], dtype: str) -> dict[str, torch.Tensor]:
+    """speculators' per-sample file: hidden_states [seq, n_aux+1, H], token_ids int64 [seq]
+    (fp8: e4m3 with one fp32 scale per token, as hs-connectors' fp8 connector writes)."""
+    tensors = {"token_ids": torch.tensor(input_ids, dtype=torch.long)}
+    if dtype == "fp8":
+        from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+
+        fp8, scales = quantize_tensor_to_fp8(states)
+        tensors.update({"hidden_states": fp8.contiguous(), SCALES_KEY: scales.contiguous()})
+    else:
+        tensors["hidden_states"] = states.to(torch.bfloat16).contiguous()
+    return tensors
+
+
+def pick_device(setting: str) -> str:
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return setting
+
+
+class ExtractRunner:
+    def __init__(self, settings: Settings, conn: redis.Redis, store, run: str, shard: int):
+        self.settings, self.conn, self.store = settings, conn, store
+        self.layout, self.run_name, self.shard = Layout(run), run, shard
+        self.manifest = load_run_manifest(store, run)
+        self.params = self.manifest.extract
+        self.parts = PartLog(store, self.layout.extract_parts(shard))
+        self.entries: dict[str, dict] = {}
+        self.pending: list[dict] = []
+        self.lease = None
+
+    def run(self) -> dict:
+        if self.store.exists(self.layout.extract_shard_manifest(self.shard)):
+            return {"shard": self.shard, "status": "already_done"}
+        lease = task_lease(self.conn, task_id("extract", self.run_name, self.shard))
+        if not lease.acquire(blocking=True):
+            return {"shard": self.shard, "status": "held_by_another_worker"}
+        self.lease = lease
+        gpu = None
+        try:
+            device = pick_device(self.settings.device)
+            if device.startswith("cuda"):  # CPU-only runs need no GPU lease
+                gpu = GpuLease(self.conn, f"extractor@{socket.gethostname()}", device)
+                self._report(waiting_for="gpu_lease")
+                gpu.acquire()
+            return self._run(device, gpu)
+        finally:
+            if gpu:
+                gpu.release()
+            try:
+                lease.release()
+            except redis.exceptions.LockError:
+                pass
+
+    def _run(self, device: str, gpu) -> dict:
+        started_at, t0 = now_iso(), time.monotonic()
+        for entry in self.parts.load():
+            self.entries.setdefault(entry["sample_id"], entry)
+        todo = self._render_todo()
+        capture = HFCapture(self.manifest.target.model, self.params.aux_layers, device)
+        lengths = [len(r["input_ids"]) for r in todo]
+        batches = token_budget_batches(todo, lengths, self.settings.extract_batch_tokens)
+        with ThreadPoolExecutor(self.settings.extract_write_threads) as pool:
+            in_flight: list[list[Future]] = []
+            for batch in batches:
+                items = [todo[i] for i in batch]
+                states = capture.forward([item["input_ids"] for item in items])
+                host = states.to("cpu", non_blocking=True)  # overlaps with the next forward on a GPU
+                in_flight.append([pool.submit(self._write, item, host[row, : len(item["input_ids"])])
+                                  for row, item in enumerate(items)])
+                while len(in_flight) > MAX_PENDING_BATCHES:
+                    self._collect(in_flight.pop(0), gpu)
+            while in_flight:
+                self._collect(in_flight.pop(0), gpu)
+        self._flush()
+        return self._finish(started_at, time.monotonic() - t0)
+
+    def _render_todo(self) -> list[dict]:
+        tokenizer = load_tokenizer(self.manifest.target.model)
+        think = (self.manifest.generate.think_start, self.manifest.generate.think_end)
+        todo = []
+        for record in generated_records(self.store, self.manifest, self.shard):
+            if record["sample_id"] in self.entries:
+                continue
+            base = {"sample_id": record["sample_id"], "row": record["row"]}
+            try:
+                rendered, note = fit(render(record, tokenizer, think), self.params.max_length)
+            except Exception as exc:  # a record we cannot tokenize is failed, with the reason
+                self._add({**base, "status": "failed", "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            if rendered is None:
+                self._add({**base, "status": "skipped", "reason": note})
+            else:
+                todo.append({**base, "input_ids": rendered.input_ids, "prompt_len": rendered.prompt_len,
+                             "source": rendered.source, "mismatch": rendered.mismatch,
+                             "truncated": note == "truncated"})
+        return todo
+
+    def _write(self, item: dict, states: torch.Tensor) -> dict:
+        data = save(sample_tensors(states, item["input_ids"], self.params.dtype))
+        info = self.store.put_bytes(self.layout.extract_sample(self.shard, item["sample_id"]), data)
+        return {"sample_id": item["sample_id"], "row": item["row"], "status": "done", "key": info.key,
+                "sha256": info.sha256, "bytes": info.size, "seq_len": len(item["input_ids"]),
+                "prompt_len": item["prompt_len"], "source": item["source"],
+                "mismatch": item["mismatch"], "truncated": item["truncated"]}
+
+    def _collect(self, futures: list[Future], gpu) -> None:
+        for future in futures:
+            self._add(future.result())
+        self._flush()
+        self.lease.extend(LEASE_TTL_S, replace_ttl=True)  # raises if the lease was lost: task retried
+        if gpu:
+            gpu.renew()
+        self._report()
+
+    def _add(self, entry: dict) -> None:
+        self.entries[entry["sample_id"]] = entry
+        self.pending.append(entry)
+
+    def _flush(self) -> None:
+        if self.pending:
+            self.store.put_bytes(self.parts.take_key(), self.parts.encode(self.pending))
+            self.pending = []
+
+    def _counts(self) -> Counts:
+        statuses = Counter(e["status"] for e in self.entries.values())
+        done = [e for e in self.entries.values() if e["status"] == "done"]
+        return Counts(total=len(self.entries), done=statuses["done"], skipped=statuses["skipped"],
+                      failed=statuses["failed"], tokens=sum(e["seq_len"] for e in done),
+                      bytes=sum(e["bytes"] for e in done))
+
+    def _report(self, final: bool = False, waiting_for: str | None = None) -> None:
+        progress.report(self.conn, self.run_name, "extract", str(self.shard), **self._counts().model_dump(),
+                        worker=socket.gethostname(), final=final, waiting_for=waiting_for)
+
+    def _finish(self, started_at: str, wall: float) -> dict:
+        entries = sorted(self.entries.values(), key=lambda e: e["row"])
+        counts = self._counts()
+        manifest = ShardManifest(
+            run=self.run_name, stage="extract", shard=self.shard, bytes=counts.bytes, counts=counts,
+            skip_reasons=dict(Counter(e["reason"] for e in entries if e["status"] == "skipped")),
+            failure_errors=dict(Counter(e["error"][:80] for e in entries if e["status"] == "failed")),
+            started_at=started_at, finished_at=now_iso(), worker=socket.gethostname(),
+            samples=[e for e in entries if e["status"] == "done"],
+            mismatches=sum(1 for e in entries if e.get("mismatch")),
+            truncated=sum(1 for e in entries if e.get("truncated")))
+        self.store.put_json(self.layout.extract_shard_manifest(self.shard), manifest.model_dump())
+        self.parts.clear()
+        self._report(final=True)
+        return {"shard": self.shard, "status": "done", **counts.model_dump(), "wall_s": round(wall, 3),
+                "tok_per_s": round(counts.tokens / max(wall, 1e-9), 1)}
+
+
+def run_extract_shard(payload: dict) -> dict:
+    """RQ entry point. The payload is JSON, validated before anything runs."""
+    from eyrie.config import load_settings
+    from eyrie.queue import connect
+    from eyrie.store import open_store
+    from eyrie_extractor.tasks import ExtractTask
+
+    task = ExtractTask.model_validate(payload)
+    settings = load_settings()
+    return ExtractRunner(settings, connect(settings.redis_url), open_store(settings), task.run,
+                         task.shard).run()

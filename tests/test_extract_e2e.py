@@ -1,0 +1,115 @@
+"""Generate then extract on the tiny target (real Redis, real transformers serve, both stores):
+what we wrote is read back by speculators' own data loading code and equals a direct forward
+pass; fp8 halves the bytes; the storage budget refuses before any forward pass."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import TINY, eyrie
+from eyrie.config import load_settings
+from eyrie.manifest import Layout, RunManifest, ShardManifest
+from eyrie.store import open_store
+
+PROMPTS = [{"conversations": [{"from": "human", "value": q}]} for q in
+           ("What is 4 plus 7?", "Say hello to Rosa.", "Add 8 and 4.", "What is the opposite of dark?",
+            "Repeat the word apple.", "What is 2 plus 3?")]
+
+
+@pytest.fixture
+def generated(env, tiny_server, tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    eyrie("generate", "--dataset", str(data), "--run", "hs", "--concurrency", "3", "--max-tokens", "64",
+          "--shard-size", "4", env=env)
+    eyrie("worker", "generate", "--burst", env=env, timeout=600)
+    return env
+
+
+
+
+def test_extract_into_speculators_layout(generated, tmp_path):
+    env = generated
+    out = eyrie("extract", "--run", "hs", "--layers", "2,4,5", env=env)
+    assert "extract 6 samples" in out.stdout and "2 tasks enqueued now" in out.stdout
+    eyrie("worker", "extract", "--burst", env=env, timeout=600)
+
+    store, layout = open_store(load_settings()), Layout("hs")
+    run = RunManifest.model_validate(store.get_json(layout.manifest))
+    assert run.extract.aux_layers == [2, 4, 5] and run.extract.hidden_size == 64
+    shards = [ShardManifest.model_validate(store.get_json(layout.extract_shard_manifest(i))) for i in (0, 1)]
+    assert sum(s.counts.done for s in shards) == 6 and all(not s.skip_reasons for s in shards)
+    stored = sum(s.bytes for s in shards)
+    assert abs(stored - run.extract.projected_bytes) / run.extract.projected_bytes < 0.02
+
+    dest = tmp_path / "specdata"
+    assert "6 samples" in eyrie("materialize", "hs", str(dest), env=env).stdout
+
+    from speculators.train.data import ArrowDataset
+
+    dataset = ArrowDataset(max_len=512, datapath=str(dest), on_missing="raise")
+    assert len(dataset) == 6
+    model = AutoModelForCausalLM.from_pretrained(TINY)
+    for i in range(6):
+        item = dataset[i]
+        ids = item["input_ids"].tolist()
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+        aux = torch.cat([ref[j][0] for j in (2, 4, 5)], dim=-1)
+        assert item["hidden_states"].shape == (len(ids), 3 * 64)
+        torch.testing.assert_close(item["hidden_states"].float(), aux, atol=2e-2, rtol=1.6e-2)
+        last = item["verifier_last_hidden_states"].float()  # pre-norm: norm(last) is HF's output
+        torch.testing.assert_close(model.model.norm(last), ref[-1][0], atol=3e-2, rtol=3e-2)
+        mask = item["loss_mask"].tolist()
+        assert mask[0] == 0 and mask[-1] == 1 and 0 < sum(mask) < len(mask)
+
+    status = json.loads(eyrie("status", "hs", "--json", env=env).stdout)["stages"]["extract"]
+    assert (status["state"], status["done"], status["total"]) == ("done", 6, 6)
+    assert status["bytes"] == stored and status["tokens"] == run.extract.tokens
+
+
+def test_fp8_halves_the_bytes_and_truncation_is_counted(generated, tmp_path):
+    env = generated
+    eyrie("extract", "--run", "hs", "--dtype", "fp8", "--max-length", "20", env=env)
+    eyrie("worker", "extract", "--burst", env=env, timeout=600)
+    store, layout = open_store(load_settings()), Layout("hs")
+    run = RunManifest.model_validate(store.get_json(layout.manifest))
+    shards = [ShardManifest.model_validate(store.get_json(layout.extract_shard_manifest(i))) for i in (0, 1)]
+    assert sum(s.truncated for s in shards) == run.extract.truncated > 0
+    assert all(e["seq_len"] <= 20 for s in shards for e in s.samples)
+    tokens = sum(e["seq_len"] for s in shards for e in s.samples)
+    per_token = sum(s.bytes for s in shards) / tokens
+    bf16_per_token = 4 * 64 * 2 + 8
+    assert per_token <= 0.6 * bf16_per_token  # 4*64 fp8 + 4 scale + 8 id (+ headers) vs 4*64*2 + 8
+
+    from hs_connectors.transfer import FP8Transfer
+    from speculators.train.data import ArrowDataset
+
+    dest = tmp_path / "fp8"
+    eyrie("materialize", "hs", str(dest), env=env)
+    dataset = ArrowDataset(max_len=512, datapath=str(dest), on_missing="raise",
+                           transfer=FP8Transfer(dest / "hidden_states"))
+    item = dataset[0]
+    assert item["hidden_states"].dtype == torch.bfloat16 and item["hidden_states"].shape[-1] == 3 * 64
+
+
+def test_budget_refusal_before_any_forward(generated):
+    env = generated
+    result = eyrie("extract", "--run", "hs", "--budget", "10kB", env=env, check=False)
+    assert result.returncode == 1
+    assert "needs" in result.stderr and "10.00 kB" in result.stderr and "--dtype fp8" in result.stderr
+    store = open_store(load_settings())
+    assert RunManifest.model_validate(store.get_json(Layout("hs").manifest)).extract is None
+    assert not store.list("runs/hs/extract/")
+
+
+def test_layers_validated_against_the_model(generated):
+    result = eyrie("extract", "--run", "hs", "--layers", "2,2,9", env=generated, check=False)
+    assert result.returncode == 1 and "out of range [0, 8]" in result.stderr
+
+
+def test_extract_before_generate_is_refused(env, tmp_path):
+    result = eyrie("extract", "--run", "nothing", env=env, check=False)
+    assert result.returncode == 1 and "unknown run" in result.stderr
