@@ -48,16 +48,34 @@ def run_demo(run: str, dataset: str) -> int:
         inference.wait_ready(conn, 300)
         console.print(f"inference ready in {time.monotonic() - started:.1f} s")
         procs.append(start("generator", ["worker", "generate"], env))
-        generate = subprocess.run([sys.executable, "-m", "eyrie.cli", "generate", "--dataset", dataset,
-                                   "--run", run, "--concurrency", "8", "--max-tokens", "256",
-                                   "--shard-size", "16", "--wait"], env={**os.environ, **env})
-        if generate.returncode not in (0, 3):
-            return generate.returncode
+        code = cli(["generate", "--dataset", dataset, "--run", run, "--concurrency", "8",
+                    "--max-tokens", "256", "--shard-size", "16", "--wait"], env)
         report(conn, store, run)
-        return generate.returncode
+        if code:
+            return code
+        stop(procs.pop(0))  # generation drained: the server goes, the extractor comes
+        procs.append(start("extractor", ["worker", "extract"], env))
+        code = cli(["extract", "--run", run, "--wait"], env)
+        report_extract(conn, store, run)
+        return code
     finally:
         for proc in reversed(procs):
             stop(proc)
+
+
+def cli(args: list[str], env: dict) -> int:
+    return subprocess.run([sys.executable, "-m", "eyrie.cli", *args], env={**os.environ, **env}).returncode
+
+
+def report_extract(conn, store, run: str) -> None:
+    from eyrie.status import run_status
+    from eyrie_extractor.budget import human
+
+    stage = run_status(conn, store, run)["stages"].get("extract")
+    if stage:
+        console.print(f"extract: {stage['done']} samples, {stage['tokens']:,} tokens, "
+                      f"{human(stage['bytes'])} stored (projected {human(stage['projected_bytes'])}), "
+                      f"{stage['tok_per_s']} tok/s  ·  speculators layout: eyrie materialize {run} DIR")
 
 
 def report(conn, store, run: str) -> None:

@@ -20,9 +20,9 @@ TTL_S = 30
 
 
 class GpuLease:
-    def __init__(self, conn: redis.Redis, owner: str, devices: str = "all"):
-        self.conn, self.owner, self.devices = conn, owner, devices
-        self.lock = Lock(conn, KEY, timeout=TTL_S, thread_local=False)
+    def __init__(self, conn: redis.Redis, owner: str, devices: str = "all", ttl_s: float = TTL_S):
+        self.conn, self.owner, self.devices, self.ttl_s = conn, owner, devices, ttl_s
+        self.lock = Lock(conn, KEY, timeout=ttl_s, thread_local=False)
 
     def acquire(self, wait_s: float | None = None, poll_s: float = 1.0) -> bool:
         """Block until the lease is ours (visible as waiting in status meanwhile)."""
@@ -39,7 +39,7 @@ class GpuLease:
         return True
 
     def renew(self) -> None:
-        self.lock.extend(TTL_S, replace_ttl=True)
+        self.lock.extend(self.ttl_s, replace_ttl=True)
         self._publish()
 
     def release(self) -> None:
@@ -52,7 +52,7 @@ class GpuLease:
     def _publish(self) -> None:
         info = {"owner": self.owner, "devices": self.devices, "host": socket.gethostname(),
                 "pid": os.getpid(), "since": time.time()}
-        self.conn.set(INFO, orjson.dumps(info), ex=TTL_S)
+        self.conn.set(INFO, orjson.dumps(info), px=int(self.ttl_s * 1000))
 
 
 def holder(conn: redis.Redis) -> dict | None:

@@ -20,6 +20,11 @@ def report(conn: redis.Redis, run: str, stage: str, task: str, **fields) -> None
         pipe.execute()
 
 
+def reset(conn: redis.Redis, run: str, stage: str) -> None:
+    """A new plan for a stage starts with no live progress (a run name may be reused)."""
+    conn.delete(_key(run, stage), f"eyrie:stage:{run}:{stage}")
+
+
 def read(conn: redis.Redis, run: str, stage: str) -> dict[str, dict]:
     return {k.decode(): orjson.loads(v) for k, v in conn.hgetall(_key(run, stage)).items()}
 

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 import redis
 from redis.lock import Lock
-from rq import Queue, Retry, Worker
+from rq import Queue, Retry, SimpleWorker, Worker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
@@ -138,6 +138,9 @@ def run_worker(conn: redis.Redis, stage: str, burst: bool) -> None:
     RQ itself fails or retries a dead worker's job once its heartbeat lapses (~90 s); the
     shorter task lease lets a new worker take it over sooner."""
     reclaim_abandoned(conn, stage)
-    worker = Worker([queue(conn, stage)], connection=conn, serializer=JSONSerializer,
-                    name=worker_name(stage), maintenance_interval=60)
+    # GPU stages run tasks in the worker process itself: the model stays loaded between tasks
+    # (and CUDA does not survive a fork). The generator forks a work horse per task.
+    worker_class = Worker if stage == "generate" else SimpleWorker
+    worker = worker_class([queue(conn, stage)], connection=conn, serializer=JSONSerializer,
+                          name=worker_name(stage), maintenance_interval=60)
     worker.work(burst=burst, with_scheduler=True, logging_level="INFO")

@@ -119,8 +119,8 @@ def eyrie(*args: str, env: dict, check: bool = True, timeout: float = 300) -> su
     return result
 
 
-def start_worker(env: dict, burst: bool = True) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "eyrie"), "worker", "generate", *(["--burst"] if burst else [])],
+def start_worker(env: dict, burst: bool = True, stage: str = "generate") -> subprocess.Popen:
+    return subprocess.Popen([str(BIN / "eyrie"), "worker", stage, *(["--burst"] if burst else [])],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

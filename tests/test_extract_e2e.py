@@ -113,3 +113,51 @@ def test_layers_validated_against_the_model(generated):
 def test_extract_before_generate_is_refused(env, tmp_path):
     result = eyrie("extract", "--run", "nothing", env=env, check=False)
     assert result.returncode == 1 and "unknown run" in result.stderr
+
+
+def test_sigkilled_extractor_then_task_completed_exactly_once(env, stub_server, tmp_path):
+    """Records with the server's token ids (the vLLM stand-in returns them): many small batches,
+    the worker killed mid-task, a new worker completes it; every sample stored exactly once."""
+    import signal
+    import time
+
+    import psutil
+
+    from conftest import start_worker
+
+    n = 600
+    url = stub_server(tokens=48)
+    genv = {**env, "EYRIE_INFERENCE_URL": url, "EYRIE_SERVER": "vllm", "EYRIE_MODEL": str(TINY)}
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"q{i}"}]}) + "\n"
+                            for i in range(n)))
+    eyrie("generate", "--dataset", str(data), "--run", "kill", "--shard-size", str(n), env=genv)
+    eyrie("worker", "generate", "--burst", env=genv)
+
+    xenv = {**env, "EYRIE_EXTRACT_BATCH_TOKENS": "120"}  # two samples a batch: many batches
+    out = eyrie("extract", "--run", "kill", env=xenv)
+    assert f"extract {n} samples" in out.stdout
+    store, layout = open_store(load_settings()), Layout("kill")
+    worker = start_worker(xenv, stage="extract")
+    deadline = time.monotonic() + 120
+    while len(store.list(layout.extract_parts(0))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for proc in psutil.Process(worker.pid).children(recursive=True) + [psutil.Process(worker.pid)]:
+        proc.send_signal(signal.SIGKILL)
+    worker.wait()
+    assert not store.exists(layout.extract_shard_manifest(0)), "finished before the kill: proves nothing"
+    written_before = len([k for k in store.list(f"{layout.root}/extract/shards/") if k.endswith(".safetensors")])
+    assert 0 < written_before < n
+
+    conn = __import__("redis").Redis.from_url(env["EYRIE_REDIS_URL"])
+    while conn.exists("eyrie:lease:extract-kill-00000") and time.monotonic() < deadline + 60:
+        time.sleep(0.5)  # the dead worker's lease lapses; a new worker takes the task over
+    eyrie("worker", "extract", "--burst", env=xenv, timeout=600)
+
+    shard = ShardManifest.model_validate(store.get_json(layout.extract_shard_manifest(0)))
+    ids = [s["sample_id"] for s in shard.samples]
+    assert len(ids) == n == len(set(ids)) and shard.counts.done == n
+    objects = [k for k in store.list(f"{layout.root}/extract/shards/") if k.endswith(".safetensors")]
+    assert len(objects) == n and not store.list(layout.extract_parts(0))
+    assert shard.mismatches == n  # the stand-in's ids are not what the chat template renders: counted
+    assert all(s["source"] == "server_token_ids" and s["seq_len"] == 58 for s in shard.samples)

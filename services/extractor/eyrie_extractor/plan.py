@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import orjson
 
+from eyrie import progress
 from eyrie.errors import EyrieError
 from eyrie.manifest import ExtractParams, Layout, RunManifest, ShardManifest, load_run_manifest
 from eyrie.queue import enqueue_task
@@ -54,6 +55,7 @@ def start_extract(conn, store, run: str, *, layers: list[int] | None = None, dty
     if manifest.extract is None:
         manifest.extract = _plan(store, manifest, layers, dtype or "bf16", max_length, budget, backend)
         store.put_json(layout.manifest, manifest.model_dump())
+        progress.reset(conn, run, "extract")
     else:
         _check_same(manifest.extract, layers, dtype, max_length)
     enqueued = sum(

@@ -12,6 +12,7 @@ import socket
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
 
 import redis
 import torch
@@ -43,6 +44,12 @@ def sample_tensors(states: torch.Tensor, input_ids: list[int], dtype: str) -> di
     else:
         tensors["hidden_states"] = states.to(torch.bfloat16).contiguous()
     return tensors
+
+
+@lru_cache(maxsize=1)
+def loaded_capture(model: str, aux_layers: tuple[int, ...], device: str) -> HFCapture:
+    """The target, loaded once per worker process and kept for the next task."""
+    return HFCapture(model, list(aux_layers), device)
 
 
 def pick_device(setting: str) -> str:
@@ -90,7 +97,7 @@ class ExtractRunner:
         for entry in self.parts.load():
             self.entries.setdefault(entry["sample_id"], entry)
         todo = self._render_todo()
-        capture = HFCapture(self.manifest.target.model, self.params.aux_layers, device)
+        capture = loaded_capture(self.manifest.target.model, tuple(self.params.aux_layers), device)
         lengths = [len(r["input_ids"]) for r in todo]
         batches = token_budget_batches(todo, lengths, self.settings.extract_batch_tokens)
         with ThreadPoolExecutor(self.settings.extract_write_threads) as pool:

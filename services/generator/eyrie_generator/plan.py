@@ -10,7 +10,7 @@ import hashlib
 
 import orjson
 
-from eyrie import inference
+from eyrie import inference, progress
 from eyrie.config import Settings
 from eyrie.errors import EyrieError
 from eyrie.manifest import (GenerateParams, Layout, RunManifest, SamplingParams, ShardPlan, TargetRef,
@@ -65,6 +65,7 @@ def _new_run(settings, conn, store, layout, source, split, revision, limit, para
                            target=_target(settings, conn), dataset=ref, generate=generate,
                            generate_shards=shards, input_skips=skips)
     store.put_json(layout.manifest, manifest.model_dump())
+    progress.reset(conn, layout.run, "generate")
     return manifest
 
 

@@ -18,6 +18,7 @@ import requests
 from eyrie import inference
 from eyrie.config import Settings
 from eyrie.errors import EyrieError
+from eyrie.gpu import GpuLease
 from eyrie.target import describe
 
 PROGRESS = re.compile(r"(\d{1,3})%\|")  # tqdm bars, e.g. vLLM's "Loading safetensors ... 37%|"
@@ -55,10 +56,16 @@ class Server:
             max_model_len=settings.max_model_len or info.max_model_len, revision=info.revision,
             chat_template_sha256=info.chat_template_sha256)
         self.proc: subprocess.Popen | None = None
+        self.gpu: GpuLease | None = None
 
     def run(self) -> int:
         """Start, wait for readiness, then supervise until the server exits or we are stopped."""
         cmd = command(self.settings, self.model)
+        if self.settings.server == "vllm":  # vLLM owns the GPUs while it runs: hold the lease
+            self.gpu = GpuLease(self.conn, f"inference@{socket.gethostname()}")
+            print("eyrie serve: waiting for the GPU lease", flush=True)
+            self.gpu.acquire()
+            threading.Thread(target=self._renew_gpu_lease, daemon=True).start()
         print(f"eyrie serve: {shlex.join(cmd)}", flush=True)
         env = {**os.environ, "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
@@ -100,6 +107,12 @@ class Server:
                          "raise EYRIE_SERVE_DEADLINE_S (large models load for tens of minutes) or read "
                          "the server's output above.")
 
+    def _renew_gpu_lease(self) -> None:
+        """Renewed through the whole load (vLLM may load for tens of minutes) and serving."""
+        while self.gpu is not None and self.endpoint.state in ("starting", "ready"):
+            time.sleep(10)
+            self.gpu.renew()
+
     def _follow_output(self) -> None:
         for line in self.proc.stdout:
             sys.stdout.write(line)
@@ -121,3 +134,5 @@ class Server:
                 self.proc.kill()
         if self.endpoint.state != "failed":
             self._publish("stopped")
+        if self.gpu:  # released only once the server has exited and freed the memory
+            self.gpu.release()
