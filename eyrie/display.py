@@ -56,6 +56,13 @@ def render_status(status: dict) -> None:
     for name, s in status["stages"].items():
         if s["state"] == "in_progress" and not s.get("workers"):
             console.print(f"[yellow]{name}: no worker is listening; start one with `eyrie worker {name}`[/]")
+        for task in s.get("active", []):
+            console.print(f"  {name} shard {task['shard']} on {task['worker']}: {task['done']} done, "
+                          f"{_si(task['tokens'])} tokens, {_si(task['tok_per_s'])} tok/s"
+                          + (f", {_si(task['bytes'])}B" if task["bytes"] else ""))
+        if s.get("bytes"):
+            console.print(f"{name}: {_si(s['bytes'])}B stored"
+                          + (f" of {_si(s['projected_bytes'])}B projected" if s.get("projected_bytes") else ""))
         for what in s.get("waiting_for", []):
             console.print(f"[yellow]{name}: waiting for {what}[/]")
         for error in s.get("errors", []):

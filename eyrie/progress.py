@@ -12,8 +12,9 @@ def _key(run: str, stage: str) -> str:
     return f"eyrie:progress:{run}:{stage}"
 
 
-def report(conn: redis.Redis, run: str, stage: str, task: str, **fields) -> None:
-    fields["updated_at"] = time.time()
+def report(conn: redis.Redis, run: str, stage: str, task: str, started: float, **fields) -> None:
+    """`started`: when this attempt at the task began (for its own rate)."""
+    fields["updated_at"], fields["started"] = time.time(), started
     with conn.pipeline() as pipe:
         pipe.hset(_key(run, stage), task, orjson.dumps(fields))
         pipe.hsetnx(f"eyrie:stage:{run}:{stage}", "started_at", time.time())

@@ -39,7 +39,7 @@ def stage_status(conn, store, manifest: RunManifest, stage: str, total: int) -> 
     (the record) plus live progress of the others."""
     layout, run = Layout(manifest.run), manifest.run
     live = progress.read(conn, run, stage)
-    counts, done_shards, jobs, in_flight, waiting = Counts(), 0, {}, 0, set()
+    counts, done_shards, jobs, in_flight, waiting, active = Counts(), 0, {}, 0, set(), []
     skip_reasons: dict[str, int] = {}
     for plan in manifest.generate_shards:
         key = layout.shard_manifest(stage, plan.index)
@@ -55,6 +55,7 @@ def stage_status(conn, store, manifest: RunManifest, stage: str, total: int) -> 
         if entry:
             counts = counts.add(Counts(**{k: entry.get(k, 0) for k in Counts.model_fields if k != "total"}))
             if state == "started":
+                active.append(_active(plan.index, entry))
                 in_flight += entry.get("in_flight", 0)
                 waiting.update([entry["waiting_for"]] if entry.get("waiting_for") else [])
     counts.total = total
@@ -62,10 +63,18 @@ def stage_status(conn, store, manifest: RunManifest, stage: str, total: int) -> 
     return {
         "state": state, **counts.model_dump(), "in_flight": in_flight, "waiting_for": sorted(waiting),
         "shards_total": len(manifest.generate_shards), "shards_done": done_shards, "jobs": jobs,
-        "workers": workers_on(conn, stage), "skip_reasons": skip_reasons,
+        "workers": workers_on(conn, stage), "active": active, "skip_reasons": skip_reasons,
         "errors": job_errors(conn, [task_id(stage, run, p.index) for p in manifest.generate_shards]),
         **_rates(conn, run, stage, counts, state),
     }
+
+
+def _active(shard: int, entry: dict) -> dict:
+    """One running task, by worker: what it has done and its own rate."""
+    elapsed = max(1e-6, entry.get("updated_at", 0) - entry.get("started", 0))
+    return {"shard": shard, "worker": entry.get("worker"), "done": entry.get("done", 0),
+            "tokens": entry.get("tokens", 0), "bytes": entry.get("bytes", 0),
+            "tok_per_s": round(entry.get("tokens", 0) / elapsed, 1)}
 
 
 def _state(done: int, total: int, jobs: dict, counts: Counts) -> str:

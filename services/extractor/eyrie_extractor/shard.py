@@ -68,6 +68,7 @@ class ExtractRunner:
         self.entries: dict[str, dict] = {}
         self.pending: list[dict] = []
         self.lease = None
+        self._started = time.time()
 
     def run(self) -> dict:
         if self.store.exists(self.layout.extract_shard_manifest(self.shard)):
@@ -170,7 +171,8 @@ class ExtractRunner:
                       bytes=sum(e["bytes"] for e in done))
 
     def _report(self, final: bool = False, waiting_for: str | None = None) -> None:
-        progress.report(self.conn, self.run_name, "extract", str(self.shard), **self._counts().model_dump(),
+        progress.report(self.conn, self.run_name, "extract", str(self.shard), self._started,
+                        **self._counts().model_dump(),
                         worker=socket.gethostname(), final=final, waiting_for=waiting_for)
 
     def _finish(self, started_at: str, wall: float) -> dict:

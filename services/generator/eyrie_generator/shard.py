@@ -45,6 +45,7 @@ class ShardRunner:
         self.pending: list[dict] = []
         self.flushes: list[asyncio.Future] = []
         self._last_flush = time.monotonic()
+        self._started = time.time()
         self.parts = PartLog(store, self.layout.generate_parts(shard))
         self.in_flight = 0
         self.in_flight_area = 0.0
@@ -174,7 +175,8 @@ class ShardRunner:
 
     def _report(self, final: bool = False, waiting_for: str | None = None) -> None:
         counts = self._counts()
-        progress.report(self.conn, self.run_name, "generate", str(self.shard), **counts.model_dump(),
+        progress.report(self.conn, self.run_name, "generate", str(self.shard), self._started,
+                        **counts.model_dump(),
                         in_flight=self.in_flight, worker=socket.gethostname(), final=final,
                         waiting_for=waiting_for)
 
