@@ -6,7 +6,7 @@ import json
 
 import orjson
 
-from conftest import eyrie
+from conftest import TINY, eyrie
 from eyrie.config import load_settings
 from eyrie.manifest import Layout, RunManifest
 from eyrie.store import open_store
@@ -85,3 +85,16 @@ def test_generate_accounts_for_every_row(env, tiny_server, tmp_path):
     assert [s.row_end for s in run.generate_shards] == [5, 10, 15, 16]
     human = eyrie("status", "mixed", env=env).stdout
     assert "generate" in human and "done" in human
+
+
+def test_token_ids_not_sent_again_to_a_server_that_rejects_them(env, tiny_server, tmp_path):
+    """Told the server is vLLM, the client asks for token ids; the real transformers serve answers
+    422 to the unknown field, so the client drops it and the samples are still answered."""
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in GOOD[:2]))
+    wrong = {**env, "EYRIE_INFERENCE_URL": tiny_server.url, "EYRIE_SERVER": "vllm", "EYRIE_MODEL": str(TINY)}
+    eyrie("generate", "--dataset", str(data), "--run", "fallback", "--max-tokens", "64", env=wrong)
+    eyrie("worker", "generate", "--burst", env=wrong, timeout=300)
+    store, layout = open_store(load_settings()), Layout("fallback")
+    manifest = store.get_json(layout.generate_shard_manifest(0))
+    assert manifest["counts"]["done"] == 2 and manifest["counts"]["failed"] == 0

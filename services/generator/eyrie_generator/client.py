@@ -46,20 +46,25 @@ class ChatClient:
         self.server, self.sampling, self.max_retries, self.think = server, sampling, max_retries, think
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.backoff_s = backoff_s
+        # vLLM returns the exact token ids when asked; transformers serve rejects the field (422)
+        self.ask_token_ids = server == "vllm"
 
     def body(self, messages: list[dict], max_tokens: int) -> dict:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": False,
                 **{k: v for k, v in self.sampling.items() if v is not None and k != "max_tokens"}}
-        if self.server == "vllm":
-            body["return_token_ids"] = True  # vLLM only: transformers serve has no such field
+        if self.ask_token_ids:
+            body["return_token_ids"] = True
         return body
 
     async def complete(self, messages: list[dict], max_tokens: int) -> Completion:
-        payload = orjson.dumps(self.body(messages, max_tokens))
         started, last_error = time.monotonic(), ""
         for attempt in range(1, self.max_retries + 2):
             try:
-                result = await self._post(payload)
+                asked = self.ask_token_ids
+                result = await self._post(orjson.dumps(self.body(messages, max_tokens)))
+                if result.status == "failed" and asked and "return_token_ids" in (result.error or ""):
+                    self.ask_token_ids = False  # a server that rejects the field: never send it again
+                    result = await self._post(orjson.dumps(self.body(messages, max_tokens)))
                 result.attempts, result.latency_s = attempt, time.monotonic() - started
                 return result
             except RetryableError as exc:
