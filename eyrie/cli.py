@@ -104,6 +104,7 @@ def extract(run: str = typer.Option(..., "--run", help="Run name (its generate s
             dtype: Optional[str] = typer.Option(None, help="bf16 (default) or fp8 (e4m3, per-token scales)."),
             max_length: Optional[int] = typer.Option(None, min=2, help="Longer samples are truncated (or skipped if the prompt alone is longer)."),
             budget: Optional[str] = typer.Option(None, help="Refuse if the projection exceeds this, e.g. 2.8TB."),
+            backend: str = typer.Option("hf", help="hf (transformers) or vllm (docs/vllm-extraction.md)."),
             wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
     """Record the target's hidden states for every generated sample (speculators' layout)."""
     from eyrie.manifest import check_run_name
@@ -111,6 +112,8 @@ def extract(run: str = typer.Option(..., "--run", help="Run name (its generate s
     from eyrie_extractor.plan import start_extract
 
     check_run_name(run)
+    if backend not in ("hf", "vllm"):
+        raise EyrieError(f"unknown --backend {backend!r}.", "use --backend hf or --backend vllm.")
     if dtype not in (None, "bf16", "fp8"):
         raise EyrieError(f"unknown --dtype {dtype!r}.", "use --dtype bf16 or --dtype fp8.")
     try:
@@ -119,7 +122,7 @@ def extract(run: str = typer.Option(..., "--run", help="Run name (its generate s
         raise EyrieError(f"cannot read --layers {layers!r}.", "give comma-separated ids, e.g. --layers 2,16,29.") from None
     _, conn, store = _context()
     manifest, enqueued = start_extract(conn, store, run, layers=aux, dtype=dtype, max_length=max_length,
-                                       budget=budget)
+                                       budget=budget, backend=backend)
     p = manifest.extract
     typer.echo(f"run {run}: extract {p.samples} samples, {p.tokens:,} tokens, layers {p.aux_layers} + last, "
                f"{p.dtype}: {human(p.projected_bytes)} projected ({p.truncated} truncated); "

@@ -48,6 +48,7 @@ class Settings(BaseSettings):
 
     device: str = Field("auto", description="Extractor device: auto (cuda if present), cpu, cuda, cuda:N.")
     extract_batch_tokens: int = Field(16384, ge=1, description="Padded tokens per forward batch.")
+    extract_vllm_url: str | None = Field(None, description="vLLM extraction server (extract --backend vllm).")
     extract_write_threads: int = Field(4, ge=1, description="Uploads running beside the forward.")
 
     @field_validator("redis_url")
@@ -67,7 +68,7 @@ class Settings(BaseSettings):
             raise ValueError("s3:// needs a bucket name: s3://BUCKET[/PREFIX]")
         return v
 
-    @field_validator("inference_url", "s3_endpoint", "advertise_url")
+    @field_validator("inference_url", "s3_endpoint", "advertise_url", "extract_vllm_url")
     @classmethod
     def _http_url(cls, v: str | None) -> str | None:
         if v is not None and (urlparse(v).scheme not in ("http", "https") or not urlparse(v).netloc):

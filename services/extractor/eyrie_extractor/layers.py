@@ -20,7 +20,7 @@ def resolve_aux_layers(requested: list[int] | None, num_layers: int) -> list[int
         fix = (f"pass --layers with distinct ids in [0, {num_layers}], e.g. "
                f"--layers {','.join(map(str, _spread(num_layers)))}")
         raise EyrieError(f"aux layers {layers} for a {num_layers}-layer target are {why}.", fix)
-    return list(layers)
+    return sorted(layers)  # vLLM feeds a drafter its aux states in ascending layer order
 
 
 def _spread(n: int) -> list[int]:

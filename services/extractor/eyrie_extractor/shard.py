@@ -20,6 +20,7 @@ from safetensors.torch import save
 
 from eyrie import progress
 from eyrie.config import Settings
+from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease
 from eyrie.manifest import Counts, Layout, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
@@ -47,8 +48,17 @@ def sample_tensors(states: torch.Tensor, input_ids: list[int], dtype: str) -> di
 
 
 @lru_cache(maxsize=1)
-def loaded_capture(model: str, aux_layers: tuple[int, ...], device: str) -> HFCapture:
-    """The target, loaded once per worker process and kept for the next task."""
+def loaded_capture(model: str, aux_layers: tuple[int, ...], device: str, params_backend: str = "hf",
+                   num_layers: int = 0, hidden_size: int = 0, url: str | None = None,
+                   timeout_s: float = 1800.0):
+    """The capture backend, loaded once per worker process and kept for the next task."""
+    if params_backend == "vllm":
+        from eyrie_extractor.vllm_backend import VllmCapture
+
+        if not url:
+            raise EyrieError("extract --backend vllm needs EYRIE_EXTRACT_VLLM_URL.",
+                             "start the server (docs/vllm-extraction.md) and set EYRIE_EXTRACT_VLLM_URL.")
+        return VllmCapture(url, model, list(aux_layers), num_layers, hidden_size, timeout_s)
     return HFCapture(model, list(aux_layers), device)
 
 
@@ -79,7 +89,8 @@ class ExtractRunner:
         self.lease = lease
         gpu = None
         try:
-            device = pick_device(self.settings.device)
+            # vLLM holds the GPUs itself when it extracts: this worker then needs no lease
+            device = "cpu" if self.params.backend == "vllm" else pick_device(self.settings.device)
             if device.startswith("cuda"):  # CPU-only runs need no GPU lease
                 gpu = GpuLease(self.conn, f"extractor@{socket.gethostname()}", device)
                 self._report(waiting_for="gpu_lease")
@@ -98,7 +109,9 @@ class ExtractRunner:
         for entry in self.parts.load():
             self.entries.setdefault(entry["sample_id"], entry)
         todo = self._render_todo()
-        capture = loaded_capture(self.manifest.target.model, tuple(self.params.aux_layers), device)
+        capture = loaded_capture(self.manifest.target.model, tuple(self.params.aux_layers), device,
+                                 self.params.backend, self.params.num_layers, self.params.hidden_size,
+                                 self.settings.extract_vllm_url, self.settings.request_timeout_s)
         lengths = [len(r["input_ids"]) for r in todo]
         batches = token_budget_batches(todo, lengths, self.settings.extract_batch_tokens)
         with ThreadPoolExecutor(self.settings.extract_write_threads) as pool:
