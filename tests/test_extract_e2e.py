@@ -95,19 +95,16 @@ def test_fp8_halves_the_bytes_and_truncation_is_counted(generated, tmp_path):
     assert item["hidden_states"].dtype == torch.bfloat16 and item["hidden_states"].shape[-1] == 3 * 64
 
 
-def test_budget_refusal_before_any_forward(generated):
+def test_budget_and_layers_refused_before_any_forward(generated):
     env = generated
+    result = eyrie("extract", "--run", "hs", "--layers", "2,2,9", env=env, check=False)
+    assert result.returncode == 1 and "out of range [0, 8]" in result.stderr
     result = eyrie("extract", "--run", "hs", "--budget", "10kB", env=env, check=False)
     assert result.returncode == 1
     assert "needs" in result.stderr and "10.00 kB" in result.stderr and "--dtype fp8" in result.stderr
     store = open_store(load_settings())
     assert RunManifest.model_validate(store.get_json(Layout("hs").manifest)).extract is None
     assert not store.list("runs/hs/extract/")
-
-
-def test_layers_validated_against_the_model(generated):
-    result = eyrie("extract", "--run", "hs", "--layers", "2,2,9", env=generated, check=False)
-    assert result.returncode == 1 and "out of range [0, 8]" in result.stderr
 
 
 def test_extract_before_generate_is_refused(env, tmp_path):
