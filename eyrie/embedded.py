@@ -56,7 +56,7 @@ def run_demo(run: str, dataset: str) -> int:
         stop(procs.pop(0))  # generation drained: the server goes, the extractor comes
         procs.append(start("extractor", ["worker", "extract"], env))
         code = cli(["extract", "--run", run, "--wait"], env)
-        report_extract(conn, store, run)
+        report_extract(run)
         return code
     finally:
         for proc in reversed(procs):
@@ -67,15 +67,8 @@ def cli(args: list[str], env: dict) -> int:
     return subprocess.run([sys.executable, "-m", "eyrie.cli", *args], env={**os.environ, **env}).returncode
 
 
-def report_extract(conn, store, run: str) -> None:
-    from eyrie.status import run_status
-    from eyrie_extractor.budget import human
-
-    stage = run_status(conn, store, run)["stages"].get("extract")
-    if stage:
-        console.print(f"extract: {stage['done']} samples, {stage['tokens']:,} tokens, "
-                      f"{human(stage['bytes'])} stored (projected {human(stage['projected_bytes'])}), "
-                      f"{stage['tok_per_s']} tok/s  ·  speculators layout: eyrie materialize {run} DIR")
+def report_extract(run: str) -> None:
+    console.print(f"hidden states in speculators' training layout: eyrie materialize {run} DIR")
 
 
 def report(conn, store, run: str) -> None:
