@@ -16,10 +16,10 @@ from eyrie.errors import EyrieError
 from eyrie.manifest import (GenerateParams, Layout, RunManifest, SamplingParams, ShardPlan, TargetRef,
                             code_version, now_iso)
 from eyrie.queue import enqueue_task
+from eyrie.status import task_id
 from eyrie.store import Store
 from eyrie.target import describe
 from eyrie_generator import dataset
-from eyrie_generator.shard import task_id
 
 TASK_FUNC = "eyrie_generator.shard.run_generate_shard"
 
@@ -42,7 +42,7 @@ def start_generate(settings: Settings, conn, store: Store, *, source: str, run: 
         manifest = _new_run(settings, conn, store, layout, source, split, revision, limit, params or {})
     enqueued = sum(
         enqueue_task(conn, "generate", TASK_FUNC, {"run": run, "shard": plan.index},
-                     task_id(run, plan.index))
+                     task_id("generate", run, plan.index))
         for plan in manifest.generate_shards
         if not store.exists(layout.generate_shard_manifest(plan.index))
     )

@@ -21,6 +21,7 @@ from eyrie.config import Settings
 from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
 from eyrie.queue import LEASE_TTL_S, task_lease
+from eyrie.status import task_id
 from eyrie.store import Store
 from eyrie_generator.client import ChatClient, Completion
 from eyrie_generator.prompt_budget import PromptBudget
@@ -30,17 +31,13 @@ FLUSH_EVERY = 64
 FLUSH_SECONDS = 10.0
 
 
-def task_id(run: str, shard: int) -> str:
-    return f"generate-{run}-{shard:05d}"
-
-
 class ShardRunner:
     def __init__(self, settings: Settings, conn: redis.Redis, store: Store, run: str, shard: int):
         self.settings, self.conn, self.store = settings, conn, store
         self.layout = Layout(run)
         self.manifest: RunManifest = load_run_manifest(store, run)
         self.plan = self.manifest.generate_shards[shard]
-        self.run_name, self.shard, self.task = run, shard, task_id(run, shard)
+        self.run_name, self.shard, self.task = run, shard, task_id("generate", run, shard)
         self.records: dict[str, dict] = {}
         self.pending: list[dict] = []
         self.flushes: list[asyncio.Future] = []
