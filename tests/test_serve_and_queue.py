@@ -28,6 +28,8 @@ def test_serve_publishes_a_ready_endpoint(tiny_server, redis_server):
 
 def test_serve_fails_clearly_when_the_server_dies(redis_url, tmp_path):
     (tmp_path / "config.json").write_text("{}")  # a model directory the server cannot load
+    redis_url = redis_url.rsplit("/", 1)[0] + "/1"  # away from the session's tiny server endpoint
+    redis.Redis.from_url(redis_url).flushdb()
     env = {**__import__("os").environ, **OFFLINE, "EYRIE_REDIS_URL": redis_url,
            "EYRIE_SERVE_DEADLINE_S": "120"}
     result = subprocess.run([str(BIN / "eyrie"), "serve", "--model", str(tmp_path), "--port", str(free_port())],
