@@ -114,14 +114,21 @@ class ExtractRunner:
                                  self.settings.extract_vllm_url, self.settings.request_timeout_s)
         lengths = [len(r["input_ids"]) for r in todo]
         batches = token_budget_batches(todo, lengths, self.settings.extract_batch_tokens)
-        with ThreadPoolExecutor(self.settings.extract_write_threads) as pool:
+        # On a GPU, host copies and serialization run in threads while the device computes. On a
+        # CPU the forward already uses every core: serializing beside it only slows it down
+        # (bench/RESULTS.md), so serialization stays in this thread and one thread uploads.
+        on_cpu = device == "cpu"
+        with ThreadPoolExecutor(1 if on_cpu else self.settings.extract_write_threads) as pool:
             in_flight: list[list[Future]] = []
             for batch in batches:
                 items = [todo[i] for i in batch]
                 states = capture.forward([item["input_ids"] for item in items])
-                host = states.to("cpu", non_blocking=True)  # overlaps with the next forward on a GPU
-                in_flight.append([pool.submit(self._write, item, host[row, : len(item["input_ids"])])
-                                  for row, item in enumerate(items)])
+                host = states.to("cpu", non_blocking=True)
+                rows = [(item, host[row, : len(item["input_ids"])]) for row, item in enumerate(items)]
+                if on_cpu:
+                    in_flight.append([pool.submit(self._put, item, self._serialize(item, s)) for item, s in rows])
+                else:
+                    in_flight.append([pool.submit(self._write, item, s) for item, s in rows])
                 while len(in_flight) > MAX_PENDING_BATCHES:
                     self._collect(in_flight.pop(0), gpu)
             while in_flight:
@@ -151,7 +158,12 @@ class ExtractRunner:
         return todo
 
     def _write(self, item: dict, states: torch.Tensor) -> dict:
-        data = save(sample_tensors(states, item["input_ids"], self.params.dtype))
+        return self._put(item, self._serialize(item, states))
+
+    def _serialize(self, item: dict, states: torch.Tensor) -> bytes:
+        return save(sample_tensors(states, item["input_ids"], self.params.dtype))
+
+    def _put(self, item: dict, data: bytes) -> dict:
         info = self.store.put_bytes(self.layout.extract_sample(self.shard, item["sample_id"]), data)
         return {"sample_id": item["sample_id"], "row": item["row"], "status": "done", "key": info.key,
                 "sha256": info.sha256, "bytes": info.size, "seq_len": len(item["input_ids"]),
