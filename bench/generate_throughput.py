@@ -756,7 +756,11 @@ def write_results(path: Path, args, info, med, rows, checks, prof, total) -> Non
                      f"{r['check']}{extra}")
     if prof:
         lines += ["", "## Profile of eyrie's task", "", "```", prof, "```"]
-    path.write_text("\n".join(lines) + "\n")
+    # Only this script's section is replaced: the extract section below it is kept.
+    old = path.read_text() if path.exists() else ""
+    marker = "\n# Extract throughput\n"
+    rest = old[old.index(marker):] if marker in old else ""
+    path.write_text("\n".join(lines).rstrip("\n") + "\n" + rest)
 
 
 if __name__ == "__main__":

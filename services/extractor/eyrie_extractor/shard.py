@@ -123,7 +123,10 @@ class ExtractRunner:
             for batch in batches:
                 items = [todo[i] for i in batch]
                 states = capture.forward([item["input_ids"] for item in items])
-                host = states.to("cpu", non_blocking=True)
+                # A blocking copy: an async device-to-host copy must not be read by the write
+                # threads before it lands. The overlap is the threads' work on batch k while
+                # the device runs batch k+1.
+                host = states.to("cpu")
                 rows = [(item, host[row, : len(item["input_ids"])]) for row, item in enumerate(items)]
                 if on_cpu:
                     in_flight.append([pool.submit(self._put, item, self._serialize(item, s)) for item, s in rows])
