@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import socket
 import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 
 import redis
@@ -110,6 +112,23 @@ def task_lease(conn: redis.Redis, task_id: str) -> Lock:
     """Who is working on a task now. Expires LEASE_TTL_S after its holder stops renewing it."""
     return Lock(conn, lease_key(task_id), timeout=LEASE_TTL_S, blocking_timeout=LEASE_TTL_S + 5,
                 thread_local=False)
+
+
+@contextmanager
+def held_task(conn: redis.Redis, task_id: str) -> Iterator[Lock | None]:
+    """The task's lease for the block (waits for a dead holder's to lapse); None when a live
+    worker holds it. Released at the end, unless it was already lost."""
+    lease = task_lease(conn, task_id)
+    if not lease.acquire(blocking=True):
+        yield None
+        return
+    try:
+        yield lease
+    finally:
+        try:
+            lease.release()
+        except redis.exceptions.LockError:
+            pass
 
 
 def worker_name(stage: str) -> str:

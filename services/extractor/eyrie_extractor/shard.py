@@ -24,7 +24,7 @@ from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease
 from eyrie.manifest import Counts, Layout, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
-from eyrie.queue import LEASE_TTL_S, task_lease
+from eyrie.queue import LEASE_TTL_S, held_task
 from eyrie.status import task_id
 from eyrie_extractor.capture import HFCapture, token_budget_batches
 from eyrie_extractor.plan import generated_records, load_tokenizer
@@ -83,26 +83,21 @@ class ExtractRunner:
     def run(self) -> dict:
         if self.store.exists(self.layout.extract_shard_manifest(self.shard)):
             return {"shard": self.shard, "status": "already_done"}
-        lease = task_lease(self.conn, task_id("extract", self.run_name, self.shard))
-        if not lease.acquire(blocking=True):
-            return {"shard": self.shard, "status": "held_by_another_worker"}
-        self.lease = lease
-        gpu = None
-        try:
+        with held_task(self.conn, task_id("extract", self.run_name, self.shard)) as lease:
+            if lease is None:
+                return {"shard": self.shard, "status": "held_by_another_worker"}
+            self.lease = lease
             # vLLM holds the GPUs itself when it extracts: this worker then needs no lease
             device = "cpu" if self.params.backend == "vllm" else pick_device(self.settings.device)
-            if device.startswith("cuda"):  # CPU-only runs need no GPU lease
-                gpu = GpuLease(self.conn, f"extractor@{socket.gethostname()}", device)
-                self._report(waiting_for="gpu_lease")
-                gpu.acquire()
-            return self._run(device, gpu)
-        finally:
-            if gpu:
-                gpu.release()
+            if not device.startswith("cuda"):  # CPU-only runs need no GPU lease
+                return self._run(device, None)
+            gpu = GpuLease(self.conn, f"extractor@{socket.gethostname()}", device)
+            self._report(waiting_for="gpu_lease")
+            gpu.acquire()
             try:
-                lease.release()
-            except redis.exceptions.LockError:
-                pass
+                return self._run(device, gpu)
+            finally:
+                gpu.release()
 
     def _run(self, device: str, gpu) -> dict:
         started_at, t0 = now_iso(), time.monotonic()

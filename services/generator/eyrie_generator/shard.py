@@ -20,7 +20,7 @@ from eyrie import inference, progress
 from eyrie.config import Settings
 from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
-from eyrie.queue import LEASE_TTL_S, task_lease
+from eyrie.queue import LEASE_TTL_S, held_task
 from eyrie.status import task_id
 from eyrie.store import Store
 from eyrie_generator.client import ChatClient, Completion
@@ -51,16 +51,10 @@ class ShardRunner:
     def run(self) -> dict:
         if self.store.exists(self.layout.generate_shard_manifest(self.shard)):
             return {"shard": self.shard, "status": "already_done"}
-        lease = task_lease(self.conn, self.task)
-        if not lease.acquire(blocking=True):
-            return {"shard": self.shard, "status": "held_by_another_worker"}
-        try:
+        with held_task(self.conn, self.task) as lease:
+            if lease is None:
+                return {"shard": self.shard, "status": "held_by_another_worker"}
             return asyncio.run(self._run(lease))
-        finally:
-            try:
-                lease.release()
-            except redis.exceptions.LockError:
-                pass
 
     async def _run(self, lease) -> dict:
         started_at, self._t0 = now_iso(), time.monotonic()
