@@ -1,0 +1,1 @@
+"""eyrie trainer: hidden states -> EAGLE-3 drafter (speculators), evaluation, export."""
