@@ -133,10 +133,97 @@ def extract(run: str = typer.Option(..., "--run", help="Run name (its generate s
 
 @app.command()
 @command
+def fetch(repo_id: str = typer.Argument(..., help="HF repo id (or local directory) of a base drafter."),
+          revision: Optional[str] = typer.Option(None, help="Branch, tag or commit.")):
+    """Download a base drafter into the cache (resumable), ready for `eyrie train --base`."""
+    from eyrie.config import load_settings
+    from eyrie_trainer.base import fetch as fetch_base
+
+    settings = load_settings()
+    typer.echo(f"{repo_id}: {fetch_base(repo_id, revision, Path(settings.cache_dir) / 'base')}")
+
+
+@app.command()
+@command
+def train(run: str = typer.Option(..., "--run", help="Run name (its extract stage must be done)."),
+          base: Optional[str] = typer.Option(None, help="Finetune from this drafter: HF repo id or directory "
+                                                        "(legacy EAGLE-3 format is converted)."),
+          base_revision: Optional[str] = typer.Option(None, help="Revision of --base on the hub."),
+          epochs: Optional[int] = typer.Option(None, min=1, help="Epochs (default 10)."),
+          max_steps: Optional[int] = typer.Option(None, min=1, help="Stop after this many steps in total."),
+          draft_vocab: Optional[int] = typer.Option(None, min=2, help="Draft vocabulary (default 32000, "
+                                                                       "capped at the target's)."),
+          lr: Optional[float] = typer.Option(None, min=0, help="Learning rate (default 1e-4)."),
+          seq_len: Optional[int] = typer.Option(None, min=16, help="Tokens per packed batch (default 8192)."),
+          ttt_steps: Optional[int] = typer.Option(None, min=1, help="Draft steps trained and evaluated: K (default 3)."),
+          heldout: Optional[int] = typer.Option(None, min=1, help="Samples held out for evaluation "
+                                                                 "(default 10%, at most 500)."),
+          wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
+    """Train an EAGLE-3 drafter (speculators) on the run's hidden states; evaluate; export the best."""
+    from eyrie.manifest import check_run_name
+    from eyrie_trainer.plan import TrainRequest, start_train
+
+    check_run_name(run)
+    _, conn, store = _context()
+    request = TrainRequest(base=base, base_revision=base_revision, epochs=epochs, max_steps=max_steps,
+                           draft_vocab=draft_vocab, lr=lr, total_seq_len=seq_len, ttt_steps=ttt_steps,
+                           heldout=heldout)
+    manifest, enqueued = start_train(conn, store, run, request)
+    p = manifest.train
+    vocab = f"draft vocab {p.draft_vocab} ({p.vocab_mapping})" if p.draft_vocab else "the base's draft vocab"
+    typer.echo(f"run {run}: train on {p.train_samples} samples ({p.heldout_samples} held out), {p.epochs} epochs"
+               + (f", at most {p.max_steps} steps" if p.max_steps else "") + f", {vocab}"
+               + (f", from {p.base.source}" if p.base else "") + f"; {enqueued} task enqueued now")
+    if wait:
+        _wait(conn, store, run, "train")
+
+
+@app.command()
+@command
+def evaluate(run: str = typer.Option(..., "--run", help="Run name (trained)."),
+             device: str = typer.Option("cpu", help="cpu or cuda.")):
+    """Simulated acceptance length τ of every checkpoint on the held-out samples (and untrained)."""
+    from eyrie.config import load_settings
+    from eyrie_trainer.data import done_samples, heldout_ids, materialize
+    from eyrie.manifest import load_run_manifest
+    from eyrie_trainer.export import evaluate as run_evaluation
+
+    settings, _, store = _context()
+    manifest = load_run_manifest(store, run)
+    if manifest.train is None:
+        raise EyrieError(f"run {run} has not been trained.", f"run `eyrie train --run {run} --wait` first.")
+    held = heldout_ids(done_samples(store, run), manifest.train.heldout_samples)
+    eval_dir = Path(settings.cache_dir) / "runs" / run / "data" / "heldout"
+    materialize(store, run, eval_dir, lambda s: s["sample_id"] in held)
+    result = run_evaluation(store, run, eval_dir, device, lambda m: None)
+    typer.echo(f"run {run}: tau with K={result['k']} on {manifest.train.heldout_samples} held-out samples")
+    typer.echo(f"  untrained        {result['baseline']['tau']:.3f}")
+    for c in result["checkpoints"]:
+        typer.echo(f"  checkpoint {c['label']:<5} {c['tau']:.3f}" + ("  best" if c["label"] == result["best"] else ""))
+
+
+@app.command()
+@command
+def export(run: str = typer.Option(..., "--run", help="Run name (trained)."),
+           out: Path = typer.Option(..., "--out", help="Directory to write the drafter into.")):
+    """Write the run's exported drafter (the best checkpoint) into a directory vLLM loads."""
+    from eyrie.manifest import load_run_manifest
+    from eyrie_trainer.export import download, vllm_command
+
+    _, _, store = _context()
+    record = download(store, run, out)
+    target = load_run_manifest(store, run).target.model
+    typer.echo(f"run {run}: drafter (checkpoint {record['checkpoint']}, tau {record['tau']:.2f} with K={record['k']}, "
+               f"untrained {record['baseline_tau']:.2f}) in {out}")
+    typer.echo(vllm_command(target, str(out.resolve()), record["k"]))
+
+
+@app.command()
+@command
 def materialize(run: str = typer.Argument(..., help="Run name."),
                 out: Path = typer.Argument(..., help="Directory to write (speculators' training layout).")):
     """Copy a run's hidden states from the store into the directory speculators trains from."""
-    from eyrie_extractor.materialize import materialize as copy_out
+    from eyrie_trainer.data import materialize as copy_out
 
     _, _, store = _context()
     typer.echo(f"{copy_out(store, run, out)} samples in {out}")
@@ -144,7 +231,7 @@ def materialize(run: str = typer.Argument(..., help="Run name."),
 
 @app.command()
 @command
-def worker(stage: str = typer.Argument(..., help="generate | extract"),
+def worker(stage: str = typer.Argument(..., help="generate | extract | train"),
            burst: bool = typer.Option(False, "--burst", help="Exit when the queue is empty.")):
     """Take tasks of one stage from the queue (any number of workers, on any host)."""
     from eyrie.config import load_settings
@@ -154,8 +241,10 @@ def worker(stage: str = typer.Argument(..., help="generate | extract"),
         import eyrie_generator.shard  # noqa: F401  imported once here, not in every task
     elif stage == "extract":
         import eyrie_extractor.shard  # noqa: F401
+    elif stage == "train":
+        import eyrie_trainer.runner  # noqa: F401
     else:
-        raise EyrieError(f"unknown stage {stage!r} for a worker.", "use: eyrie worker generate|extract")
+        raise EyrieError(f"unknown stage {stage!r} for a worker.", "use: eyrie worker generate|extract|train")
 
     settings = load_settings()
     run_worker(connect(settings.redis_url), stage, burst)

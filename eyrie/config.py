@@ -51,6 +51,12 @@ class Settings(BaseSettings):
     extract_vllm_url: str | None = Field(None, description="vLLM extraction server (extract --backend vllm).")
     extract_write_threads: int = Field(4, ge=1, description="Uploads running beside the forward.")
 
+    cache_dir: str = Field(".eyrie/cache", description="Local cache: training data, checkpoints, base drafters.")
+    train_fast_path: Literal["auto", "on", "off"] = Field(
+        "auto", description="speculators' flex attention + fused loss: auto = on a GPU (falls back "
+                            "to sdpa + eager loss by itself if it fails), off = always sdpa + eager.")
+    train_loader_workers: int = Field(2, ge=0, description="speculators' dataloader worker processes.")
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str) -> str:

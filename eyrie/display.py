@@ -41,8 +41,9 @@ def stage_table(status: dict) -> Table:
         processed = s["done"] + s["skipped"] + s["failed"]
         bar = Progress(BarColumn(bar_width=10), TextColumn("{task.percentage:>3.0f}%"))
         bar.add_task("", total=max(1, s["total"]), completed=processed)
-        table.add_row(name, f"[{STATE_STYLE.get(s['state'], '')}]{s['state']}[/]", bar,
-                      f"{s['done']}/{s['skipped']}/{s['failed']} of {s['total']}", _si(s["tokens"]),
+        counts = f"step {s['done']} of {s['total'] or '?'}" if name == "train" else \
+            f"{s['done']}/{s['skipped']}/{s['failed']} of {s['total']}"
+        table.add_row(name, f"[{STATE_STYLE.get(s['state'], '')}]{s['state']}[/]", bar, counts, _si(s["tokens"]),
                       _si(s["tok_per_s"]), "-" if s["state"] == "done" else _eta(s["eta_s"]))
     return table
 
@@ -67,9 +68,29 @@ def render_status(status: dict) -> None:
             console.print(f"[yellow]{name}: waiting for {what}[/]")
         for error in s.get("errors", []):
             console.print(f"[red]{name} error[/] {error}")
+        if name == "train":
+            render_train(s)
         if s.get("skip_reasons"):
             reasons = ", ".join(f"{k}={v}" for k, v in sorted(s["skip_reasons"].items()))
             console.print(f"{name} skipped: {reasons}")
+
+
+def render_train(s: dict) -> None:
+    if s.get("loss") is not None:
+        acc = " ".join(f"{a:.2f}" for a in s.get("acc") or [])
+        console.print(f"train: epoch {(s.get('epoch') or 0) + 1}/{s['epochs']}, loss {s['loss']:.3f}, "
+                      f"accuracy per TTT step [{acc}]" + (f", val loss {s['val_loss']:.3f}" if s.get("val_loss") else ""))
+    if s.get("path"):
+        console.print(f"train: {s['path']['path']} path ({s['path']['draft_attn_impl']} attention, "
+                      f"{s['path']['loss_implementation']} loss)")
+    evaluation = s.get("evaluation")
+    if evaluation:
+        taus = ", ".join(f"{c['label']}: {c['tau']:.2f}" + (" (best)" if c["label"] == evaluation["best"] else "")
+                         for c in evaluation["checkpoints"])
+        console.print(f"evaluate: tau (K={evaluation['k']}) untrained {evaluation['baseline']['tau']:.2f}; {taus}")
+    if s.get("drafter"):
+        console.print(f"export: {s['drafter']['files']['model.safetensors']['key'].rsplit('/', 1)[0]}/ "
+                      f"(`eyrie export --run RUN --out DIR`)")
 
 
 def live_progress(conn, store, run: str, stage: str, poll_s: float = 1.0) -> dict:

@@ -68,6 +68,27 @@ class Layout:
     def extract_shard_manifest(self, shard: int) -> str:
         return f"{self.root}/extract/shards/shard-{shard:05d}.manifest.json"
 
+    @property
+    def train(self) -> str:
+        return f"{self.root}/train"
+
+    def checkpoint_file(self, label: str, name: str) -> str:
+        return f"{self.root}/train/checkpoints/{label}/{name}"
+
+    def checkpoint_manifest(self, label: str) -> str:
+        return f"{self.root}/train/checkpoints/{label}.manifest.json"
+
+    @property
+    def evaluation(self) -> str:
+        return f"{self.root}/train/evaluation.json"
+
+    def drafter_file(self, name: str) -> str:
+        return f"{self.root}/train/drafter/{name}"
+
+    @property
+    def drafter_manifest(self) -> str:
+        return f"{self.root}/train/drafter.manifest.json"
+
     def shard_manifest(self, stage: str, shard: int) -> str:
         return getattr(self, f"{stage}_shard_manifest")(shard)
 
@@ -119,6 +140,32 @@ class ExtractParams(BaseModel):
     budget_bytes: int | None
 
 
+class BaseDrafter(BaseModel):
+    source: str = Field(description="HF repo id or local directory of the base drafter.")
+    revision: str | None = None
+    converted_from_legacy: bool = False
+    hidden_size: int
+    target_vocab: int
+    draft_vocab: int
+    aux_layers: list[int]
+
+
+class TrainParams(BaseModel):
+    epochs: int
+    max_steps: int | None = Field(None, description="Total optimizer steps (all epochs).")
+    draft_vocab: int
+    vocab_mapping: str = Field(description="frequency: built from the run's loss-masked tokens; "
+                                           "base: the base drafter's own d2t/t2d.")
+    num_layers: int = 1
+    ttt_steps: int = 3
+    lr: float
+    total_seq_len: int
+    train_samples: int
+    heldout_samples: int
+    base: BaseDrafter | None = None
+    speculators_version: str
+
+
 class ShardPlan(BaseModel):
     index: int
     row_start: int
@@ -138,6 +185,8 @@ class RunManifest(BaseModel):
     input_skips: dict[str, int] = Field(default_factory=dict,
                                         description="rows unreadable at planning, by reason")
     extract: ExtractParams | None = None
+    train: TrainParams | None = None
+    drafter: dict | None = Field(None, description="The exported drafter: objects, sha256, τ, path taken.")
 
 
 class Counts(BaseModel):

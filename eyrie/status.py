@@ -23,6 +23,8 @@ def run_status(conn, store, run: str) -> dict:
     if manifest.extract:
         stages["extract"] = stage_status(conn, store, manifest, "extract", manifest.extract.samples)
         stages["extract"]["projected_bytes"] = manifest.extract.projected_bytes
+    if manifest.train:
+        stages["train"] = train_status(conn, store, manifest)
     return {
         "run": run,
         "created_at": manifest.created_at,
@@ -98,3 +100,31 @@ def _rates(conn, run: str, stage: str, counts: Counts, state: str) -> dict:
     rate = processed / elapsed
     return {"tok_per_s": round(counts.tokens / elapsed, 1), "samples_per_s": round(rate, 3),
             "eta_s": 0.0 if state == "done" else round(max(0, counts.total - processed) / rate, 1)}
+
+
+def train_status(conn, store, manifest: RunManifest) -> dict:
+    """The one training task: steps as its progress, the latest loss and per-TTT-step accuracy,
+    checkpoints, τ per checkpoint once evaluated, and the exported drafter."""
+    run, layout = manifest.run, Layout(manifest.run)
+    live = progress.read(conn, run, "train").get("0", {})
+    job = task_id("train", run, 0)
+    state = job_state(conn, job) or "missing"
+    done = manifest.drafter is not None
+    total, step = live.get("total_steps") or 0, live.get("step", 0)
+    elapsed = max(1e-6, live.get("updated_at", 0) - live.get("started", 0))
+    steps_this_attempt = step - live.get("resumed_at_step", 0)
+    rate = steps_this_attempt / elapsed if steps_this_attempt > 0 else None
+    evaluation = store.get_json(layout.evaluation) if store.exists(layout.evaluation) else None
+    return {
+        "state": "done" if done else _state(0, 1, {state: 1}, Counts(done=step)),
+        "total": total, "done": step, "skipped": 0, "failed": 0, "tokens": live.get("tokens", 0),
+        "tok_per_s": round(live.get("tokens", 0) / elapsed, 1) if live.get("tokens") else None,
+        "eta_s": 0.0 if done else (round((total - step) / rate, 1) if rate and total else None),
+        "phase": "done" if done else live.get("phase", "pending"), "epoch": live.get("epoch"),
+        "epochs": manifest.train.epochs, "loss": live.get("loss"), "val_loss": live.get("val_loss"),
+        "acc": live.get("acc"), "path": live.get("path"), "notes": live.get("notes", []),
+        "checkpoints": live.get("checkpoints", []), "evaluation": evaluation, "drafter": manifest.drafter,
+        "waiting_for": [live["waiting_for"]] if live.get("waiting_for") and live.get("phase") == "waiting" else [],
+        "workers": workers_on(conn, "train"), "errors": job_errors(conn, [job]), "active": [],
+        "params": manifest.train.model_dump(),
+    }

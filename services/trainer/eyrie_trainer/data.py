@@ -1,0 +1,90 @@
+"""A run's hidden states from the store to a local directory in the layout speculators trains
+from: a `save_to_disk` dataset (input_ids, loss_mask, seq_len), hidden_states/hs_<i>.safetensors
+and token_freq.pt (loss-masked token counts, for the draft vocabulary).
+
+Every object is checked against its sha256; files already in place are not fetched again, and
+a directory whose marker names the same samples is not touched at all."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+
+from eyrie.manifest import Layout, ShardManifest, load_run_manifest
+
+MARKER = "eyrie-samples.json"
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def done_samples(store, run: str) -> list[dict]:
+    """Every extracted sample of the run, in shard and row order."""
+    manifest, layout = load_run_manifest(store, run), Layout(run)
+    samples = []
+    for plan in manifest.generate_shards:
+        shard = ShardManifest.model_validate(store.get_json(layout.extract_shard_manifest(plan.index)))
+        samples.extend(shard.samples)
+    return samples
+
+
+def heldout_ids(samples: list[dict], count: int) -> set[str]:
+    """A fixed choice of held-out samples (never trained on): the lowest sample-id hashes."""
+    ranked = sorted(samples, key=lambda s: hashlib.sha256(s["sample_id"].encode()).hexdigest())
+    return {s["sample_id"] for s in ranked[:count]}
+
+
+def materialize(store, run: str, dest: str | Path,
+                select: Callable[[dict], bool] = lambda sample: True) -> int:
+    """Returns the number of samples written. Sample i is the i-th selected sample."""
+    dest = Path(dest)
+    samples = [s for s in done_samples(store, run) if select(s)]
+    fingerprint = [s["sha256"] for s in samples]
+    marker = dest / MARKER
+    if marker.exists() and orjson.loads(marker.read_bytes()) == fingerprint:
+        return len(samples)
+    marker.unlink(missing_ok=True)
+    _write(store, samples, dest)
+    marker.write_bytes(orjson.dumps(fingerprint))
+    return len(samples)
+
+
+def _write(store, samples: list[dict], dest: Path) -> None:
+    import datasets
+    import torch
+    from safetensors.torch import load_file
+
+    (dest / "hidden_states").mkdir(parents=True, exist_ok=True)
+    columns = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    freq: Counter = Counter()
+    for index, sample in enumerate(samples):
+        path = dest / "hidden_states" / f"hs_{index}.safetensors"
+        if not path.exists() or _sha256_file(path) != sample["sha256"]:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(store.get_verified(sample["key"], sample["sha256"]))
+            tmp.replace(path)
+        token_ids = load_file(path)["token_ids"].tolist()
+        prompt_len, seq_len = sample["prompt_len"], sample["seq_len"]
+        columns["input_ids"].append(token_ids)
+        columns["loss_mask"].append([0] * prompt_len + [1] * (seq_len - prompt_len))
+        columns["seq_len"].append(seq_len)
+        freq.update(token_ids[prompt_len:])
+    for stale in (dest / "hidden_states").glob("hs_*.safetensors"):
+        if int(stale.stem.split("_")[1]) >= len(samples):
+            stale.unlink()
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("int64")),
+                                  "seq_len": datasets.Value("int64")})
+    dataset = datasets.Dataset.from_dict(columns, features=features)
+    dataset.set_format(type="torch")  # as speculators' prepare-data saves it
+    dataset.save_to_disk(str(dest))
+    torch.save(dict(freq), dest / "token_freq.pt")

@@ -1,0 +1,190 @@
+"""speculators' trainer run in-process: the CPU shim, the fast-path fallback, total max-steps,
+checkpoint hooks and live metrics. The training loop is speculators' own.
+
+Pinned to speculators 0.9.0: `check_internals()` fails loudly (and a test calls it) if the
+internals this module relies on change."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+SPECULATORS_VERSION = "0.9.0"
+SAFE_PATH = {"draft_attn_impl": "sdpa", "loss_implementation": "eager"}
+FAST_PATH = {"draft_attn_impl": "simple_flex_attention", "loss_implementation": "fused"}
+
+
+@dataclass
+class Hooks:
+    """What the trainer tells eyrie while speculators trains."""
+
+    on_metrics: Callable[[dict], None] = lambda record: None
+    on_checkpoint: Callable[[str, int, int], None] = lambda label, epoch, local_step: None
+    on_step: Callable[[int], None] = lambda global_step: None  # raises to stop (lease lost)
+    on_start: Callable[[int, int], None] = lambda steps_per_epoch, global_step: None
+    state: dict = field(default_factory=dict)  # steps, interrupted
+
+
+def check_internals() -> None:
+    """The speculators internals the shim touches, as of 0.9.0."""
+    from importlib.metadata import version
+
+    import speculators.train.cli as cli
+    import speculators.train.trainer as trainer
+
+    problems = []
+    if version("speculators") != SPECULATORS_VERSION:
+        problems.append(f"speculators {version('speculators')} is installed, the shim is for {SPECULATORS_VERSION}")
+    if getattr(cli, "Trainer", None) is not trainer.Trainer:
+        problems.append("speculators.train.cli no longer constructs speculators.train.trainer.Trainer")
+    for name in ("setup_model", "train_epoch", "val_epoch", "maybe_save_checkpoint", "maybe_update_best"):
+        if not hasattr(trainer.Trainer, name):
+            problems.append(f"Trainer.{name} is gone")
+    if "step_callback" not in inspect.signature(trainer.Trainer.train_epoch).parameters:
+        problems.append("Trainer.train_epoch lost its step_callback")
+    if not hasattr(trainer, "_StepTimer") or "torch.accelerator.synchronize" not in inspect.getsource(trainer._StepTimer):
+        problems.append("speculators.train.trainer._StepTimer changed")
+    if problems:
+        raise RuntimeError("eyrie's speculators shim needs updating: " + "; ".join(problems))
+
+
+def _trainer_class(device: str, hooks: Hooks):
+    from speculators.train.graceful_shutdown import with_graceful_shutdown
+    from speculators.train.trainer import Trainer
+
+    class EyrieTrainer(Trainer):
+        """speculators' Trainer on any device, stopping at total max-steps, reporting to eyrie."""
+
+        def setup_model(self):
+            self.local_rank = device  # speculators moves to local_rank: an index means CUDA
+            self.device_type = torch.device(device).type
+            super().setup_model()
+
+        @with_graceful_shutdown()
+        def run_training(self):
+            # speculators' loop without its barriers (one device), stopping at max_steps in total:
+            # its own loop would run one more step in every later epoch.
+            hooks.on_start(len(self.train_loader), self.global_step)
+            for epoch in range(self.current_epoch, self.config.num_epochs):
+                if self._reached_max_steps():
+                    break
+                hooks.state["epoch"] = epoch
+                hooks.state["epoch_start_step"] = self.global_step - getattr(self, "_resume_local_step", 0)
+                self.train_epoch(epoch, step_callback=self._after_step)
+                self.maybe_save_checkpoint(epoch)
+                self.maybe_update_best(epoch, self.val_epoch(epoch))
+
+        def _after_step(self) -> None:
+            hooks.state["steps"] = hooks.state.get("steps", 0) + 1
+            hooks.on_step(self.global_step)
+
+        def _reached_max_steps(self) -> bool:
+            return self.config.max_steps is not None and self.global_step >= self.config.max_steps
+
+        def maybe_save_checkpoint(self, epoch, local_step: int = 0):
+            if epoch == "interrupted":  # a SIGTERM: save where we are, as a resumable mid-epoch point
+                hooks.state["interrupted"] = True
+                epoch = hooks.state.get("epoch", 0)
+                local_step = self.global_step - hooks.state.get("epoch_start_step", 0)
+                if local_step <= 0:
+                    return
+            super().maybe_save_checkpoint(epoch, local_step=local_step)
+            hooks.on_checkpoint(str(epoch), epoch, local_step)
+
+    return EyrieTrainer
+
+
+class _NoSyncStepTimer:
+    """speculators' step timer synchronizes the accelerator, which fails where there is none."""
+
+    @staticmethod
+    def install(trainer_module) -> Callable[[], None]:
+        original = trainer_module._StepTimer
+
+        class CpuStepTimer(original):
+            def mark(self, name):
+                if self.enabled:
+                    import time
+
+                    self._marks[name] = time.perf_counter()
+
+            def now(self):
+                import time
+
+                return time.perf_counter() if self.enabled else None
+
+        trainer_module._StepTimer = CpuStepTimer
+        return lambda: setattr(trainer_module, "_StepTimer", original)
+
+
+class _MetricsHandler(logging.Handler):
+    """speculators logs each step's metrics as a dict on 'speculators.metrics'."""
+
+    def __init__(self, hooks: Hooks):
+        super().__init__()
+        self.hooks = hooks
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name == "speculators.metrics" and isinstance(record.msg, dict) \
+                and not getattr(record, "hparams", False):
+            self.hooks.on_metrics(record.msg)
+
+
+@contextlib.contextmanager
+def speculators_patched(device: str, hooks: Hooks) -> Iterator[None]:
+    import speculators.train.cli as cli
+    import speculators.train.trainer as trainer_module
+
+    check_internals()
+    original, undo_timer = cli.Trainer, None
+    cli.Trainer = _trainer_class(device, hooks)
+    if not device.startswith("cuda"):
+        undo_timer = _NoSyncStepTimer.install(trainer_module)
+    handler = _MetricsHandler(hooks)
+    logging.getLogger().addHandler(handler)
+    try:
+        yield
+    finally:
+        cli.Trainer = original
+        if undo_timer:
+            undo_timer()
+        logging.getLogger().removeHandler(handler)
+
+
+def train(argv: list[str], device: str, hooks: Hooks) -> None:
+    """speculators' `train` entry, in this process, with our Trainer subclass."""
+    from speculators.train.cli import main
+    from speculators.train.config import TrainConfig
+
+    cfg = TrainConfig.resolve(argv)
+    with speculators_patched(device, hooks):
+        main(cfg)
+
+
+def train_with_fallback(argv: list[str], device: str, fast_path: bool, hooks: Hooks,
+                        log: Callable[[str], None]) -> dict:
+    """The fast path (flex attention, fused loss, torch.compile) where asked; if it fails before
+    its first step, speculators' sdpa + eager path, said out loud. Returns the path taken."""
+    if fast_path:
+        hooks.state["steps"] = 0
+        try:
+            train(argv + path_flags(FAST_PATH), device, hooks)
+            return {"path": "fast", **FAST_PATH}
+        except Exception as exc:
+            if hooks.state.get("steps", 0) > 0:
+                raise
+            reason = f"{type(exc).__name__}: {str(exc)[:300]}"
+            log(f"fast path failed before its first step ({reason}); falling back to sdpa + eager loss")
+            train(argv + path_flags(SAFE_PATH), device, hooks)
+            return {"path": "fallback", **SAFE_PATH, "fast_path_error": reason}
+    train(argv + path_flags(SAFE_PATH), device, hooks)
+    return {"path": "safe", **SAFE_PATH}
+
+
+def path_flags(path: dict) -> list[str]:
+    return [f"--{k.replace('_', '-')}={v}" for k, v in path.items()]

@@ -1,0 +1,112 @@
+"""Evaluate every stored checkpoint on the held-out samples (τ, with an untrained drafter of the
+same shape as the baseline), mark the best, and export it: the directory vLLM loads with
+`--speculative-config '{"method": "eagle3", "model": DIR, ...}'`, stored under train/drafter/."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from eyrie.errors import EyrieError
+from eyrie.manifest import Layout, load_run_manifest, now_iso
+from eyrie_trainer import checkpoints
+
+DRAFTER_FILES = ("config.json", "model.safetensors")
+
+
+def load_drafter(folder: Path):
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    return Eagle3DraftModel.from_pretrained(str(folder))
+
+
+def _transfer(eval_dir: Path, dtype: str):
+    if dtype != "fp8":
+        return None
+    from hs_connectors.transfer import FP8Transfer
+
+    return FP8Transfer(eval_dir / "hidden_states")
+
+
+def evaluate(store, run: str, eval_dir: Path, device: str, log) -> dict:
+    """τ per end-of-epoch checkpoint and for the untrained baseline; the best is marked."""
+    from eyrie_trainer.evaluate import simulate, untrained_like
+
+    manifest, layout = load_run_manifest(store, run), Layout(run)
+    k, transfer = manifest.train.ttt_steps, _transfer(eval_dir, manifest.extract.dtype)
+    stored = [m for m in checkpoints.stored(store, layout) if m["local_step"] == 0]
+    if not stored:
+        raise EyrieError(f"run {run} has no finished epoch checkpoint to evaluate.",
+                         f"train it first: `eyrie train --run {run} --wait`.")
+    results, baseline = [], None
+    for entry in stored:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = load_drafter(checkpoints.fetch(store, layout, entry, Path(tmp), list(DRAFTER_FILES)))
+        if baseline is None:
+            baseline = simulate(untrained_like(model), eval_dir, k=k, device=device, transfer=transfer)
+            log(f"untrained baseline: tau {baseline['tau']:.3f}")
+        result = simulate(model, eval_dir, k=k, device=device, transfer=transfer)
+        log(f"checkpoint {entry['label']}: tau {result['tau']:.3f} (K={k})")
+        results.append({"label": entry["label"], "epoch": entry["epoch"], **result})
+    best = max(results, key=lambda r: r["tau"])
+    evaluation = {"k": k, "heldout_samples": manifest.train.heldout_samples, "baseline": baseline,
+                  "checkpoints": results, "best": best["label"], "evaluated_at": now_iso()}
+    store.put_json(layout.evaluation, evaluation)
+    return evaluation
+
+
+def export(store, run: str, evaluation: dict, path: dict) -> dict:
+    """The best checkpoint's config and weights to train/drafter/, and the run manifest's record
+    of the drafter (written last: the proof that the stage is done)."""
+    manifest, layout = load_run_manifest(store, run), Layout(run)
+    label = evaluation["best"]
+    entry = next(m for m in checkpoints.stored(store, layout) if m["label"] == label)
+    files = {}
+    for name in DRAFTER_FILES:
+        data = store.get_verified(layout.checkpoint_file(label, name), entry["files"][name]["sha256"])
+        if name == "config.json":
+            data = _served_config(json.loads(data), manifest)
+        info = store.put_bytes(layout.drafter_file(name), data)
+        files[name] = {"key": info.key, "sha256": info.sha256, "bytes": info.size}
+    best = next(c for c in evaluation["checkpoints"] if c["label"] == label)
+    record = {"files": files, "checkpoint": label, "tau": best["tau"], "baseline_tau": evaluation["baseline"]["tau"],
+              "k": evaluation["k"], "training_path": path, "exported_at": now_iso(),
+              "vllm": vllm_command(manifest.target.model, "DIR", evaluation["k"])}
+    manifest.drafter = record
+    store.put_json(layout.manifest, manifest.model_dump())
+    store.put_json(layout.drafter_manifest, record)
+    return record
+
+
+def _served_config(config: dict, manifest) -> bytes:
+    """The checkpoint's config as vLLM reads it: the target named as the run recorded it, K
+    proposal tokens (the TTT steps it was trained for), weights in bfloat16."""
+    config["speculators_config"]["verifier"]["name_or_path"] = manifest.target.model
+    config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = manifest.train.ttt_steps
+    return json.dumps(config, indent=2).encode()
+
+
+def vllm_command(target: str, folder: str, k: int) -> str:
+    spec = json.dumps({"method": "eagle3", "model": folder, "num_speculative_tokens": k})
+    return f"vllm serve {target} --speculative-config '{spec}'"
+
+
+def evaluate_and_export(store, run: str, eval_dir: Path, device: str, path: dict, log) -> dict:
+    evaluation = evaluate(store, run, eval_dir, device, log)
+    record = export(store, run, evaluation, path)
+    return {"tau": record["tau"], "baseline_tau": record["baseline_tau"], "checkpoint": record["checkpoint"]}
+
+
+def download(store, run: str, out: Path) -> dict:
+    """`eyrie export`: the exported drafter from the store into `out`, checksums verified."""
+    layout = Layout(run)
+    try:
+        record = store.get_json(layout.drafter_manifest)
+    except KeyError:
+        raise EyrieError(f"run {run} has no exported drafter yet.",
+                         f"train it (`eyrie train --run {run} --wait`); the best checkpoint is exported at the end.") from None
+    out.mkdir(parents=True, exist_ok=True)
+    for name, entry in record["files"].items():
+        (out / name).write_bytes(store.get_verified(entry["key"], entry["sha256"]))
+    return record

@@ -1,0 +1,116 @@
+"""Start (or continue) the train stage of a run: check extract is done, fix the settings in the
+run manifest (a rerun must match them), enqueue the one training task."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from eyrie import progress
+from eyrie.errors import EyrieError
+from eyrie.manifest import Layout, RunManifest, TrainParams, load_run_manifest
+from eyrie.queue import enqueue_task
+from eyrie.status import task_id
+
+TASK_FUNC = "eyrie_trainer.runner.run_train_task"
+DEFAULT_DRAFT_VOCAB = 32000
+MAX_HELDOUT = 500
+TRAIN_TIMEOUT_S = 7 * 24 * 3600
+
+
+class TrainTask(BaseModel):
+    """The JSON payload of a train task on the queue."""
+
+    model_config = ConfigDict(extra="forbid")
+    run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class TrainRequest(BaseModel):
+    """What `eyrie train` asks for; None: the default (or, on a rerun, what was planned)."""
+
+    base: str | None = None
+    base_revision: str | None = None
+    epochs: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    draft_vocab: int | None = Field(None, ge=2)
+    lr: float | None = Field(None, gt=0)
+    total_seq_len: int | None = Field(None, ge=16)
+    ttt_steps: int | None = Field(None, ge=1, le=16)
+    heldout: int | None = Field(None, ge=1)
+
+
+def train_task_id(run: str) -> str:
+    return task_id("train", run, 0)
+
+
+def start_train(conn, store, run: str, request: TrainRequest) -> tuple[RunManifest, int]:
+    manifest, layout = load_run_manifest(store, run), Layout(run)
+    _require_extract_done(store, manifest, layout)
+    if manifest.train is None:
+        manifest.train = plan(store, manifest, request)
+        store.put_json(layout.manifest, manifest.model_dump())
+        progress.reset(conn, run, "train")
+    else:
+        _check_same(manifest.train, request)
+    if store.exists(layout.drafter_manifest):
+        return manifest, 0
+    enqueued = enqueue_task(conn, "train", TASK_FUNC, {"run": run}, train_task_id(run),
+                            timeout_s=TRAIN_TIMEOUT_S)
+    return manifest, int(enqueued)
+
+
+def _require_extract_done(store, manifest: RunManifest, layout: Layout) -> None:
+    missing = [] if manifest.extract is None else [
+        p.index for p in manifest.generate_shards if not store.exists(layout.extract_shard_manifest(p.index))]
+    if manifest.extract is None or missing:
+        todo = f"{len(missing)} of {len(manifest.generate_shards)} shards to go" if missing else "not started"
+        raise EyrieError(f"run {manifest.run}: extract is not finished ({todo}).",
+                         f"run `eyrie extract --run {manifest.run} --wait` first, then train.")
+
+
+def plan(store, manifest: RunManifest, request: TrainRequest) -> TrainParams:
+    from importlib.metadata import version
+
+    from eyrie_trainer.data import done_samples
+
+    samples = len(done_samples(store, manifest.run))
+    heldout = request.heldout or max(1, min(MAX_HELDOUT, samples // 10))
+    if samples - heldout < 1:
+        raise EyrieError(f"run {manifest.run} has {samples} extracted samples: too few to train on "
+                         f"and hold {heldout} out for evaluation.",
+                         "generate more samples, or pass a smaller --heldout.")
+    target_vocab = _target_vocab(manifest.target.model)
+    # with a base drafter its own vocabulary is used (0 until the trainer has checked it)
+    draft_vocab = (request.draft_vocab or 0) if request.base else \
+        min(request.draft_vocab or DEFAULT_DRAFT_VOCAB, target_vocab)
+    return TrainParams(
+        epochs=request.epochs or 10, max_steps=request.max_steps, draft_vocab=draft_vocab,
+        vocab_mapping="base" if request.base else "frequency", lr=request.lr or 1e-4,
+        total_seq_len=request.total_seq_len or 8192, ttt_steps=request.ttt_steps or 3,
+        train_samples=samples - heldout, heldout_samples=heldout,
+        base=_base_ref(request) if request.base else None, speculators_version=version("speculators"))
+
+
+def _base_ref(request: TrainRequest):
+    # filled in by the trainer once the base is fetched and checked
+    return {"source": request.base, "revision": request.base_revision, "hidden_size": 0,
+            "target_vocab": 0, "draft_vocab": 0, "aux_layers": []}
+
+
+def _target_vocab(model: str) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model).get_text_config().vocab_size
+
+
+def _check_same(params: TrainParams, request: TrainRequest) -> None:
+    planned = {"epochs": params.epochs, "max_steps": params.max_steps, "lr": params.lr,
+               "total_seq_len": params.total_seq_len, "ttt_steps": params.ttt_steps,
+               "heldout": params.heldout_samples, "base": params.base.source if params.base else None}
+    changed = [f"{name} {getattr(request, name)} vs {old}" for name, old in planned.items()
+               if getattr(request, name) is not None and getattr(request, name) != old]
+    if request.draft_vocab is not None and params.draft_vocab and \
+            min(request.draft_vocab, params.draft_vocab) != params.draft_vocab:
+        changed.append(f"draft_vocab {request.draft_vocab} vs {params.draft_vocab}")
+    if changed:
+        raise EyrieError(f"train of this run was planned with other settings: {'; '.join(changed)}.",
+                         "rerun with the original settings to continue it, or start a new run.")

@@ -1,0 +1,212 @@
+"""One train task: the run's hidden states to a local cache, speculators' trainer on them
+(resuming from the last stored checkpoint), every checkpoint to the store as it is saved, then
+each one evaluated on held-out samples and the best exported."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+from eyrie import progress
+from eyrie.config import Settings
+from eyrie.errors import EyrieError
+from eyrie.gpu import GpuLease
+from eyrie.manifest import BaseDrafter, Layout, load_run_manifest
+from eyrie.queue import LEASE_TTL_S, held_task
+from eyrie_trainer import checkpoints, engine
+from eyrie_trainer.data import done_samples, heldout_ids, materialize
+from eyrie_trainer.plan import train_task_id
+
+log = logging.getLogger("eyrie.trainer")
+
+
+class TaskLost(RuntimeError):
+    """Another worker took the task over (this one stalled past its lease): stop, retry later."""
+
+
+class Interrupted(RuntimeError):
+    """SIGTERM: the checkpoint was saved; the task is retried from it."""
+
+
+class Heartbeat(threading.Thread):
+    """Renews the task lease (and the GPU lease) while speculators trains in this thread."""
+
+    def __init__(self, task_lease, gpu: GpuLease | None, every_s: float = LEASE_TTL_S / 3):
+        super().__init__(daemon=True, name="eyrie-heartbeat")
+        self.task_lease, self.gpu, self.every_s = task_lease, gpu, every_s
+        self.lost, self.done = False, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.every_s):
+            try:
+                self.task_lease.extend(LEASE_TTL_S, replace_ttl=True)
+                if self.gpu:
+                    self.gpu.renew()
+            except redis.exceptions.LockError:
+                self.lost = True
+                return
+            except redis.exceptions.ConnectionError:
+                continue  # Redis away for a moment: the lease lasts LEASE_TTL_S
+
+
+def pick_device(setting: str) -> str:
+    import torch
+
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return setting
+
+
+class TrainRunner:
+    def __init__(self, settings: Settings, conn: redis.Redis, store, run: str):
+        self.settings, self.conn, self.store = settings, conn, store
+        self.run_name, self.layout = run, Layout(run)
+        self.manifest = load_run_manifest(store, run)
+        self.params = self.manifest.train
+        self.work = Path(settings.cache_dir) / "runs" / run
+        self.live: dict = {"phase": "starting", "step": 0, "tokens": 0, "checkpoints": []}
+        self._started, self._last_report = time.time(), 0.0
+
+    def run(self) -> dict:
+        if self.params is None:
+            raise EyrieError(f"run {self.run_name} has no train plan.", f"run `eyrie train --run {self.run_name}`.")
+        if self.store.exists(self.layout.drafter_manifest):
+            return {"status": "already_done"}
+        with held_task(self.conn, train_task_id(self.run_name)) as lease:
+            if lease is None:
+                return {"status": "held_by_another_worker"}
+            device = pick_device(self.settings.device)
+            gpu = GpuLease(self.conn, f"trainer@{socket.gethostname()}", device) if device.startswith("cuda") else None
+            if gpu:
+                self._report(phase="waiting", waiting_for="gpu_lease", force=True)
+                gpu.acquire()
+            beat = Heartbeat(lease, gpu)
+            beat.start()
+            try:
+                return self._run(device, beat)
+            finally:
+                beat.done.set()
+                if gpu:
+                    gpu.release()
+
+    def _run(self, device: str, beat: Heartbeat) -> dict:
+        from eyrie_trainer.export import evaluate_and_export
+
+        self._report(phase="data", force=True)
+        train_dir, eval_dir = self._prepare_data()
+        base_args = self._prepare_base() if self.params.base else []
+        restored = checkpoints.restore(self.store, self.layout, self.work / "checkpoints", self._say)
+        if restored:
+            self._say(f"resuming from checkpoint {restored['label']} (step {restored['local_step']} of epoch "
+                      f"{restored['epoch']})")
+        hooks = engine.Hooks(on_metrics=self._on_metrics, on_checkpoint=self._on_checkpoint,
+                             on_step=lambda step: self._on_step(beat), on_start=self._on_start)
+        self._report(phase="training", force=True)
+        path = engine.train_with_fallback(self._argv(train_dir) + base_args, device, self._fast_path(device),
+                                          hooks, self._say)
+        if hooks.state.get("interrupted"):
+            raise Interrupted("training interrupted (SIGTERM); the checkpoint is in the store")
+        self._report(phase="evaluating", path=path, force=True)
+        result = evaluate_and_export(self.store, self.run_name, eval_dir, device, path, self._say)
+        self._report(phase="done", path=path, final=True, force=True)
+        return {"status": "done", **result}
+
+    def _prepare_data(self) -> tuple[Path, Path]:
+        samples = done_samples(self.store, self.run_name)
+        held = heldout_ids(samples, self.params.heldout_samples)
+        train_dir, eval_dir = self.work / "data" / "train", self.work / "data" / "heldout"
+        n_train = materialize(self.store, self.run_name, train_dir, lambda s: s["sample_id"] not in held)
+        n_eval = materialize(self.store, self.run_name, eval_dir, lambda s: s["sample_id"] in held)
+        self._say(f"data: {n_train} training samples, {n_eval} held out, in {self.work / 'data'}")
+        return train_dir, eval_dir
+
+    def _prepare_base(self) -> list[str]:
+        from eyrie_trainer.base import prepare_base, save_vocab_mapping
+
+        ref, extract = self.params.base, self.manifest.extract
+        requested = self.params.draft_vocab or None
+        path, info = prepare_base(ref.source, ref.revision, self.manifest.target.model, extract.aux_layers,
+                                  requested, Path(self.settings.cache_dir) / "base")
+        if not ref.hidden_size:  # first time: record what was checked in the run manifest
+            self.manifest.train.base = BaseDrafter(**{**ref.model_dump(), **info.model_dump(
+                include={"hidden_size", "target_vocab", "draft_vocab", "aux_layers", "converted_from_legacy"})})
+            self.manifest.train.draft_vocab = info.draft_vocab
+            self.store.put_json(self.layout.manifest, self.manifest.model_dump())
+            self.params = self.manifest.train
+        d2t, t2d = save_vocab_mapping(path, self.work / "base-vocab")
+        return ["--from-pretrained", str(path), "--d2t-path", str(d2t), "--t2d-path", str(t2d)]
+
+    def _argv(self, train_dir: Path) -> list[str]:
+        p, extract = self.params, self.manifest.extract
+        argv = ["--verifier-name-or-path", self.manifest.target.model, "--data-path", str(train_dir),
+                "--save-path", str(self.work / "checkpoints"), "--epochs", str(p.epochs),
+                "--num-layers", str(p.num_layers), "--ttt-steps", str(p.ttt_steps), "--lr", str(p.lr),
+                "--total-seq-len", str(p.total_seq_len), "--num-workers", str(self.settings.train_loader_workers),
+                "--target-layer-ids", *map(str, extract.aux_layers), "--log-dir", str(self.work / "logs"),
+                "--logger", "", "--hidden-states-backend", "fp8" if extract.dtype == "fp8" else "file",
+                "--checkpoint-freq", "1", "--log-freq", "1"]
+        if not p.base:
+            argv += ["--draft-vocab-size", str(p.draft_vocab)]
+        if p.max_steps:
+            argv += ["--max-steps", str(p.max_steps)]
+        return argv
+
+    def _fast_path(self, device: str) -> bool:
+        return {"on": True, "off": False}.get(self.settings.train_fast_path, device.startswith("cuda"))
+
+    def _on_start(self, steps_per_epoch: int, global_step: int) -> None:
+        total = steps_per_epoch * self.params.epochs
+        self.live.update(steps_per_epoch=steps_per_epoch, step=global_step, resumed_at_step=global_step,
+                         total_steps=min(total, self.params.max_steps or total))
+        self._report(force=True)
+
+    def _on_metrics(self, record: dict) -> None:
+        if "train" in record:
+            metrics, profile = record["train"], record.get("profile") or {}
+            self.live.update(step=record["global_step"] + 1, epoch=record.get("epoch"), loss=metrics.get("loss"),
+                             acc=[metrics[k] for k in sorted(metrics) if k.startswith("full_acc_")],
+                             lr=record.get("lr"))
+            self.live["tokens"] += int(profile.get("tokens_per_s", 0) * profile.get("step_ms", 0) / 1000)
+        elif "val" in record:
+            self.live["val_loss"] = record["val"].get("loss_epoch")
+        self._report()
+
+    def _on_checkpoint(self, label: str, epoch: int, local_step: int) -> None:
+        entry = checkpoints.upload(self.store, self.layout, self.work / "checkpoints", label, epoch, local_step)
+        self.live["checkpoints"].append({"label": label, "step": self.live.get("step"), "epoch": epoch,
+                                         "local_step": local_step})
+        self._say(f"checkpoint {label} stored ({sum(f['bytes'] for f in entry['files'].values()):,} bytes)")
+        self._report(force=True)
+
+    def _on_step(self, beat: Heartbeat) -> None:
+        if beat.lost:
+            raise TaskLost("the task lease was lost (another worker took the task over)")
+
+    def _say(self, message: str) -> None:
+        log.warning(message)
+        self.live.setdefault("notes", []).append(message)
+        self.live["notes"] = self.live["notes"][-10:]
+
+    def _report(self, force: bool = False, **fields) -> None:
+        self.live.update(fields)
+        if force or time.monotonic() - self._last_report > 0.5:
+            self._last_report = time.monotonic()
+            progress.report(self.conn, self.run_name, "train", "0", self._started,
+                            worker=socket.gethostname(), **self.live)
+
+
+def run_train_task(payload: dict) -> dict:
+    """RQ entry point. The payload is JSON, validated before anything runs."""
+    from eyrie.config import load_settings
+    from eyrie.queue import connect
+    from eyrie.store import open_store
+    from eyrie_trainer.plan import TrainTask
+
+    task = TrainTask.model_validate(payload)
+    settings = load_settings()
+    return TrainRunner(settings, connect(settings.redis_url), open_store(settings), task.run).run()

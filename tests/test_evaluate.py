@@ -1,0 +1,160 @@
+"""Simulated acceptance length: the alignment on hand-built cases, an oracle drafter, and an
+untrained drafter (speculators' Eagle3DraftModel) on hidden states of the tiny target."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from eyrie_trainer.evaluate import accepted_lengths, simulate, untrained_like
+from hs_fixture import TINY, build_hs_dir
+
+K = 3
+DRAFT_VOCAB = 500
+AUX = (2, 4, 5)
+
+
+def t(values):
+    return torch.tensor(values, dtype=torch.long)
+
+
+# x = [p0, p1, a2, a3, a4, a5, a6] (p: prompt, a: assistant), L = 7, starts j = 0..4 (x[j+2] assistant)
+X = t([10, 11, 12, 13, 14, 15, 16])
+MASK = t([0, 0, 1, 1, 1, 1, 1])
+
+
+def oracle(x: torch.Tensor, k: int) -> torch.Tensor:
+    """draft[s, j] = x[j+2+s] (junk past the end)."""
+    n = x.shape[0] - 1
+    rows = [[int(x[j + 2 + s]) if j + 2 + s < x.shape[0] else -1 for j in range(n)] for s in range(k)]
+    return t(rows)
+
+
+def test_all_right_counts_up_to_k_and_the_sequence_end():
+    # start j predicts x[j+2..j+4]: j=0,1,2 have 3 steps; j=3 has 2 (x5, x6); j=4 has 1 (x6)
+    assert accepted_lengths(oracle(X, K), X, MASK).tolist() == [3, 3, 3, 2, 1]
+
+
+def test_first_wrong_accepts_nothing_and_a_wrong_middle_step_stops_the_count():
+    drafts = oracle(X, K)
+    drafts[0, 1] = 99  # start 1: first step wrong
+    drafts[1, 0] = 99  # start 0: second step wrong, third right -> 1
+    drafts[1, 2] = 99  # start 2: second step wrong -> 1
+    assert accepted_lengths(drafts, X, MASK).tolist() == [1, 0, 1, 2, 1]
+
+
+def test_prompt_positions_are_excluded_and_a_non_assistant_token_stops_a_draft():
+    mask = t([0, 0, 0, 1, 1, 0, 1])  # x2 prompt (no start j=0); x5 is not an assistant token
+    # starts: j=1 (x3, x4 | x5 stops), j=2 (x4 | x5 stops), j=4 (x6, then the end)
+    assert accepted_lengths(oracle(X, K), X, mask).tolist() == [2, 1, 1]
+    assert accepted_lengths(oracle(X, K), X, torch.zeros(7, dtype=torch.long)).numel() == 0
+
+
+def test_shape_mismatch_is_refused():
+    with pytest.raises(ValueError):
+        accepted_lengths(torch.zeros(K, 7, dtype=torch.long), X, MASK)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads; on a busy 2-core machine, spinning OpenMP threads
+    made one simulate() over 26 samples take from 0.3 s to 47 s."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def hs_dir(tmp_path_factory):
+    return build_hs_dir(tmp_path_factory.mktemp("hs"), n=24, aux_layers=AUX)
+
+
+@pytest.fixture(scope="session")
+def samples(hs_dir):
+    import datasets
+
+    return list(datasets.load_from_disk(str(hs_dir)))
+
+
+@pytest.fixture(scope="session")
+def drafter(samples):
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from transformers import AutoConfig
+
+    counts = Counter()
+    for s in samples:
+        counts.update(s["input_ids"][s["loss_mask"].bool()].tolist())
+    config = AutoConfig.from_pretrained(TINY)
+    d2t, t2d = build_vocab_mappings_from_distribution(dict(counts), DRAFT_VOCAB, config.vocab_size)
+    torch.manual_seed(0)
+    return Eagle3DraftModel.from_training_args(
+        config, t2d=t2d, d2t=d2t, verifier_name_or_path=str(TINY), target_layer_ids=list(AUX),
+        draft_vocab_size=DRAFT_VOCAB, norm_before_residual=True, ttt_steps=K)
+
+
+def exact_oracle_tau(samples, k: int) -> float:
+    """Single-turn samples: the answer runs to the end, so start j (x[j+2] in the answer)
+    accepts min(k, L - 2 - j) tokens."""
+    total = count = 0
+    for s in samples:
+        length, first = int(s["seq_len"]), int(s["loss_mask"].argmax())
+        for j in range(first - 2, length - 2):
+            total += min(k, length - 2 - j)
+            count += 1
+    return 1 + total / count
+
+
+def test_oracle_drafter_gets_one_plus_k_less_the_end_effects(samples):
+    got = torch.cat([accepted_lengths(oracle(s["input_ids"], K), s["input_ids"], s["loss_mask"]) for s in samples])
+    assert 1 + got.float().mean().item() == pytest.approx(exact_oracle_tau(samples, K))
+    assert got.numel() == sum(int(s["loss_mask"].sum()) for s in samples)  # one start per answer token
+
+
+def test_untrained_drafter_has_tau_near_one(drafter, hs_dir, samples):
+    report = simulate(drafter, hs_dir, None, K)
+    assert report["samples"] == len(samples) and report["k"] == K
+    assert report["positions"] == sum(int(s["loss_mask"].sum()) for s in samples)
+    assert sum(report["histogram"]) == report["positions"] and len(report["histogram"]) == K + 1
+    assert 1.0 <= report["tau"] < 1.3
+    accepted = sum(n * count for n, count in enumerate(report["histogram"]))
+    assert report["tau"] == pytest.approx(1 + accepted / report["positions"])
+    assert len(report["step_acceptance"]) == K
+    assert drafter.training  # simulate leaves the train/eval mode as it found it
+    assert drafter.config.transformer_layer_config._attn_implementation == "simple_flex_attention"
+    part = simulate(drafter, hs_dir, [0, 3], K)
+    assert part["samples"] == 2 and part["positions"] == sum(int(samples[i]["loss_mask"].sum()) for i in (0, 3))
+
+
+def test_draft_ids_are_mapped_to_target_ids(drafter, hs_dir, samples, monkeypatch):
+    """A drafter that predicts every true token as its DRAFT id reaches the oracle's tau only
+    when simulate maps draft ids through d2t; the test data makes the mapping matter."""
+    to_draft = torch.cumsum(drafter.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
+    answer_tokens = torch.cat([s["input_ids"][s["loss_mask"].bool()] for s in samples])
+    assert drafter.t2d[answer_tokens].all()
+    assert (to_draft[answer_tokens] != answer_tokens).float().mean() > 0.2
+
+    def forward(hidden_states, input_ids, ttt_steps, **_):
+        shifted = input_ids[0]  # x[1:]; step s at j predicts x[j+2+s] = shifted[j+1+s]
+        n = shifted.shape[0]
+        rows = [torch.cat([to_draft[shifted[1 + s:]], torch.zeros(1 + s, dtype=torch.long)]) for s in range(ttt_steps)]
+        assert all(r.shape[0] == n for r in rows)
+        return [r.unsqueeze(0) for r in rows]
+
+    monkeypatch.setattr(drafter, "forward", forward)
+    report = simulate(drafter, hs_dir, None, K)
+    assert report["tau"] == pytest.approx(exact_oracle_tau(samples, K))
+    assert report["step_acceptance"][0] == 1.0
+
+
+def test_untrained_like_is_a_fresh_drafter_with_the_same_vocabulary(drafter):
+    fresh, again = untrained_like(drafter, seed=1), untrained_like(drafter, seed=1)
+    assert torch.equal(fresh.d2t, drafter.d2t) and torch.equal(fresh.t2d, drafter.t2d)
+    for name in ("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm"):
+        assert torch.equal(getattr(fresh, name).weight, getattr(drafter, name).weight), name
+    assert not torch.equal(fresh.fc.weight, drafter.fc.weight)
+    assert torch.equal(fresh.fc.weight, again.fc.weight)
+    assert not torch.equal(untrained_like(drafter, seed=2).fc.weight, fresh.fc.weight)
