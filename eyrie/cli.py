@@ -164,13 +164,13 @@ def train(run: str = typer.Option(..., "--run", help="Run name (its extract stag
     from eyrie_trainer.plan import TrainRequest, start_train
 
     check_run_name(run)
-    _, conn, store = _context()
+    settings, conn, store = _context()
     request = TrainRequest(base=base, base_revision=base_revision, epochs=epochs, max_steps=max_steps,
                            draft_vocab=draft_vocab, lr=lr, total_seq_len=seq_len, ttt_steps=ttt_steps,
                            heldout=heldout)
-    manifest, enqueued = start_train(conn, store, run, request)
+    manifest, enqueued = start_train(conn, store, run, request, Path(settings.cache_dir))
     p = manifest.train
-    vocab = f"draft vocab {p.draft_vocab} ({p.vocab_mapping})" if p.draft_vocab else "the base's draft vocab"
+    vocab = f"draft vocab {p.draft_vocab} ({'the base drafter' if p.base else 'token frequencies of the run'})"
     typer.echo(f"run {run}: train on {p.train_samples} samples ({p.heldout_samples} held out), {p.epochs} epochs"
                + (f", at most {p.max_steps} steps" if p.max_steps else "") + f", {vocab}"
                + (f", from {p.base.source}" if p.base else "") + f"; {enqueued} task enqueued now")

@@ -143,7 +143,7 @@ class ExtractParams(BaseModel):
 class BaseDrafter(BaseModel):
     source: str = Field(description="HF repo id or local directory of the base drafter.")
     revision: str | None = None
-    converted_from_legacy: bool = False
+    legacy: bool = Field(False, description="converted from the legacy EAGLE-3 format")
     hidden_size: int
     target_vocab: int
     draft_vocab: int

@@ -197,3 +197,21 @@ def prepare_base(source: str, revision: str | None, target_model: str, aux_layer
     ready = to_speculators(path, target_model, cache_dir / "converted" / key)
     info = check_base(ready, target_model, aux_layers, draft_vocab)
     return ready, info.model_copy(update={"source": source, "revision": revision, "legacy": legacy})
+
+
+def save_vocab_mapping(path: Path, out_dir: Path) -> tuple[Path, Path]:
+    """The base's own d2t/t2d as the .npy files speculators' --d2t-path/--t2d-path read: a
+    finetune keeps the vocabulary its lm_head was trained on."""
+    import numpy as np
+    from safetensors import safe_open
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with safe_open(str(path / "model.safetensors"), "pt") as weights:
+        names = set(weights.keys())
+        if not {"d2t", "t2d"} <= names:
+            raise EyrieError(f"base drafter {path} has no d2t/t2d vocabulary mapping.",
+                             "finetune from an EAGLE-3 drafter with a draft vocabulary, or train without --base.")
+        d2t, t2d = weights.get_tensor("d2t"), weights.get_tensor("t2d")
+    np.save(out_dir / "d2t.npy", d2t.numpy())
+    np.save(out_dir / "t2d.npy", t2d.numpy())
+    return out_dir / "d2t.npy", out_dir / "t2d.npy"

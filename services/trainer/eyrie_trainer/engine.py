@@ -34,6 +34,7 @@ def check_internals() -> None:
     """The speculators internals the shim touches, as of 0.9.0."""
     from importlib.metadata import version
 
+    import speculators.train.checkpointer as checkpointer
     import speculators.train.cli as cli
     import speculators.train.trainer as trainer
 
@@ -49,6 +50,8 @@ def check_internals() -> None:
         problems.append("Trainer.train_epoch lost its step_callback")
     if not hasattr(trainer, "_StepTimer") or "torch.accelerator.synchronize" not in inspect.getsource(trainer._StepTimer):
         problems.append("speculators.train.trainer._StepTimer changed")
+    if not callable(getattr(checkpointer, "get_current_device", None)):
+        problems.append("speculators.train.checkpointer no longer calls get_current_device")
     if problems:
         raise RuntimeError("eyrie's speculators shim needs updating: " + "; ".join(problems))
 
@@ -137,20 +140,22 @@ class _MetricsHandler(logging.Handler):
 
 @contextlib.contextmanager
 def speculators_patched(device: str, hooks: Hooks) -> Iterator[None]:
+    import speculators.train.checkpointer as checkpointer
     import speculators.train.cli as cli
     import speculators.train.trainer as trainer_module
 
     check_internals()
-    original, undo_timer = cli.Trainer, None
+    original, undo_timer, current_device = cli.Trainer, None, checkpointer.get_current_device
     cli.Trainer = _trainer_class(device, hooks)
     if not device.startswith("cuda"):
+        checkpointer.get_current_device = lambda: device  # it answers "cuda:0" when there is no accelerator
         undo_timer = _NoSyncStepTimer.install(trainer_module)
     handler = _MetricsHandler(hooks)
     logging.getLogger().addHandler(handler)
     try:
         yield
     finally:
-        cli.Trainer = original
+        cli.Trainer, checkpointer.get_current_device = original, current_device
         if undo_timer:
             undo_timer()
         logging.getLogger().removeHandler(handler)

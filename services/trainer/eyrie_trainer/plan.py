@@ -3,11 +3,13 @@ run manifest (a rerun must match them), enqueue the one training task."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from eyrie import progress
 from eyrie.errors import EyrieError
-from eyrie.manifest import Layout, RunManifest, TrainParams, load_run_manifest
+from eyrie.manifest import BaseDrafter, Layout, RunManifest, TrainParams, load_run_manifest
 from eyrie.queue import enqueue_task
 from eyrie.status import task_id
 
@@ -42,11 +44,11 @@ def train_task_id(run: str) -> str:
     return task_id("train", run, 0)
 
 
-def start_train(conn, store, run: str, request: TrainRequest) -> tuple[RunManifest, int]:
+def start_train(conn, store, run: str, request: TrainRequest, cache_dir: Path) -> tuple[RunManifest, int]:
     manifest, layout = load_run_manifest(store, run), Layout(run)
     _require_extract_done(store, manifest, layout)
     if manifest.train is None:
-        manifest.train = plan(store, manifest, request)
+        manifest.train = plan(store, manifest, request, cache_dir)
         store.put_json(layout.manifest, manifest.model_dump())
         progress.reset(conn, run, "train")
     else:
@@ -67,7 +69,7 @@ def _require_extract_done(store, manifest: RunManifest, layout: Layout) -> None:
                          f"run `eyrie extract --run {manifest.run} --wait` first, then train.")
 
 
-def plan(store, manifest: RunManifest, request: TrainRequest) -> TrainParams:
+def plan(store, manifest: RunManifest, request: TrainRequest, cache_dir: Path) -> TrainParams:
     from importlib.metadata import version
 
     from eyrie_trainer.data import done_samples
@@ -79,21 +81,24 @@ def plan(store, manifest: RunManifest, request: TrainRequest) -> TrainParams:
                          f"and hold {heldout} out for evaluation.",
                          "generate more samples, or pass a smaller --heldout.")
     target_vocab = _target_vocab(manifest.target.model)
-    # with a base drafter its own vocabulary is used (0 until the trainer has checked it)
-    draft_vocab = (request.draft_vocab or 0) if request.base else \
-        min(request.draft_vocab or DEFAULT_DRAFT_VOCAB, target_vocab)
+    base = check_base_drafter(manifest, request, cache_dir) if request.base else None
+    draft_vocab = base.draft_vocab if base else min(request.draft_vocab or DEFAULT_DRAFT_VOCAB, target_vocab)
     return TrainParams(
         epochs=request.epochs or 10, max_steps=request.max_steps, draft_vocab=draft_vocab,
         vocab_mapping="base" if request.base else "frequency", lr=request.lr or 1e-4,
         total_seq_len=request.total_seq_len or 8192, ttt_steps=request.ttt_steps or 3,
         train_samples=samples - heldout, heldout_samples=heldout,
-        base=_base_ref(request) if request.base else None, speculators_version=version("speculators"))
+        base=base, speculators_version=version("speculators"))
 
 
-def _base_ref(request: TrainRequest):
-    # filled in by the trainer once the base is fetched and checked
-    return {"source": request.base, "revision": request.base_revision, "hidden_size": 0,
-            "target_vocab": 0, "draft_vocab": 0, "aux_layers": []}
+def check_base_drafter(manifest: RunManifest, request: TrainRequest, cache_dir: Path) -> BaseDrafter:
+    """Fetched, converted and checked against the target and the run's layers now, before any
+    training is planned: a mismatch is refused here, naming both values."""
+    from eyrie_trainer.base import prepare_base
+
+    _, info = prepare_base(request.base, request.base_revision, manifest.target.model,
+                           manifest.extract.aux_layers, request.draft_vocab, cache_dir / "base")
+    return BaseDrafter(**info.model_dump(exclude={"path"}))
 
 
 def _target_vocab(model: str) -> int:
@@ -108,8 +113,7 @@ def _check_same(params: TrainParams, request: TrainRequest) -> None:
                "heldout": params.heldout_samples, "base": params.base.source if params.base else None}
     changed = [f"{name} {getattr(request, name)} vs {old}" for name, old in planned.items()
                if getattr(request, name) is not None and getattr(request, name) != old]
-    if request.draft_vocab is not None and params.draft_vocab and \
-            min(request.draft_vocab, params.draft_vocab) != params.draft_vocab:
+    if request.draft_vocab is not None and min(request.draft_vocab, params.draft_vocab) != params.draft_vocab:
         changed.append(f"draft_vocab {request.draft_vocab} vs {params.draft_vocab}")
     if changed:
         raise EyrieError(f"train of this run was planned with other settings: {'; '.join(changed)}.",

@@ -16,7 +16,7 @@ from eyrie import progress
 from eyrie.config import Settings
 from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease
-from eyrie.manifest import BaseDrafter, Layout, load_run_manifest
+from eyrie.manifest import Layout, load_run_manifest
 from eyrie.queue import LEASE_TTL_S, held_task
 from eyrie_trainer import checkpoints, engine
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
@@ -126,18 +126,12 @@ class TrainRunner:
         return train_dir, eval_dir
 
     def _prepare_base(self) -> list[str]:
+        """The base as planned (fetched and converted again on a new host), checked again here."""
         from eyrie_trainer.base import prepare_base, save_vocab_mapping
 
-        ref, extract = self.params.base, self.manifest.extract
-        requested = self.params.draft_vocab or None
-        path, info = prepare_base(ref.source, ref.revision, self.manifest.target.model, extract.aux_layers,
-                                  requested, Path(self.settings.cache_dir) / "base")
-        if not ref.hidden_size:  # first time: record what was checked in the run manifest
-            self.manifest.train.base = BaseDrafter(**{**ref.model_dump(), **info.model_dump(
-                include={"hidden_size", "target_vocab", "draft_vocab", "aux_layers", "converted_from_legacy"})})
-            self.manifest.train.draft_vocab = info.draft_vocab
-            self.store.put_json(self.layout.manifest, self.manifest.model_dump())
-            self.params = self.manifest.train
+        ref = self.params.base
+        path, _ = prepare_base(ref.source, ref.revision, self.manifest.target.model, self.manifest.extract.aux_layers,
+                               ref.draft_vocab, Path(self.settings.cache_dir) / "base")
         d2t, t2d = save_vocab_mapping(path, self.work / "base-vocab")
         return ["--from-pretrained", str(path), "--d2t-path", str(d2t), "--t2d-path", str(t2d)]
 
@@ -150,8 +144,7 @@ class TrainRunner:
                 "--target-layer-ids", *map(str, extract.aux_layers), "--log-dir", str(self.work / "logs"),
                 "--logger", "", "--hidden-states-backend", "fp8" if extract.dtype == "fp8" else "file",
                 "--checkpoint-freq", "1", "--log-freq", "1"]
-        if not p.base:
-            argv += ["--draft-vocab-size", str(p.draft_vocab)]
+        argv += ["--draft-vocab-size", str(p.draft_vocab)]
         if p.max_steps:
             argv += ["--max-steps", str(p.max_steps)]
         return argv

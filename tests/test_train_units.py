@@ -1,0 +1,110 @@
+"""speculators' trainer through eyrie's shim, on CPU, on hidden states built straight from the tiny
+target (no servers): the pinned internals, the fast path falling back by itself, max-steps as a
+total, checkpoints saved through the hook."""
+
+import inspect
+import json
+
+import pytest
+
+from conftest import TINY
+from hs_fixture import build_hs_dir
+from eyrie_trainer import engine
+
+
+@pytest.fixture(scope="module")
+def hs_dir(tmp_path_factory):
+    import torch
+
+    path = build_hs_dir(tmp_path_factory.mktemp("hs") / "data", n=40)
+    counts: dict = {}
+    from datasets import load_from_disk
+
+    for ids, mask in zip(*(load_from_disk(str(path))[c] for c in ("input_ids", "loss_mask"))):
+        for token, m in zip(ids.tolist(), mask.tolist()):
+            counts[token] = counts.get(token, 0) + m
+    torch.save({t: c for t, c in counts.items() if c}, path / "token_freq.pt")
+    return path
+
+
+def argv(hs_dir, save, *extra):
+    return ["--verifier-name-or-path", str(TINY), "--data-path", str(hs_dir), "--save-path", str(save),
+            "--num-layers", "1", "--total-seq-len", "128", "--num-workers", "0", "--draft-vocab-size", "300",
+            "--target-layer-ids", "2", "4", "5", "--logger", "", "--log-dir", str(save / "logs"), *extra]
+
+
+def recording_hooks():
+    seen = {"steps": [], "checkpoints": [], "metrics": [], "steps_per_epoch": None}
+    hooks = engine.Hooks(on_step=seen["steps"].append,
+                         on_checkpoint=lambda label, epoch, local: seen["checkpoints"].append((label, local)),
+                         on_metrics=seen["metrics"].append,
+                         on_start=lambda spe, step: seen.update(steps_per_epoch=spe))
+    return hooks, seen
+
+
+def test_the_pinned_speculators_internals_are_there():
+    engine.check_internals()  # speculators 0.9.0: what the shim touches exists
+
+
+def test_changed_internals_fail_loudly(monkeypatch):
+    import speculators.train.trainer as trainer
+
+    def train_epoch(self, epoch):  # a future version without the step callback
+        pass
+
+    monkeypatch.setattr(trainer.Trainer, "train_epoch", train_epoch)
+    with pytest.raises(RuntimeError, match="step_callback"):
+        engine.check_internals()
+
+
+def test_fast_path_falls_back_to_sdpa_and_eager_by_itself(hs_dir, tmp_path):
+    hooks, seen = recording_hooks()
+    said = []
+    path = engine.train_with_fallback(argv(hs_dir, tmp_path / "ck", "--epochs", "1", "--max-steps", "2"),
+                                      "cpu", True, hooks, said.append)
+    # On a CPU, flex attention has no backward: the fast path fails before its first step
+    assert path["path"] == "fallback" and path["draft_attn_impl"] == "sdpa"
+    assert "FlexAttention" in path["fast_path_error"] and "falling back" in said[0]
+    assert seen["steps"] == [1, 2]
+    run_yaml = (tmp_path / "ck" / "run.yaml").read_text()
+    assert "draft_attn_impl: sdpa" in run_yaml and "loss_implementation: eager" in run_yaml
+
+
+def test_max_steps_is_a_total_over_all_epochs(hs_dir, tmp_path):
+    hooks, seen = recording_hooks()
+    # learn the epoch length first, then ask for one epoch and two steps in total over four epochs
+    engine.train_with_fallback(argv(hs_dir, tmp_path / "probe", "--epochs", "1", "--max-steps", "1"), "cpu",
+                               False, hooks, print)
+    per_epoch = seen["steps_per_epoch"]
+    assert per_epoch >= 3
+    hooks, seen = recording_hooks()
+    engine.train_with_fallback(argv(hs_dir, tmp_path / "ck", "--epochs", "4", "--max-steps", str(per_epoch + 2)),
+                               "cpu", False, hooks, print)
+    assert seen["steps"] == list(range(1, per_epoch + 3))  # speculators' own loop: one more step per epoch
+    state = json.loads((tmp_path / "ck" / "1" / "training_state.json").read_text())
+    assert state["global_step"] == per_epoch + 2
+    assert not (tmp_path / "ck" / "2").exists()  # no epochs run after the total was reached
+    assert [label for label, _ in seen["checkpoints"]] == ["0", "1"]
+    losses = [m["train"]["loss"] for m in seen["metrics"] if "train" in m]
+    assert len(losses) == per_epoch + 2 and all(loss > 0 for loss in losses)
+    assert all(f"full_acc_{k}" in seen["metrics"][0]["train"] for k in range(3))
+
+
+def test_a_new_run_resumes_from_the_last_checkpoint(hs_dir, tmp_path):
+    hooks, seen = recording_hooks()
+    engine.train_with_fallback(argv(hs_dir, tmp_path / "ck", "--epochs", "1"), "cpu", False, hooks, print)
+    first = len(seen["steps"])
+    hooks, seen = recording_hooks()
+    engine.train_with_fallback(argv(hs_dir, tmp_path / "ck", "--epochs", "2"), "cpu", False, hooks, print)
+    assert seen["steps"][0] == first + 1  # global steps continue from the checkpoint of epoch 0
+    assert [label for label, _ in seen["checkpoints"]] == ["1"]
+
+
+def test_the_trainer_subclass_keeps_speculators_loop():
+    # our run_training calls speculators' own train_epoch / val_epoch / checkpoint methods
+    import speculators.train.trainer as trainer
+
+    source = inspect.getsource(engine._trainer_class)
+    for name in ("self.train_epoch(", "self.val_epoch(", "self.maybe_save_checkpoint(", "self.maybe_update_best("):
+        assert name in source
+    assert hasattr(trainer.Trainer, "train_epoch")
