@@ -269,7 +269,7 @@ def status(run: str = typer.Argument(..., help="Run name."),
 @app.command()
 @command
 def demo(run: str = typer.Option("demo", help="Run name."),
-         dataset: str = typer.Option("tests/data/tiny_prompts.jsonl", help="Prompt dataset.")):
+         dataset: str = typer.Option("tests/data/tiny_train_prompts.jsonl", help="Prompt dataset.")):
     """The pipeline on the embedded default: local processes, CPU, the tiny target."""
     from eyrie.embedded import run_demo
 

@@ -16,6 +16,7 @@ from eyrie.queue import connect
 from eyrie.store import open_store
 
 LOGS = Path(".eyrie/logs")
+DRAFTERS = Path(".eyrie/drafters")
 
 
 def start(name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
@@ -56,8 +57,16 @@ def run_demo(run: str, dataset: str) -> int:
         stop(procs.pop(0))  # generation drained: the server goes, the extractor comes
         procs.append(start("extractor", ["worker", "extract"], env))
         code = cli(["extract", "--run", run, "--wait"], env)
-        report_extract(run)
-        return code
+        if code:
+            return code
+        stop(procs.pop())  # hidden states stored: the extractor goes, the trainer comes
+        procs.append(start("trainer", ["worker", "train"], env))
+        # the tiny target's corpus is small: short packed batches, a high learning rate, 12 epochs
+        code = cli(["train", "--run", run, "--epochs", "12", "--seq-len", "256", "--lr", "3e-3",
+                    "--draft-vocab", "500", "--wait"], env)
+        if code:
+            return code
+        return cli(["export", "--run", run, "--out", str(DRAFTERS / run)], env)
     finally:
         for proc in reversed(procs):
             stop(proc)
@@ -65,10 +74,6 @@ def run_demo(run: str, dataset: str) -> int:
 
 def cli(args: list[str], env: dict) -> int:
     return subprocess.run([sys.executable, "-m", "eyrie.cli", *args], env={**os.environ, **env}).returncode
-
-
-def report_extract(run: str) -> None:
-    console.print(f"hidden states in speculators' training layout: eyrie materialize {run} DIR")
 
 
 def report(conn, store, run: str) -> None:

@@ -166,7 +166,10 @@ def train(argv: list[str], device: str, hooks: Hooks) -> None:
     from speculators.train.cli import main
     from speculators.train.config import TrainConfig
 
-    cfg = TrainConfig.resolve(argv)
+    try:
+        cfg = TrainConfig.resolve(argv)
+    except SystemExit:  # argparse's way of refusing; its message is in the log above
+        raise RuntimeError(f"speculators refused the training arguments {argv}") from None
     with speculators_patched(device, hooks):
         main(cfg)
 

@@ -139,12 +139,14 @@ class TrainRunner:
         p, extract = self.params, self.manifest.extract
         argv = ["--verifier-name-or-path", self.manifest.target.model, "--data-path", str(train_dir),
                 "--save-path", str(self.work / "checkpoints"), "--epochs", str(p.epochs),
-                "--num-layers", str(p.num_layers), "--ttt-steps", str(p.ttt_steps), "--lr", str(p.lr),
+                "--ttt-steps", str(p.ttt_steps), "--lr", str(p.lr),
                 "--total-seq-len", str(p.total_seq_len), "--num-workers", str(self.settings.train_loader_workers),
                 "--target-layer-ids", *map(str, extract.aux_layers), "--log-dir", str(self.work / "logs"),
                 "--logger", "", "--hidden-states-backend", "fp8" if extract.dtype == "fp8" else "file",
                 "--checkpoint-freq", "1", "--log-freq", "1"]
         argv += ["--draft-vocab-size", str(p.draft_vocab)]
+        if not p.base:  # a base drafter defines its own decoder (speculators refuses both)
+            argv += ["--num-layers", str(p.num_layers)]
         if p.max_steps:
             argv += ["--max-steps", str(p.max_steps)]
         return argv

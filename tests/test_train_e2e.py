@@ -1,0 +1,184 @@
+"""The whole pipeline on the tiny target, on a real S3 server and a real Redis: generate (real
+transformers serve) -> extract -> train (speculators, CPU) -> evaluate -> export. The trained
+drafter beats an untrained one; the export loads with speculators' own from_pretrained and has
+the fields vLLM reads; a finetune from a converted legacy base; a shape mismatch refused before
+training; a trainer killed mid-run resumes from its last stored checkpoint."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+
+import pytest
+import redis
+from safetensors import safe_open
+
+from conftest import BIN, OFFLINE, ROOT, TINY, eyrie
+from eyrie.manifest import Layout, RunManifest
+from eyrie.queue import lease_key
+from eyrie.store import open_store
+from eyrie.config import load_settings
+from legacy_drafter import build_legacy_drafter
+
+PROMPTS = ROOT / "tests" / "data" / "tiny_train_prompts.jsonl"
+TRAIN = ["--seq-len", "256", "--lr", "3e-3", "--draft-vocab", "500"]
+
+
+@pytest.fixture(scope="module")
+def pipeline(redis_server, s3_server, tiny_server, tmp_path_factory):
+    """306 prompts generated and extracted once (layers 2, 4, 5), as run "p"."""
+    tmp = tmp_path_factory.mktemp("train")
+    env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_server.replace("/0", "/3"),
+           "EYRIE_STORE_URL": f"s3://eyrie-{uuid.uuid4().hex[:8]}/train", "EYRIE_S3_ENDPOINT": s3_server,
+           "EYRIE_S3_ACCESS_KEY": "testing", "EYRIE_S3_SECRET_KEY": "testing-secret",
+           "EYRIE_INFERENCE_URL": tiny_server.url, "EYRIE_CACHE_DIR": str(tmp / "cache")}
+    eyrie("generate", "--dataset", str(PROMPTS), "--run", "p", "--concurrency", "8", "--max-tokens", "64",
+          "--shard-size", "80", env=env)
+    eyrie("worker", "generate", "--burst", env=env, timeout=900)
+    eyrie("extract", "--run", "p", "--layers", "2,4,5", env=env)
+    eyrie("worker", "extract", "--burst", env=env, timeout=600)
+    return env, tmp
+
+
+def store_of(env):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: v for k, v in env.items() if k.startswith("EYRIE_")})
+    try:
+        return open_store(load_settings())
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def clone_run(store, src: str, dst: str) -> None:
+    """A new run over the same extracted samples (the shard manifests point at src's objects)."""
+    source, target = Layout(src), Layout(dst)
+    manifest = store.get_json(source.manifest)
+    manifest.update(run=dst, train=None, drafter=None)
+    store.put_json(target.manifest, manifest)
+    for plan in manifest["generate_shards"]:
+        for stage in ("generate", "extract"):
+            shard = store.get_json(source.shard_manifest(stage, plan["index"]))
+            store.put_json(target.shard_manifest(stage, plan["index"]), {**shard, "run": dst})
+
+
+def status(run, env) -> dict:
+    return json.loads(eyrie("status", run, "--json", env=env).stdout)
+
+
+def test_pipeline_trains_evaluates_and_exports_a_drafter_vllm_loads(pipeline, tmp_path):
+    env, _ = pipeline
+    out = eyrie("train", "--run", "p", "--epochs", "12", *TRAIN, env=env)
+    assert "draft vocab 500 (token frequencies of the run)" in out.stdout and "1 task enqueued now" in out.stdout
+    eyrie("worker", "train", "--burst", env=env, timeout=1200)
+
+    train = status("p", env)["stages"]["train"]
+    assert train["state"] == "done" and train["done"] == train["total"] > 0
+    assert train["loss"] > 0 and len(train["acc"]) == 3
+    evaluation = train["evaluation"]
+    taus = {c["label"]: c["tau"] for c in evaluation["checkpoints"]}
+    assert sorted(taus, key=int) == [str(e) for e in range(12)]
+    best = taus[evaluation["best"]]
+    print(f"tau: untrained {evaluation['baseline']['tau']:.3f}, per epoch {taus}")
+    assert best == max(taus.values()) >= 2.5 and evaluation["baseline"]["tau"] < 1.2
+    text = eyrie("status", "p", env=env).stdout
+    assert "accuracy per TTT step" in text and "(best)" in text and "safe path" in text
+
+    drafter = tmp_path / "drafter"
+    shown = eyrie("export", "--run", "p", "--out", str(drafter), env=env).stdout
+    assert "vllm serve" in shown and '"method": "eagle3"' in shown and str(drafter) in shown
+    config = json.loads((drafter / "config.json").read_text())
+    # the fields vLLM's speculators config reader uses
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(TINY)
+    assert config["transformer_layer_config"]["hidden_size"] == 64 and config["draft_vocab_size"] == 500
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    with safe_open(str(drafter / "model.safetensors"), "pt") as weights:
+        assert weights.get_slice("d2t").get_shape() == [500]
+        assert weights.get_slice("fc.weight").get_shape() == [64, 3 * 64]
+        assert weights.get_slice("lm_head.weight").get_shape() == [500, 64]
+
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    model = Eagle3DraftModel.from_pretrained(str(drafter))
+    assert model.config.draft_vocab_size == 500 and model.target_layer_ids == [2, 4, 5]
+
+    manifest = RunManifest.model_validate(store_of(env).get_json(Layout("p").manifest))
+    assert manifest.train.vocab_mapping == "frequency" and manifest.drafter["tau"] == best
+    assert manifest.drafter["checkpoint"] == evaluation["best"]
+    assert set(manifest.drafter["files"]) == {"config.json", "model.safetensors"}
+    again = eyrie("train", "--run", "p", env=env).stdout
+    assert "0 task enqueued now" in again  # done is done
+
+
+def test_finetune_from_a_converted_legacy_base(pipeline, tmp_path):
+    env, _ = pipeline
+    store = store_of(env)
+    clone_run(store, "p", "ft")
+    base = build_legacy_drafter(tmp_path / "legacy", TINY, aux_layers=(2, 4, 5), draft_vocab=400)
+    out = eyrie("train", "--run", "ft", "--base", str(base), "--epochs", "3", "--max-steps", "5",
+                "--seq-len", "256", env=env)
+    assert f"from {base}" in out.stdout and "draft vocab 400 (the base drafter)" in out.stdout
+    eyrie("worker", "train", "--burst", env=env, timeout=900)
+
+    train = status("ft", env)["stages"]["train"]
+    assert train["state"] == "done" and train["done"] == 5  # --max-steps is the total
+    manifest = RunManifest.model_validate(store.get_json(Layout("ft").manifest))
+    assert manifest.train.base.legacy and manifest.train.base.aux_layers == [2, 4, 5]
+    assert manifest.train.vocab_mapping == "base" and manifest.train.draft_vocab == 400
+    eyrie("export", "--run", "ft", "--out", str(tmp_path / "out"), env=env)
+    with safe_open(str(base / "model.safetensors"), "pt") as legacy, \
+            safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as tuned:
+        assert (legacy.get_tensor("d2t") == tuned.get_tensor("d2t")).all()  # the base's vocabulary kept
+        start, end = legacy.get_tensor("fc.weight").float(), tuned.get_tensor("fc.weight").float()
+        assert not (start == end).all()  # trained ...
+        assert (end - start).abs().mean() < start.abs().mean()  # ... from the base, not from scratch
+
+
+def test_a_base_that_does_not_fit_is_refused_before_training(pipeline, tmp_path):
+    env, _ = pipeline
+    store = store_of(env)
+    clone_run(store, "p", "mismatch")
+    base = build_legacy_drafter(tmp_path / "legacy", TINY, hidden_size=32, aux_layers=(1, 2, 3))
+    result = eyrie("train", "--run", "mismatch", "--base", str(base), env=env, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "hidden size 32 (base) vs 64 (target)" in result.stderr
+    assert "aux layers [1, 2, 3] (base) vs [2, 4, 5] (this run)" in result.stderr
+    assert store.get_json(Layout("mismatch").manifest)["train"] is None  # nothing planned, nothing queued
+
+
+def test_a_killed_trainer_resumes_from_its_last_checkpoint(pipeline):
+    env, _ = pipeline
+    store = store_of(env)
+    clone_run(store, "p", "resume")
+    eyrie("train", "--run", "resume", "--epochs", "3", *TRAIN, env=env)
+    worker = subprocess.Popen([str(BIN / "eyrie"), "worker", "train"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    layout = Layout("resume")
+    deadline = time.monotonic() + 600
+    while not store.exists(layout.checkpoint_manifest("0")) and time.monotonic() < deadline:
+        assert worker.poll() is None
+        time.sleep(0.2)
+    os.killpg(worker.pid, signal.SIGKILL)  # mid-training: epoch 1 has started, nothing saved of it
+    worker.wait()
+    assert not store.exists(layout.checkpoint_manifest("2")) and not store.exists(layout.drafter_manifest)
+    saved = json.loads(store.get_bytes(layout.checkpoint_file("0", "training_state.json")))
+
+    conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
+    while conn.exists(lease_key("train-resume-00000")):  # the dead worker's lease lapses (15 s)
+        time.sleep(0.5)
+    assert "1 task enqueued now" in eyrie("train", "--run", "resume", env=env).stdout
+    eyrie("worker", "train", "--burst", env=env, timeout=900)
+
+    train = status("resume", env)["stages"]["train"]
+    assert train["state"] == "done"
+    assert any("resuming from checkpoint 0" in note for note in train["notes"])
+    assert saved["global_step"] > 0 and train["done"] > saved["global_step"]
+    labels = [c["label"] for c in train["evaluation"]["checkpoints"]]
+    assert labels == ["0", "1", "2"]
