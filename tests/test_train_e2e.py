@@ -182,3 +182,36 @@ def test_a_killed_trainer_resumes_from_its_last_checkpoint(pipeline):
     assert saved["global_step"] > 0 and train["done"] > saved["global_step"]
     labels = [c["label"] for c in train["evaluation"]["checkpoints"]]
     assert labels == ["0", "1", "2"]
+
+
+def test_sigterm_saves_a_mid_epoch_checkpoint_and_the_trainer_resumes_there(pipeline):
+    env, _ = pipeline
+    store = store_of(env)
+    clone_run(store, "p", "term")
+    eyrie("train", "--run", "term", "--epochs", "2", *TRAIN, env=env)
+    worker = subprocess.Popen([str(BIN / "eyrie"), "worker", "train"], env={**env, "EYRIE_TRAIN_LOADER_WORKERS": "0"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    layout = Layout("term")
+    deadline = time.monotonic() + 600
+    while (status("term", env)["stages"]["train"]["done"] or 0) < 3 and time.monotonic() < deadline:
+        assert worker.poll() is None
+        time.sleep(0.3)
+    worker.send_signal(signal.SIGTERM)  # what `docker stop` sends
+    assert worker.wait(120) == 0  # the worker itself stops, after the checkpoint
+    saved = store.get_json(layout.checkpoint_manifest("0"))
+    assert saved["local_step"] > 0  # mid-epoch 0
+    assert not store.exists(layout.drafter_manifest)
+
+    # the interrupted task is retried by itself (RQ's retry, 10 s later) by the next worker
+    worker = subprocess.Popen([str(BIN / "eyrie"), "worker", "train"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while status("term", env)["stages"]["train"]["state"] != "done" and time.monotonic() < deadline:
+            assert worker.poll() is None
+            time.sleep(1)
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+    train = status("term", env)["stages"]["train"]
+    assert train["state"] == "done"
+    assert any(f"resuming from checkpoint 0 (step {saved['local_step']} of epoch 0)" in n for n in train["notes"])

@@ -5,6 +5,8 @@ each one evaluated on held-out samples and the best exported."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
 import threading
 import time
@@ -204,4 +206,10 @@ def run_train_task(payload: dict) -> dict:
 
     task = TrainTask.model_validate(payload)
     settings = load_settings()
-    return TrainRunner(settings, connect(settings.redis_url), open_store(settings), task.run).run()
+    try:
+        return TrainRunner(settings, connect(settings.redis_url), open_store(settings), task.run).run()
+    except Interrupted:
+        # speculators' handler took the SIGTERM meant for the worker: hand it on, so the worker
+        # stops after this (failed, retried) task instead of taking the next one
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise
