@@ -382,6 +382,10 @@ def test_build_context_dockerfile_and_requirements(service):
     first_code = next(i for i, line in enumerate(lines) if line.startswith("COPY eyrie/"))
     assert first_pip < first_code
     assert any("pip install --no-deps ." in line for line in lines)
+    # `pip install .` builds every package pyproject.toml maps: each directory must be in the image
+    package_dirs = re.findall(r'^\w+ = "(services/[^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    copied = {line.split()[1].rstrip("/") for line in lines if line.startswith("COPY services/")}
+    assert package_dirs and set(package_dirs) <= copied, f"{service}: missing {set(package_dirs) - copied}"
 
 
 @pytest.mark.parametrize("service", sorted(BUILT))
