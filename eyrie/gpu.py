@@ -62,3 +62,12 @@ def holder(conn: redis.Redis) -> dict | None:
     if raw is None and not waiting:
         return None
     return {"holder": orjson.loads(raw) if raw else None, "waiting": waiting}
+
+
+def pick_device(setting: str) -> str:
+    """EYRIE_DEVICE: auto is cuda where there is one."""
+    if setting == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return setting

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from eyrie.errors import EyrieError
+
 
 class TargetInfo(BaseModel):
     model: str
@@ -68,3 +70,14 @@ def _context(path: Path) -> int | None:
         return None
     config = config.get("text_config", config)
     return config.get("max_position_embeddings")
+
+
+def text_config(model: str):
+    """The target's (text) config, or one clear error when this host cannot read it."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model).get_text_config()
+    except Exception as exc:
+        raise EyrieError(f"cannot read the config of the target {model} ({type(exc).__name__}).",
+                         "make the model directory (or HF cache) available to this host.") from None

@@ -116,12 +116,37 @@ def test_pipeline_trains_evaluates_and_exports_a_drafter_vllm_loads(pipeline, tm
     again = eyrie("train", "--run", "p", env=env).stdout
     assert "0 task enqueued now" in again  # done is done
 
+    shown = eyrie("evaluate", "--run", "p", env=env).stdout  # recomputed: the same numbers
+    assert f"untrained        {evaluation['baseline']['tau']:.3f}" in shown
+    assert f"checkpoint {evaluation['best']:<5} {best:.3f}  best" in shown
+
+
+def test_the_training_data_cache_is_verified_and_never_fetched_twice(pipeline, tmp_path):
+    from eyrie_trainer.data import done_samples, materialize
+
+    env, _ = pipeline
+    store = store_of(env)
+    fetched = []
+    get_verified = store.get_verified
+    store.get_verified = lambda key, sha: fetched.append(key) or get_verified(key, sha)
+    assert materialize(store, "p", tmp_path / "d") == 306 and len(fetched) == 306
+    materialize(store, "p", tmp_path / "d")
+    assert len(fetched) == 306  # nothing fetched again
+    victim = tmp_path / "d" / "hidden_states" / "hs_7.safetensors"
+    victim.write_bytes(victim.read_bytes()[:-5])  # a damaged local copy
+    materialize(store, "p", tmp_path / "d")
+    assert fetched[306:] == [done_samples(store, "p")[7]["key"]]  # only that one, from the store
+
 
 def test_finetune_from_a_converted_legacy_base(pipeline, tmp_path):
     env, _ = pipeline
     store = store_of(env)
     clone_run(store, "p", "ft")
     base = build_legacy_drafter(tmp_path / "legacy", TINY, aux_layers=(2, 4, 5), draft_vocab=400)
+    assert str(base) in eyrie("fetch", str(base), env=env).stdout  # a local directory is used in place
+    offline = eyrie("fetch", "AQ-MedAI/Kimi-K2-Instruct-eagle3", env=env, check=False)
+    assert offline.returncode == 1 and "AQ-MedAI/Kimi-K2-Instruct-eagle3" in offline.stderr
+    assert "Traceback" not in offline.stderr
     out = eyrie("train", "--run", "ft", "--base", str(base), "--epochs", "3", "--max-steps", "5",
                 "--seq-len", "256", env=env)
     assert f"from {base}" in out.stdout and "draft vocab 400 (the base drafter)" in out.stdout

@@ -9,6 +9,7 @@ from eyrie import progress
 from eyrie.errors import EyrieError
 from eyrie.manifest import ExtractParams, Layout, RunManifest, ShardManifest, load_run_manifest
 from eyrie.queue import enqueue_task
+from eyrie.target import text_config
 from eyrie.status import task_id
 from eyrie_extractor.budget import check_fits, parse_size
 from eyrie_extractor.layers import resolve_aux_layers
@@ -26,13 +27,7 @@ def generated_records(store, manifest: RunManifest, shard: int) -> list[dict]:
 
 
 def target_shape(model: str) -> tuple[int, int]:
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model).get_text_config()
-    except Exception as exc:
-        raise EyrieError(f"cannot read the config of the target {model} ({type(exc).__name__}).",
-                         "make the model directory (or HF cache) available to this host.") from None
+    config = text_config(model)
     return config.num_hidden_layers, config.hidden_size
 
 

@@ -21,7 +21,7 @@ from safetensors.torch import save
 from eyrie import progress
 from eyrie.config import Settings
 from eyrie.errors import EyrieError
-from eyrie.gpu import GpuLease
+from eyrie.gpu import GpuLease, pick_device
 from eyrie.manifest import Counts, Layout, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
 from eyrie.queue import LEASE_TTL_S, held_task
@@ -60,12 +60,6 @@ def loaded_capture(model: str, aux_layers: tuple[int, ...], device: str, params_
                              "start the server (docs/vllm-extraction.md) and set EYRIE_EXTRACT_VLLM_URL.")
         return VllmCapture(url, model, list(aux_layers), num_layers, hidden_size, timeout_s)
     return HFCapture(model, list(aux_layers), device)
-
-
-def pick_device(setting: str) -> str:
-    if setting == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return setting
 
 
 class ExtractRunner:

@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eyrie.errors import EyrieError
+from eyrie.target import text_config
 
 ALLOW_PATTERNS = ["config.json", "*.safetensors", "*.bin", "*.json", "*.npy"]
 STAMP = ".eyrie-converted.json"  # written last: a converted directory without it is half-written
@@ -142,7 +143,7 @@ def check_base(path: Path, target_model: str, aux_layers: list[int], draft_vocab
     if config.get("speculators_model_type") != "eagle3":
         raise EyrieError(f"base drafter {path} is a {config.get('speculators_model_type')} speculator, "
                          "not EAGLE-3.", "pass an EAGLE-3 drafter.")
-    layer, target = config.get("transformer_layer_config") or {}, _target_config(target_model)
+    layer, target = config.get("transformer_layer_config") or {}, text_config(target_model)
     # vLLM concatenates aux states in ascending layer order, so order within the ids is moot
     info = BaseInfo(source=str(path), path=str(path), hidden_size=layer.get("hidden_size", -1),
                     target_vocab=layer.get("vocab_size", -1), draft_vocab=config.get("draft_vocab_size", -1),
@@ -162,16 +163,6 @@ def check_base(path: Path, target_model: str, aux_layers: list[int], draft_vocab
         raise EyrieError(f"base drafter {path} does not fit target {target_model}: "
                          f"{'; '.join(p for p, _ in bad)}.", f"{fixes}; or train from scratch (no base).")
     return info
-
-
-def _target_config(model: str):
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model).get_text_config()
-    except Exception as exc:
-        raise EyrieError(f"cannot read the config of the target {model} ({type(exc).__name__}).",
-                         "make the model directory (or HF cache) available to this host.") from None
 
 
 def _resolve_aux(ids: list[int] | None, target_model: str) -> list[int]:

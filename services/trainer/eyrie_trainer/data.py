@@ -50,12 +50,22 @@ def materialize(store, run: str, dest: str | Path,
     samples = [s for s in done_samples(store, run) if select(s)]
     fingerprint = [s["sha256"] for s in samples]
     marker = dest / MARKER
-    if marker.exists() and orjson.loads(marker.read_bytes()) == fingerprint:
+    if marker.exists() and orjson.loads(marker.read_bytes()) == fingerprint and _sizes_match(dest, samples):
         return len(samples)
     marker.unlink(missing_ok=True)
     _write(store, samples, dest)
     marker.write_bytes(orjson.dumps(fingerprint))
     return len(samples)
+
+
+def _sizes_match(dest: Path, samples: list[dict]) -> bool:
+    """A cheap check of a marked directory (a full re-hash of terabytes would not be): every file
+    there, with its size. Anything else: every file is verified again and refetched if need be."""
+    for index, sample in enumerate(samples):
+        path = dest / "hidden_states" / f"hs_{index}.safetensors"
+        if not path.exists() or path.stat().st_size != sample["bytes"]:
+            return False
+    return True
 
 
 def _write(store, samples: list[dict], dest: Path) -> None:

@@ -102,9 +102,9 @@ def check_base_drafter(manifest: RunManifest, request: TrainRequest, cache_dir: 
 
 
 def _target_vocab(model: str) -> int:
-    from transformers import AutoConfig
+    from eyrie.target import text_config
 
-    return AutoConfig.from_pretrained(model).get_text_config().vocab_size
+    return text_config(model).vocab_size
 
 
 def _check_same(params: TrainParams, request: TrainRequest) -> None:

@@ -17,7 +17,7 @@ import redis
 from eyrie import progress
 from eyrie.config import Settings
 from eyrie.errors import EyrieError
-from eyrie.gpu import GpuLease
+from eyrie.gpu import GpuLease, pick_device
 from eyrie.manifest import Layout, load_run_manifest
 from eyrie.queue import LEASE_TTL_S, held_task
 from eyrie_trainer import checkpoints, engine
@@ -54,14 +54,6 @@ class Heartbeat(threading.Thread):
                 return
             except redis.exceptions.ConnectionError:
                 continue  # Redis away for a moment: the lease lasts LEASE_TTL_S
-
-
-def pick_device(setting: str) -> str:
-    import torch
-
-    if setting == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return setting
 
 
 class TrainRunner:
