@@ -70,6 +70,9 @@ import torch  # noqa: E402
 from safetensors.torch import load as st_load  # noqa: E402
 from safetensors.torch import save as st_save  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import write_section  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 TINY = ROOT / "assets" / "tiny-target"
@@ -1046,13 +1049,6 @@ def git_rev() -> str:
         return "unknown"
 
 
-def write_section(path: Path, lines: list[str]) -> None:
-    """Replace an earlier `# Extract throughput` section (always the last one) or append it."""
-    text = path.read_text() if path.exists() else ""
-    marker = "\n# Extract throughput\n"
-    if marker in text:
-        text = text[: text.index(marker)]
-    path.write_text(text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Run on demand (not a test):  .venv/bin/python bench/train_throughput.py --nice -10     (CPU, small random target)
   GPU, 8B-shaped target:     .venv/bin/python bench/train_throughput.py --device cuda --hidden 4096 --vocab 128256 \\
-                             --layers 32 --samples 400 --seq-len 2048 --total-seq-len 8192 --draft-vocab 32000 --workers 4
+                             --layers 32 --samples 160 --seq-len 2048 --total-seq-len 8192 --draft-vocab 32000 --workers 4
 
 Built in a temporary directory: a random Llama-shaped target (config, the tiny target's tokenizer, and only what
 speculators' drafter reads from a verifier: embed_tokens, lm_head, model.norm); a FileStore holding a real eyrie run
@@ -32,6 +32,9 @@ import redis
 
 from eyrie.manifest import Layout
 from eyrie.store import FileStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = "bench-train"
@@ -90,9 +93,9 @@ def build(work: Path, a) -> None:
             failure_errors={}, started_at=started, finished_at=now_iso(), worker=socket.gethostname(),
             samples=entries).model_dump())
     _require_extract_done(store, manifest, layout)
-    manifest.train = plan(store, manifest, TrainRequest(epochs=a.epochs, max_steps=a.max_steps or None, heldout=a.heldout,
-                                                        draft_vocab=a.draft_vocab, total_seq_len=a.total_seq_len),
-                          work / "cache")
+    request = TrainRequest(epochs=a.epochs, max_steps=a.max_steps or None, heldout=a.heldout, draft_vocab=a.draft_vocab,
+                           total_seq_len=a.total_seq_len)
+    manifest.train = plan(store, manifest, request, work / "cache")
     store.put_json(layout.manifest, manifest.model_dump())
     (work / "manifest.json").write_text(json.dumps(manifest.model_dump()))
 
@@ -286,13 +289,6 @@ def report(a, res, argv, load0, load1, total) -> list[str]:
     return out
 
 
-def write_section(path: Path, lines: list[str]) -> None:
-    """Replace this script's section in place (up to the next top-level heading), or append it."""
-    text, marker = path.read_text() if path.exists() else "", "\n" + lines[0] + "\n"
-    if marker not in text:
-        return path.write_text(text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n")
-    start, end = text.index(marker), text.find("\n# ", text.index(marker) + 1)
-    path.write_text(text[:start] + "\n" + "\n".join(lines) + "\n" + (text[end:] if end != -1 else ""))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,14 @@ class CorruptObject(EyrieError):
     pass
 
 
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -69,13 +77,34 @@ class Store(ABC):
     def get_json(self, key: str):
         return orjson.loads(self.get_bytes(key))
 
+    @abstractmethod
+    def put_file(self, key: str, path: Path) -> ObjectInfo:
+        """A local file as an object, streamed (checkpoints are gigabytes)."""
+
+    @abstractmethod
+    def _download(self, key: str, dest: Path) -> None: ...
+
+    def get_file(self, key: str, sha256: str, dest: Path) -> Path:
+        """The object into `dest` (streamed), replaced only once its sha256 matches."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.part")
+        try:
+            self._download(key, tmp)
+            if sha256_file(tmp) != sha256:
+                raise self._corrupt(key, sha256)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return dest
+
+    def _corrupt(self, key: str, sha256: str) -> "CorruptObject":
+        return CorruptObject(f"object {key} in {self.url} does not match its recorded sha256 {sha256[:12]}…",
+                             "delete the object so the stage that wrote it produces it again.")
+
     def get_verified(self, key: str, sha256: str) -> bytes:
         data = self.get_bytes(key)
         if sha256_bytes(data) != sha256:
-            raise CorruptObject(
-                f"object {key} in {self.url} does not match its recorded sha256 {sha256[:12]}…",
-                "delete the object so the stage that wrote it produces it again.",
-            )
+            raise self._corrupt(key, sha256)
         return data
 
 
@@ -110,6 +139,31 @@ class FileStore(Store):
             Path(tmp).unlink(missing_ok=True)
             raise
         return ObjectInfo(key, len(data), sha256_bytes(data))
+
+    def put_file(self, key: str, path: Path) -> ObjectInfo:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        digest, size = hashlib.sha256(), 0
+        try:
+            with os.fdopen(fd, "wb") as out, open(path, "rb") as src:
+                for block in iter(lambda: src.read(1 << 22), b""):
+                    digest.update(block)
+                    out.write(block)
+                    size += len(block)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return ObjectInfo(key, size, digest.hexdigest())
+
+    def _download(self, key: str, dest: Path) -> None:
+        try:
+            shutil.copyfile(self._path(key), dest)
+        except FileNotFoundError:
+            raise KeyError(key) from None
 
     def get_bytes(self, key: str) -> bytes:
         try:
@@ -179,6 +233,21 @@ class S3Store(Store):
         self.client.put_object(self.bucket, self._name(key), io.BytesIO(data), len(data),
                                metadata={"sha256": digest})
         return ObjectInfo(key, len(data), digest)
+
+    def put_file(self, key: str, path: Path) -> ObjectInfo:
+        digest = sha256_file(path)  # a first pass: the sha256 travels as the object's metadata
+        self.client.fput_object(self.bucket, self._name(key), str(path), metadata={"sha256": digest})
+        return ObjectInfo(key, Path(path).stat().st_size, digest)
+
+    def _download(self, key: str, dest: Path) -> None:
+        from minio.error import S3Error
+
+        try:
+            self.client.fget_object(self.bucket, self._name(key), str(dest))
+        except S3Error as exc:
+            if exc.code == "NoSuchKey":
+                raise KeyError(key) from None
+            raise
 
     def get_bytes(self, key: str) -> bytes:
         from minio.error import S3Error

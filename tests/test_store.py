@@ -1,5 +1,6 @@
 """The same suite against both store backends: a local directory and a real S3 server (moto)."""
 
+import os
 import threading
 
 import pytest
@@ -85,3 +86,18 @@ def test_unreachable_s3_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("EYRIE_S3_SECRET_KEY", "b")
     with pytest.raises(EyrieError, match="cannot reach the S3 endpoint http://127.0.0.1:1"):
         open_store(load_settings())
+
+
+def test_files_stream_in_and_out_verified(store, tmp_path):
+    source = tmp_path / "big.bin"
+    source.write_bytes(os.urandom(9 * (1 << 20) + 7))  # several read blocks, not a multiple
+    info = store.put_file("ck/big.bin", source)
+    assert info.size == source.stat().st_size and info.sha256 == sha256_bytes(source.read_bytes())
+    assert store.get_bytes("ck/big.bin") == source.read_bytes()
+    out = store.get_file("ck/big.bin", info.sha256, tmp_path / "out" / "big.bin")
+    assert out.read_bytes() == source.read_bytes()
+    with pytest.raises(CorruptObject):
+        store.get_file("ck/big.bin", "0" * 64, tmp_path / "out" / "bad.bin")
+    assert not (tmp_path / "out" / "bad.bin").exists() and len(list((tmp_path / "out").iterdir())) == 1
+    with pytest.raises(KeyError):
+        store.get_file("ck/missing.bin", info.sha256, tmp_path / "out" / "missing.bin")

@@ -127,8 +127,8 @@ def test_the_training_data_cache_is_verified_and_never_fetched_twice(pipeline, t
     env, _ = pipeline
     store = store_of(env)
     fetched = []
-    get_verified = store.get_verified
-    store.get_verified = lambda key, sha: fetched.append(key) or get_verified(key, sha)
+    get_file = store.get_file
+    store.get_file = lambda key, sha, dest: fetched.append(key) or get_file(key, sha, dest)
     assert materialize(store, "p", tmp_path / "d") == 306 and len(fetched) == 306
     materialize(store, "p", tmp_path / "d")
     assert len(fetched) == 306  # nothing fetched again

@@ -7,18 +7,25 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 from eyrie.manifest import Layout, now_iso
 from eyrie.store import CorruptObject
 
 
-def upload(store, layout: Layout, root: Path, label: str, epoch: int, local_step: int) -> dict:
-    folder = root / label
+def saved_files(root: Path, label: str) -> list[Path]:
+    """What speculators' checkpointer wrote into the folder, listed when the save returns (files it
+    adds later, like val_metrics.json, are not part of the checkpoint)."""
+    return sorted(p for p in (root / label).iterdir() if p.is_file())
+
+
+def upload(store, layout: Layout, files: list[Path], label: str, epoch: int, local_step: int) -> dict:
     store.delete(layout.checkpoint_manifest(label))
-    files = {}
-    for path in sorted(p for p in folder.iterdir() if p.is_file()):
-        info = store.put_bytes(layout.checkpoint_file(label, path.name), path.read_bytes())
-        files[path.name] = {"sha256": info.sha256, "bytes": info.size}
-    manifest = {"label": label, "epoch": epoch, "local_step": local_step, "files": files,
+    entries = {}
+    for path in files:
+        info = store.put_file(layout.checkpoint_file(label, path.name), path)
+        entries[path.name] = {"sha256": info.sha256, "bytes": info.size}
+    manifest = {"label": label, "epoch": epoch, "local_step": local_step, "files": entries,
                 "saved_at": now_iso()}
     store.put_json(layout.checkpoint_manifest(label), manifest)
     return manifest
@@ -33,11 +40,9 @@ def stored(store, layout: Layout) -> list[dict]:
 
 def fetch(store, layout: Layout, manifest: dict, folder: Path, names: list[str] | None = None) -> Path:
     """A stored checkpoint's files (all, or `names`) into `folder`, each checked on the way."""
-    folder.mkdir(parents=True, exist_ok=True)
     for name, entry in manifest["files"].items():
         if names is None or name in names:
-            data = store.get_verified(layout.checkpoint_file(manifest["label"], name), entry["sha256"])
-            (folder / name).write_bytes(data)
+            store.get_file(layout.checkpoint_file(manifest["label"], name), entry["sha256"], folder / name)
     return folder
 
 
@@ -55,3 +60,24 @@ def restore(store, layout: Layout, root: Path, log) -> dict | None:
             log(f"checkpoint {manifest['label']} is unusable ({exc}); trying the one before")
             shutil.rmtree(folder, ignore_errors=True)
     return None
+
+
+class Uploader:
+    """Checkpoints go up in one background thread while training goes on; `drain` waits for them
+    (before evaluation, and before a task ends for any reason) and re-raises an upload's error."""
+
+    def __init__(self, store, layout: Layout, root: Path, on_done):
+        self.store, self.layout, self.root, self.on_done = store, layout, root, on_done
+        self.pool, self.pending = ThreadPoolExecutor(1, thread_name_prefix="eyrie-upload"), []
+
+    def submit(self, label: str, epoch: int, local_step: int) -> None:
+        files = saved_files(self.root, label)
+        self.pending.append(self.pool.submit(self._upload, files, label, epoch, local_step))
+
+    def _upload(self, files, label, epoch, local_step) -> None:
+        self.on_done(label, epoch, local_step, upload(self.store, self.layout, files, label, epoch, local_step))
+
+    def drain(self) -> None:
+        pending, self.pending = self.pending, []
+        for future in pending:
+            future.result()

@@ -15,16 +15,9 @@ from pathlib import Path
 import orjson
 
 from eyrie.manifest import Layout, ShardManifest, load_run_manifest
+from eyrie.store import sha256_file
 
 MARKER = "eyrie-samples.json"
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def done_samples(store, run: str) -> list[dict]:
@@ -71,18 +64,17 @@ def _sizes_match(dest: Path, samples: list[dict]) -> bool:
 def _write(store, samples: list[dict], dest: Path) -> None:
     import datasets
     import torch
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     (dest / "hidden_states").mkdir(parents=True, exist_ok=True)
     columns = {"input_ids": [], "loss_mask": [], "seq_len": []}
     freq: Counter = Counter()
     for index, sample in enumerate(samples):
         path = dest / "hidden_states" / f"hs_{index}.safetensors"
-        if not path.exists() or _sha256_file(path) != sample["sha256"]:
-            tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(store.get_verified(sample["key"], sample["sha256"]))
-            tmp.replace(path)
-        token_ids = load_file(path)["token_ids"].tolist()
+        if not path.exists() or sha256_file(path) != sample["sha256"]:
+            store.get_file(sample["key"], sample["sha256"], path)
+        with safe_open(str(path), "pt") as tensors:  # the ids only, not the hidden states
+            token_ids = tensors.get_tensor("token_ids").tolist()
         prompt_len, seq_len = sample["prompt_len"], sample["seq_len"]
         columns["input_ids"].append(token_ids)
         columns["loss_mask"].append([0] * prompt_len + [1] * (seq_len - prompt_len))

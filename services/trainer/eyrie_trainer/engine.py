@@ -96,8 +96,11 @@ def _trainer_class(device: str, hooks: Hooks):
                 local_step = self.global_step - hooks.state.get("epoch_start_step", 0)
                 if local_step <= 0:
                     return
+            marker = self.checkpointer.path / str(epoch) / "training_state.json"
+            before = marker.stat().st_mtime_ns if marker.exists() else None
             super().maybe_save_checkpoint(epoch, local_step=local_step)
-            hooks.on_checkpoint(str(epoch), epoch, local_step)
+            if marker.exists() and marker.stat().st_mtime_ns != before:  # it did save
+                hooks.on_checkpoint(str(epoch), epoch, local_step)
 
     return EyrieTrainer
 

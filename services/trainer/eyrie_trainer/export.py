@@ -63,12 +63,13 @@ def export(store, run: str, evaluation: dict, path: dict) -> dict:
     label = evaluation["best"]
     entry = next(m for m in checkpoints.stored(store, layout) if m["label"] == label)
     files = {}
-    for name in DRAFTER_FILES:
-        data = store.get_verified(layout.checkpoint_file(label, name), entry["files"][name]["sha256"])
-        if name == "config.json":
-            data = _served_config(json.loads(data), manifest)
-        info = store.put_bytes(layout.drafter_file(name), data)
-        files[name] = {"key": info.key, "sha256": info.sha256, "bytes": info.size}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = checkpoints.fetch(store, layout, entry, Path(tmp), list(DRAFTER_FILES))
+        config = folder / "config.json"
+        config.write_bytes(_served_config(json.loads(config.read_bytes()), manifest))
+        for name in DRAFTER_FILES:
+            info = store.put_file(layout.drafter_file(name), folder / name)
+            files[name] = {"key": info.key, "sha256": info.sha256, "bytes": info.size}
     best = next(c for c in evaluation["checkpoints"] if c["label"] == label)
     record = {"files": files, "checkpoint": label, "tau": best["tau"], "baseline_tau": evaluation["baseline"]["tau"],
               "k": evaluation["k"], "training_path": path, "exported_at": now_iso(),
@@ -106,7 +107,6 @@ def download(store, run: str, out: Path) -> dict:
     except KeyError:
         raise EyrieError(f"run {run} has no exported drafter yet.",
                          f"train it (`eyrie train --run {run} --wait`); the best checkpoint is exported at the end.") from None
-    out.mkdir(parents=True, exist_ok=True)
     for name, entry in record["files"].items():
-        (out / name).write_bytes(store.get_verified(entry["key"], entry["sha256"]))
+        store.get_file(entry["key"], entry["sha256"], out / name)
     return record

@@ -98,11 +98,15 @@ class TrainRunner:
         if restored:
             self._say(f"resuming from checkpoint {restored['label']} (step {restored['local_step']} of epoch "
                       f"{restored['epoch']})")
-        hooks = engine.Hooks(on_metrics=self._on_metrics, on_checkpoint=self._on_checkpoint,
+        self.uploads = checkpoints.Uploader(self.store, self.layout, self.work / "checkpoints", self._stored)
+        hooks = engine.Hooks(on_metrics=self._on_metrics, on_checkpoint=self.uploads.submit,
                              on_step=lambda step: self._on_step(beat), on_start=self._on_start)
         self._report(phase="training", force=True)
-        path = engine.train_with_fallback(self._argv(train_dir) + base_args, device, self._fast_path(device),
-                                          hooks, self._say)
+        try:
+            path = engine.train_with_fallback(self._argv(train_dir) + base_args, device,
+                                              self._fast_path(device), hooks, self._say)
+        finally:
+            self.uploads.drain()  # every checkpoint saved is in the store before the task ends
         if hooks.state.get("interrupted"):
             raise Interrupted("training interrupted (SIGTERM); the checkpoint is in the store")
         self._report(phase="evaluating", path=path, force=True)
@@ -160,13 +164,12 @@ class TrainRunner:
             self.live.update(step=record["global_step"] + 1, epoch=record.get("epoch"), loss=metrics.get("loss"),
                              acc=[metrics[k] for k in sorted(metrics) if k.startswith("full_acc_")],
                              lr=record.get("lr"))
-            self.live["tokens"] += int(profile.get("tokens_per_s", 0) * profile.get("step_ms", 0) / 1000)
+            self.live["tokens"] += round(profile.get("tokens_per_s", 0) * profile.get("step_ms", 0) / 1000)
         elif "val" in record:
             self.live["val_loss"] = record["val"].get("loss_epoch")
         self._report()
 
-    def _on_checkpoint(self, label: str, epoch: int, local_step: int) -> None:
-        entry = checkpoints.upload(self.store, self.layout, self.work / "checkpoints", label, epoch, local_step)
+    def _stored(self, label: str, epoch: int, local_step: int, entry: dict) -> None:
         self.live["checkpoints"].append({"label": label, "step": self.live.get("step"), "epoch": epoch,
                                          "local_step": local_step})
         self._say(f"checkpoint {label} stored ({sum(f['bytes'] for f in entry['files'].values()):,} bytes)")
