@@ -266,6 +266,48 @@ def status(run: str = typer.Argument(..., help="Run name."),
         render_status(result)
 
 
+@app.command("run")
+@command
+def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline: run.yaml (examples/)."),
+                 plan: bool = typer.Option(False, "--plan", help="Print the storage projection only "
+                                                                  "(no server, no GPU, no download)."),
+                 wait: bool = typer.Option(False, "--wait", help="Follow every stage until the drafter is exported.")):
+    """Start (or continue) a whole pipeline: generate -> extract -> train -> evaluate -> export,
+    each stage starting by itself when the one before is done."""
+    from eyrie.config import load_settings
+    from eyrie.pipeline import advance_or_record, load_config, save_config
+
+    cfg = load_config(config)
+    if plan:
+        from eyrie.projection import project, render
+
+        typer.echo("\n".join(render(project(cfg, load_settings().max_tokens))))
+        return
+    from eyrie.queue import connect
+    from eyrie.store import open_store
+    from eyrie_generator.plan import start_generate
+
+    settings = load_settings(model=cfg.target.model)
+    conn, store = connect(settings.redis_url), open_store(settings)
+    save_config(store, cfg)
+    g = cfg.generate
+    manifest, enqueued = start_generate(
+        settings, conn, store, source=cfg.dataset.source, run=cfg.run, split=cfg.dataset.split,
+        revision=cfg.dataset.revision, limit=cfg.dataset.limit,
+        params={"concurrency": g.concurrency, "max_tokens": g.max_tokens, "timeout": g.timeout_s,
+                "temperature": g.temperature, "shard_size": g.shard_size})
+    if cfg.train.base:  # fetched (and checked) by the trainer while the target serves
+        from eyrie.queue import enqueue_task
+        from eyrie_trainer.plan import FETCH_FUNC, fetch_task_id
+
+        enqueue_task(conn, "train", FETCH_FUNC, {"run": cfg.run}, fetch_task_id(cfg.run))
+    stage = advance_or_record(conn, store, cfg.run)
+    typer.echo(f"run {cfg.run}: {manifest.dataset.row_end - manifest.dataset.row_start} rows; "
+               f"{enqueued} generate tasks enqueued now; " + (f"{stage} started" if stage else "stages follow by themselves"))
+    if wait:
+        _wait(conn, store, cfg.run, "train")
+
+
 @app.command()
 @command
 def demo(run: str = typer.Option("demo", help="Run name."),

@@ -50,6 +50,19 @@ def stage_table(status: dict) -> Table:
 
 def render_status(status: dict) -> None:
     console.print(stage_table(status))
+    pipeline = status.get("pipeline")
+    if pipeline:
+        console.print(f"pipeline: next stages start by themselves"
+                      + (f"; base drafter {pipeline['fetch_state']}" if pipeline.get("fetch_state") else ""))
+        if pipeline.get("blocked"):
+            console.print(f"[red]pipeline blocked[/] {pipeline['blocked']}")
+        for error in pipeline.get("fetch_errors", []):
+            console.print(f"[red]base drafter error[/] {error}")
+    lease = status.get("gpu_lease")
+    if lease:
+        holder = lease.get("holder")
+        console.print("gpu lease: " + (f"held by {holder['owner']} ({holder['devices']})" if holder else "free")
+                      + (f"; waiting: {', '.join(lease['waiting'])}" if lease.get("waiting") else ""))
     endpoint = status.get("inference")
     if endpoint:
         console.print(f"inference: {endpoint['state']} at {endpoint['url']} ({endpoint['server']})"
@@ -103,6 +116,11 @@ def live_progress(conn, store, run: str, stage: str, poll_s: float = 1.0) -> dic
         while True:
             status = run_status(conn, store, run)
             live.update(stage_table(status))
-            if status["stages"][stage]["state"] in ("done", "failed"):
-                return status["stages"][stage]
+            current = status["stages"].get(stage)  # a pipeline's later stages appear as they start
+            if current and current["state"] in ("done", "failed"):
+                return current
+            pipeline = status.get("pipeline") or {}
+            if any(s["state"] == "failed" for s in status["stages"].values()) or pipeline.get("blocked") \
+                    or pipeline.get("fetch_state") == "failed":
+                return {"state": "failed"}
             time.sleep(poll_s)

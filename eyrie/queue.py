@@ -10,13 +10,14 @@ from datetime import datetime, timedelta, timezone
 
 import redis
 from redis.lock import Lock
-from rq import Queue, Retry, SimpleWorker, Worker
+from rq import Callback, Queue, Retry, SimpleWorker, Worker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from eyrie.errors import EyrieError
 
 RETRY_INTERVALS_S = [10, 60, 300]
+ADVANCE_TIMEOUT_S = 3600  # planning the next stage reads every record (25k samples: minutes)
 LEASE_TTL_S = 15  # a dead worker's task is taken over within this time
 
 
@@ -92,6 +93,7 @@ def enqueue_task(conn: redis.Redis, stage: str, func: str, payload: dict, job_id
 def _enqueue(conn, stage: str, func: str, payload: dict, job_id: str, timeout_s: int) -> None:
     queue(conn, stage).enqueue(
         func, payload, job_id=job_id, job_timeout=timeout_s, result_ttl=7 * 86400,
+        on_success=Callback("eyrie.pipeline.on_task_done", timeout=ADVANCE_TIMEOUT_S),
         failure_ttl=30 * 86400, retry=Retry(max=len(RETRY_INTERVALS_S), interval=RETRY_INTERVALS_S),
         description=f"{stage} {job_id}",
     )

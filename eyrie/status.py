@@ -33,7 +33,20 @@ def run_status(conn, store, run: str) -> dict:
         "stages": stages,
         "inference": endpoint.model_dump() if endpoint else None,
         "gpu_lease": gpu.holder(conn),
+        "pipeline": pipeline_status(conn, store, run),
     }
+
+
+def pipeline_status(conn, store, run: str) -> dict | None:
+    """Set for runs started by `eyrie run`: whether the chain is blocked, and the base drafter's fetch."""
+    from eyrie.pipeline import blocked_key, config_key
+
+    if not store.exists(config_key(run)):
+        return None
+    fetch = task_id("fetch", run, 0)
+    blocked = conn.get(blocked_key(run))
+    return {"blocked": blocked.decode() if blocked else None, "fetch_state": job_state(conn, fetch),
+            "fetch_errors": job_errors(conn, [fetch])}
 
 
 def stage_status(conn, store, manifest: RunManifest, stage: str, total: int) -> dict:

@@ -20,10 +20,12 @@ TRAIN_TIMEOUT_S = 7 * 24 * 3600
 
 
 class TrainTask(BaseModel):
-    """The JSON payload of a train task on the queue."""
+    """The JSON payload of a train task on the queue; `request` when the trainer is to plan it
+    (the pipeline's train stage: the base drafter is fetched and checked by the trainer)."""
 
     model_config = ConfigDict(extra="forbid")
     run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    request: "TrainRequest | None" = None
 
 
 class TrainRequest(BaseModel):
@@ -44,7 +46,8 @@ def train_task_id(run: str) -> str:
     return task_id("train", run, 0)
 
 
-def start_train(conn, store, run: str, request: TrainRequest, cache_dir: Path) -> tuple[RunManifest, int]:
+def ensure_plan(conn, store, run: str, request: TrainRequest, cache_dir: Path) -> RunManifest:
+    """The run's train plan: made now (base drafter fetched and checked), or checked against."""
     manifest, layout = load_run_manifest(store, run), Layout(run)
     _require_extract_done(store, manifest, layout)
     if manifest.train is None:
@@ -53,6 +56,11 @@ def start_train(conn, store, run: str, request: TrainRequest, cache_dir: Path) -
         progress.reset(conn, run, "train")
     else:
         _check_same(manifest.train, request)
+    return manifest
+
+
+def start_train(conn, store, run: str, request: TrainRequest, cache_dir: Path) -> tuple[RunManifest, int]:
+    manifest, layout = ensure_plan(conn, store, run, request, cache_dir), Layout(run)
     if store.exists(layout.drafter_manifest):
         return manifest, 0
     enqueued = enqueue_task(conn, "train", TASK_FUNC, {"run": run}, train_task_id(run),
@@ -118,3 +126,34 @@ def _check_same(params: TrainParams, request: TrainRequest) -> None:
     if changed:
         raise EyrieError(f"train of this run was planned with other settings: {'; '.join(changed)}.",
                          "rerun with the original settings to continue it, or start a new run.")
+
+
+TrainTask.model_rebuild()
+
+
+FETCH_FUNC = "eyrie_trainer.plan.run_fetch_task"
+
+
+def fetch_task_id(run: str) -> str:
+    return task_id("fetch", run, 0)
+
+
+def run_fetch_task(payload: dict) -> dict:
+    """RQ entry point (train queue): a pipeline's base drafter fetched, converted and checked by
+    the trainer while the target is still serving, so a mismatch shows before any GPU work."""
+    from eyrie.config import load_settings
+    from eyrie.pipeline import stored_config
+    from eyrie.store import open_store
+    from eyrie.target import text_config
+    from eyrie_extractor.layers import resolve_aux_layers
+    from eyrie_trainer.base import prepare_base
+
+    task = TrainTask.model_validate({"run": payload.get("run")} if set(payload) == {"run"} else payload)
+    settings = load_settings()
+    config = stored_config(open_store(settings), task.run)
+    if config is None or not config.train.base:
+        return {"status": "no_base"}
+    layers = resolve_aux_layers(config.extract.layers, text_config(config.target.model).num_hidden_layers)
+    path, info = prepare_base(config.train.base, config.train.base_revision, config.target.model, layers,
+                              config.train.draft_vocab, Path(settings.cache_dir) / "base")
+    return {"status": "ready", "path": str(path), **info.model_dump(exclude={"path"})}

@@ -201,8 +201,13 @@ def run_train_task(payload: dict) -> dict:
 
     task = TrainTask.model_validate(payload)
     settings = load_settings()
+    conn, store = connect(settings.redis_url), open_store(settings)
+    if task.request is not None:  # the pipeline's train stage: the trainer plans it
+        from eyrie_trainer.plan import ensure_plan
+
+        ensure_plan(conn, store, task.run, task.request, Path(settings.cache_dir))
     try:
-        return TrainRunner(settings, connect(settings.redis_url), open_store(settings), task.run).run()
+        return TrainRunner(settings, conn, store, task.run).run()
     except Interrupted:
         # speculators' handler took the SIGTERM meant for the worker: hand it on, so the worker
         # stops after this (failed, retried) task instead of taking the next one

@@ -1,0 +1,188 @@
+"""One pipeline per run: the config `eyrie run` takes, kept in the store, and `advance`, which
+starts each stage by itself once the one before is done (called when any task finishes, and by
+`eyrie run` itself; every start is idempotent, so calling it twice does nothing twice)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from eyrie.errors import EyrieError
+from eyrie.manifest import Layout, check_run_name
+
+log = logging.getLogger("eyrie.pipeline")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TargetShape(_Section):
+    """For `--plan` where the target's config cannot be read (no hub access): its shape."""
+
+    hidden_size: int = Field(ge=1)
+    num_hidden_layers: int = Field(ge=1)
+    vocab_size: int = Field(ge=2)
+
+
+class TargetSection(_Section):
+    model: str
+    shape: TargetShape | None = None
+
+
+class DatasetSection(_Section):
+    source: str
+    split: str = "train"
+    revision: str | None = None
+    limit: int | None = Field(None, ge=1)
+
+
+class GenerateSection(_Section):
+    concurrency: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    timeout_s: float | None = Field(None, gt=0)
+    temperature: float | None = Field(None, ge=0)
+    shard_size: int | None = Field(None, ge=1)
+    prompt_tokens_estimate: int = Field(512, ge=1, description="For --plan only: mean prompt length.")
+
+
+class ExtractSection(_Section):
+    layers: list[int] | None = None
+    dtype: str = Field("bf16", pattern="^(bf16|fp8)$")
+    max_length: int | None = Field(None, ge=2)
+    budget: str | None = None
+    backend: str = Field("hf", pattern="^(hf|vllm)$")
+
+
+class TrainSection(_Section):
+    base: str | None = None
+    base_revision: str | None = None
+    epochs: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    draft_vocab: int | None = Field(None, ge=2)
+    lr: float | None = Field(None, gt=0)
+    seq_len: int | None = Field(None, ge=16)
+    ttt_steps: int | None = Field(None, ge=1)
+    heldout: int | None = Field(None, ge=1)
+
+
+class RunConfig(_Section):
+    """What `eyrie run --config run.yaml` runs: every stage, from prompts to an exported drafter."""
+
+    run: str
+    target: TargetSection
+    dataset: DatasetSection
+    generate: GenerateSection = Field(default_factory=GenerateSection)
+    extract: ExtractSection = Field(default_factory=ExtractSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+
+
+def load_config(path: Path) -> RunConfig:
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise EyrieError(f"no config file {path}.", "pass the path of a run.yaml (examples/ has two).") from None
+    except yaml.YAMLError as exc:
+        raise EyrieError(f"{path} is not valid YAML ({exc}).", "fix the YAML syntax.") from None
+    try:
+        config = RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors())
+        raise EyrieError(f"{path}: {fields}.", "correct these fields (README: `eyrie run`).") from None
+    check_run_name(config.run)
+    return config
+
+
+def config_key(run: str) -> str:
+    return f"{Layout(run).root}/pipeline.json"
+
+
+def save_config(store, config: RunConfig) -> None:
+    """The first config of a run is kept; a rerun must bring the same one (it continues the run)."""
+    key = config_key(config.run)
+    if store.exists(key):
+        kept = RunConfig.model_validate(store.get_json(key))
+        if kept != config:
+            changed = sorted(k for k in config.model_fields if getattr(kept, k) != getattr(config, k))
+            raise EyrieError(f"run {config.run} was started with another config (differs in: {', '.join(changed)}).",
+                             "rerun with the original config to continue it, or give the new one another run name.")
+        return
+    store.put_json(key, config.model_dump())
+
+
+def stored_config(store, run: str) -> RunConfig | None:
+    key = config_key(run)
+    return RunConfig.model_validate(store.get_json(key)) if store.exists(key) else None
+
+
+def advance(conn, store, run: str) -> str | None:
+    """Start the next stage of the run's pipeline if the one before is done; returns its name."""
+    config = stored_config(store, run)
+    if config is None:
+        return None
+    with conn.lock(f"eyrie:advance:{run}", timeout=300, blocking_timeout=300):
+        return _next_stage(conn, store, config)
+
+
+def _next_stage(conn, store, config: RunConfig) -> str | None:
+    from eyrie.manifest import load_run_manifest
+
+    manifest, layout = load_run_manifest(store, config.run), Layout(config.run)
+    if not all(store.exists(layout.generate_shard_manifest(p.index)) for p in manifest.generate_shards):
+        return None
+    if manifest.extract is None or not _all_extracted(store, manifest, layout):
+        from eyrie_extractor.plan import start_extract
+
+        e = config.extract
+        start_extract(conn, store, config.run, layers=e.layers, dtype=e.dtype, max_length=e.max_length,
+                      budget=e.budget, backend=e.backend)
+        return "extract"
+    if manifest.drafter is None:
+        from eyrie.queue import enqueue_task
+        from eyrie_trainer.plan import TASK_FUNC, TRAIN_TIMEOUT_S, train_task_id
+
+        # planned by the trainer (which fetches and checks the base drafter in its own cache)
+        enqueue_task(conn, "train", TASK_FUNC, {"run": config.run, "request": train_request(config)},
+                     train_task_id(config.run), timeout_s=TRAIN_TIMEOUT_S)
+        return "train"
+    return None
+
+
+def _all_extracted(store, manifest, layout) -> bool:
+    return all(store.exists(layout.extract_shard_manifest(p.index)) for p in manifest.generate_shards)
+
+
+def train_request(config: RunConfig) -> dict:
+    t = config.train
+    return {"base": t.base, "base_revision": t.base_revision, "epochs": t.epochs, "max_steps": t.max_steps,
+            "draft_vocab": t.draft_vocab, "lr": t.lr, "total_seq_len": t.seq_len, "ttt_steps": t.ttt_steps,
+            "heldout": t.heldout}
+
+
+def on_task_done(job, connection, result, *args, **kwargs) -> None:
+    """RQ's on_success callback of every task: move the run's pipeline on."""
+    from eyrie.config import load_settings
+    from eyrie.store import open_store
+
+    run = (job.args[0] or {}).get("run") if job.args else None
+    if run:
+        advance_or_record(connection, open_store(load_settings()), run)
+
+
+def advance_or_record(conn, store, run: str) -> str | None:
+    """advance, keeping a refusal (e.g. the storage budget) where status shows it."""
+    try:
+        stage = advance(conn, store, run)
+    except EyrieError as exc:
+        log.warning("run %s: the next stage did not start: %s", run, exc)
+        conn.set(blocked_key(run), str(exc))
+        return None
+    conn.delete(blocked_key(run))
+    return stage
+
+
+def blocked_key(run: str) -> str:
+    return f"eyrie:pipeline:{run}:blocked"
