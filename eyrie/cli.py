@@ -289,7 +289,7 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
 
     settings = load_settings(model=cfg.target.model)
     conn, store = connect(settings.redis_url), open_store(settings)
-    save_config(store, cfg)
+    save_config(conn, store, cfg)
     g = cfg.generate
     manifest, enqueued = start_generate(
         settings, conn, store, source=cfg.dataset.source, run=cfg.run, split=cfg.dataset.split,

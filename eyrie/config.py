@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     vllm_args: str = Field("", description="Extra vLLM flags, shell-quoted.")
     advertise_url: str | None = Field(None, description="URL workers use to reach this server.")
     serve_deadline_s: float = Field(3600.0, gt=0, description="How long `eyrie serve` waits.")
+    serve_stop_when_drained: bool | None = Field(
+        None, description="Stop the server once a pipeline's generation has drained and its later stages "
+                          "wait (handing over the GPU lease); unset: yes for vLLM, which holds the GPUs.")
 
     concurrency: int = Field(200, ge=1, le=10000)
     max_tokens: int = Field(8192, ge=1)

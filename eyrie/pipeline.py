@@ -100,7 +100,7 @@ def config_key(run: str) -> str:
     return f"{Layout(run).root}/pipeline.json"
 
 
-def save_config(store, config: RunConfig) -> None:
+def save_config(conn, store, config: RunConfig) -> None:
     """The first config of a run is kept; a rerun must bring the same one (it continues the run)."""
     key = config_key(config.run)
     if store.exists(key):
@@ -109,8 +109,12 @@ def save_config(store, config: RunConfig) -> None:
             changed = sorted(k for k in config.model_fields if getattr(kept, k) != getattr(config, k))
             raise EyrieError(f"run {config.run} was started with another config (differs in: {', '.join(changed)}).",
                              "rerun with the original config to continue it, or give the new one another run name.")
-        return
-    store.put_json(key, config.model_dump())
+    else:
+        store.put_json(key, config.model_dump())
+    conn.sadd(ACTIVE, config.run)
+
+
+ACTIVE = "eyrie:pipelines:active"
 
 
 def stored_config(store, run: str) -> RunConfig | None:
@@ -148,6 +152,29 @@ def _next_stage(conn, store, config: RunConfig) -> str | None:
         enqueue_task(conn, "train", TASK_FUNC, {"run": config.run, "request": train_request(config)},
                      train_task_id(config.run), timeout_s=TRAIN_TIMEOUT_S)
         return "train"
+    conn.srem(ACTIVE, config.run)  # exported: the pipeline is done
+    return None
+
+
+def drained_run(conn, store) -> str | None:
+    """A pipeline whose generation has drained (no generate task queued, scheduled or running, so
+    no request in flight) while its later stages still wait: the server may stop and hand over
+    the GPUs. None while anything is generating."""
+    from eyrie.queue import live_tasks
+
+    if live_tasks(conn, "generate"):
+        return None
+    for run in sorted(m.decode() for m in conn.smembers(ACTIVE)):
+        from eyrie.manifest import load_run_manifest
+
+        try:
+            manifest = load_run_manifest(store, run)
+        except EyrieError:
+            continue
+        layout = Layout(run)
+        generated = all(store.exists(layout.generate_shard_manifest(p.index)) for p in manifest.generate_shards)
+        if generated and manifest.drafter is None:
+            return run
     return None
 
 

@@ -106,6 +106,12 @@ def _abandoned(conn: redis.Redis, job_id: str) -> bool:
     return old_enough and not conn.exists(lease_key(job_id))
 
 
+def live_tasks(conn: redis.Redis, stage: str) -> int:
+    """Tasks of a stage that are queued, scheduled (a retry's backoff) or running."""
+    q = queue(conn, stage)
+    return q.count + q.scheduled_job_registry.count + q.started_job_registry.count + q.deferred_job_registry.count
+
+
 def lease_key(task_id: str) -> str:
     return f"eyrie:lease:{task_id}"
 

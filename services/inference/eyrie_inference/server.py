@@ -62,6 +62,8 @@ class Server:
         """Start, wait for readiness, then supervise until the server exits or we are stopped."""
         cmd = command(self.settings, self.model)
         if self.settings.server == "vllm":  # vLLM owns the GPUs while it runs: hold the lease
+            while self._drained():  # restarted while a drained pipeline's later stages need the GPUs
+                time.sleep(self.POLL_S)
             self.gpu = GpuLease(self.conn, f"inference@{socket.gethostname()}")
             print("eyrie serve: waiting for the GPU lease", flush=True)
             self.gpu.acquire()
@@ -78,13 +80,30 @@ class Server:
             self._publish("ready")
             print(f"eyrie serve: ready at {self.endpoint.url} (model {self.model})", flush=True)
             while self.proc.poll() is None:
-                time.sleep(5)
+                time.sleep(self.POLL_S)
                 self._publish("ready")
+                if self._drained():
+                    break
         except KeyboardInterrupt:
             pass
         finally:
             self.stop()
         return 0
+
+    POLL_S = 5
+
+    def _drained(self) -> bool:
+        stop = self.settings.serve_stop_when_drained
+        if not (self.settings.server == "vllm" if stop is None else stop):
+            return False
+        from eyrie.pipeline import drained_run
+        from eyrie.store import open_store
+
+        run = drained_run(self.conn, open_store(self.settings))
+        if run and self.proc is not None:
+            print(f"eyrie serve: run {run}'s generation has drained and its later stages wait: "
+                  "stopping the server and handing over the GPUs", flush=True)
+        return run is not None
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.settings.serve_deadline_s

@@ -1,0 +1,165 @@
+"""`eyrie run`: the whole chain on the embedded default (the same entry points the containers run,
+as local processes), each stage starting by itself; `--plan` on the seed's config; the server
+handing the GPUs over once generation drains; a generate stage started by one set of workers
+and finished by another, from another directory, with only the Redis and store settings."""
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import redis
+import yaml
+
+from conftest import BIN, OFFLINE, ROOT, TINY, eyrie, free_port, stop
+from eyrie.gpu import GpuLease, holder
+
+SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
+PROMPTS = ROOT / "tests" / "data" / "tiny_train_prompts.jsonl"
+
+
+def config(tmp_path, run: str, **sections) -> str:
+    body = {"run": run, "target": {"model": str(TINY)}, "dataset": {"source": str(PROMPTS)},
+            "generate": {"concurrency": 8, "max_tokens": 64, "shard_size": 80}, "extract": {"layers": [2, 4, 5]},
+            "train": {"epochs": 3, "seq_len": 256, "lr": 0.003, "draft_vocab": 500}}
+    for name, value in sections.items():
+        body[name] = {**body.get(name, {}), **value}
+    path = tmp_path / f"{run}.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return str(path)
+
+
+def workers(env, *stages):
+    return [subprocess.Popen([str(BIN / "eyrie"), "worker", stage], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True) for stage in stages]
+
+
+def test_plan_of_the_seeds_pipeline_needs_no_server_gpu_or_hub(tmp_path):
+    out = eyrie("run", "--config", str(SEED), "--plan", env={**os.environ, **OFFLINE}).stdout
+    assert "hidden 7168, 61 layers, vocab 163,840 (from target.shape in the run config)" in out
+    assert "samples 25,000" in out and "layers [2, 30, 58] + last" in out
+    assert "12.48 TB in bf16, 6.24 TB in fp8" in out  # 25,000 x (512 + 8192) tokens x 4 x 7168
+    assert "budget 2.80 TB, bf16: the upper bound does NOT fit; it fits while samples average at most 1,952" in out
+
+
+def test_a_bad_config_names_the_field(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"run": "x", "target": {"model": "m"}, "dataset": {"source": "d"},
+                                    "generate": {"concurency": 8}, "extract": {"dtype": "fp16"}}))
+    result = eyrie("run", "--config", str(path), "--plan", env={**os.environ, **OFFLINE}, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "generate.concurency: Extra inputs are not permitted" in result.stderr
+    assert "extract.dtype" in result.stderr
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, tmp_path):
+    procs = workers(env, "generate", "extract", "train")
+    try:
+        path = config(tmp_path, "chain")
+        out = eyrie("run", "--config", path, "--wait", env=env, timeout=900).stdout
+        assert "4 generate tasks enqueued now" in out
+        status = json.loads(eyrie("status", "chain", "--json", env=env).stdout)
+        assert [s["state"] for s in status["stages"].values()] == ["done", "done", "done"]
+        train = status["stages"]["train"]
+        assert train["evaluation"]["checkpoints"][-1]["tau"] > train["evaluation"]["baseline"]["tau"] + 0.2
+        assert status["pipeline"]["blocked"] is None
+        again = eyrie("run", "--config", path, env=env).stdout
+        assert "0 generate tasks enqueued now" in again and "stages follow by themselves" in again
+        changed = eyrie("run", "--config", config(tmp_path, "chain", train={"epochs": 4}), env=env, check=False)
+        assert changed.returncode == 1 and "differs in: train" in changed.stderr
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_the_server_hands_the_gpus_over_when_generation_drains(env, tmp_path):
+    """`eyrie serve --server vllm` with a stand-in `vllm` command (tests/fake_vllm: vLLM cannot run
+    here); everything else is real: the lease in Redis, the generator, the pipeline. On a Redis
+    database of its own: this server publishes itself as the endpoint."""
+    env = {**env, "EYRIE_REDIS_URL": env["EYRIE_REDIS_URL"].rsplit("/", 1)[0] + "/5"}
+    redis.Redis.from_url(env["EYRIE_REDIS_URL"]).flushdb()
+    port = free_port()
+    serve_env = {**env, "PATH": f"{ROOT / 'tests' / 'fake_vllm'}:{BIN}:{os.environ['PATH']}",
+                 "EYRIE_SERVER": "vllm", "EYRIE_PORT": str(port), "EYRIE_MODEL": str(TINY)}
+    conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
+    server = subprocess.Popen([str(BIN / "eyrie"), "serve"], env=serve_env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    procs = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (holder(conn) or {}).get("holder") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert holder(conn)["holder"]["owner"].startswith("inference@")
+        extractor, got = GpuLease(conn, "extractor@test"), []
+        waiting = threading.Thread(target=lambda: got.append(extractor.acquire(wait_s=120, poll_s=0.1)))
+        waiting.start()
+
+        procs = workers(env, "generate")
+        eyrie("run", "--config", config(tmp_path, "handover", dataset={"limit": 12}), env=env)
+        time.sleep(1)
+        assert got == [] and "extractor@test" in holder(conn)["waiting"]  # never two owners
+        assert server.wait(120) == 0  # drained: the server stopped by itself ...
+        waiting.join(30)
+        assert got == [True] and holder(conn)["holder"]["owner"] == "extractor@test"  # ... and handed over
+        log = server.stdout.read()
+        assert "generation has drained" in log
+        status = json.loads(eyrie("status", "handover", "--json", env=env).stdout)
+        assert status["stages"]["generate"]["state"] == "done" and status["stages"]["extract"]["state"] != "done"
+        assert status["inference"]["state"] == "stopped"
+        extractor.release()
+    finally:
+        stop(server)
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("store_env", ["s3"], indirect=True)
+def test_generate_started_on_one_host_is_finished_on_another(env, tiny_server, tmp_path):
+    """Host B: another working directory, an environment with only Redis and the store (the
+    inference endpoint is found in Redis, where `eyrie serve` published it)."""
+    eyrie("generate", "--dataset", str(PROMPTS), "--run", "moved", "--concurrency", "4", "--max-tokens", "64",
+          "--shard-size", "40", env=env)
+    [host_a] = workers(env, "generate")
+    first = None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        done = json.loads(eyrie("status", "moved", "--json", env=env).stdout)["stages"]["generate"]
+        if done["shards_done"] >= 2:
+            first = done
+            break
+        time.sleep(0.5)
+    os.killpg(host_a.pid, signal.SIGKILL)  # host A goes away mid-stage
+    assert first and first["shards_done"] < first["shards_total"]
+
+    host_b_dir = tmp_path / "host-b"
+    host_b_dir.mkdir()
+    only = {k: v for k, v in env.items() if k.startswith(("EYRIE_REDIS", "EYRIE_STORE", "EYRIE_S3"))}
+    host_b_env = {"PATH": os.environ["PATH"], "HOME": str(host_b_dir), **OFFLINE, **only}
+    assert set(only) == {"EYRIE_REDIS_URL", "EYRIE_STORE_URL", "EYRIE_S3_ENDPOINT", "EYRIE_S3_ACCESS_KEY",
+                         "EYRIE_S3_SECRET_KEY"}
+    conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
+    while any(conn.scan_iter("eyrie:lease:generate-moved-*")):
+        time.sleep(0.5)  # host A's task leases lapse (15 s)
+    subprocess.run([str(BIN / "eyrie"), "generate", "--dataset", str(PROMPTS), "--run", "moved", "--concurrency",
+                    "4", "--max-tokens", "64", "--shard-size", "40"], env=host_b_env, cwd=host_b_dir, check=True,
+                   capture_output=True, timeout=300)
+    subprocess.run([str(BIN / "eyrie"), "worker", "generate", "--burst"], env=host_b_env, cwd=host_b_dir,
+                   check=True, capture_output=True, timeout=600)
+    status = json.loads(eyrie("status", "moved", "--json", env=env).stdout)["stages"]["generate"]
+    assert status["state"] == "done" and status["done"] + status["skipped"] + status["failed"] == 306
+
+    from eyrie.config import load_settings
+    from eyrie.manifest import Layout
+    from eyrie.store import open_store
+
+    store, layout = open_store(load_settings()), Layout("moved")
+    ids = []
+    for index in range(status["shards_total"]):
+        manifest = store.get_json(layout.generate_shard_manifest(index))
+        ids += [json.loads(line)["sample_id"] for line in store.get_bytes(manifest["object"]).splitlines()]
+    assert len(ids) == len(set(ids)) == 306  # none lost, none twice
