@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_UPDATE_CHECK := 1
 REQS := requirements/base.txt requirements/generator.txt requirements/inference.txt \
         requirements/speculators.txt requirements/dev.txt pyproject.toml
 
-.PHONY: setup test demo redis bench compose-check up down ps logs status clean tiny-target
+.PHONY: setup test demo redis bench compose-check up down ps logs status run clean tiny-target
 
 setup: $(VENV)/.installed redis
 
@@ -57,6 +57,13 @@ logs:
 	docker compose -f docker-compose.yml -f compose.gpu.yml logs -f --tail=100
 status:
 	$(BIN)/eyrie status $(RUN)
+
+# One pipeline from a config file, on the stack: `make run CONFIG=examples/run.kimi-k2.5.yaml`
+# (the generator image runs `eyrie run`; the stages then follow by themselves). PLAN=1: projection only.
+CONFIG ?= examples/run.tiny.yaml
+run:
+	docker compose -f docker-compose.yml -f compose.gpu.yml run --rm --no-deps \
+	  -v $(abspath $(CONFIG)):/home/eyrie/run.yaml:ro generator run --config /home/eyrie/run.yaml $(if $(PLAN),--plan)
 
 clean:
 	rm -rf .eyrie

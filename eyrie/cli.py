@@ -301,7 +301,7 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
         from eyrie_trainer.plan import FETCH_FUNC, fetch_task_id
 
         enqueue_task(conn, "train", FETCH_FUNC, {"run": cfg.run}, fetch_task_id(cfg.run))
-    stage = advance_or_record(conn, store, cfg.run)
+    stage = advance_or_record(conn, store, cfg.run, retry_blocked=True)
     typer.echo(f"run {cfg.run}: {manifest.dataset.row_end - manifest.dataset.row_start} rows; "
                f"{enqueued} generate tasks enqueued now; " + (f"{stage} started" if stage else "stages follow by themselves"))
     if wait:

@@ -58,6 +58,8 @@ def render_status(status: dict) -> None:
             console.print(f"[red]pipeline blocked[/] {pipeline['blocked']}")
         for error in pipeline.get("fetch_errors", []):
             console.print(f"[red]base drafter error[/] {error}")
+        for error in pipeline.get("plan_extract_errors", []):
+            console.print(f"[red]extract plan error[/] {error}")
     lease = status.get("gpu_lease")
     if lease:
         holder = lease.get("holder")
@@ -121,6 +123,6 @@ def live_progress(conn, store, run: str, stage: str, poll_s: float = 1.0) -> dic
                 return current
             pipeline = status.get("pipeline") or {}
             if any(s["state"] == "failed" for s in status["stages"].values()) or pipeline.get("blocked") \
-                    or pipeline.get("fetch_state") == "failed":
+                    or "failed" in (pipeline.get("fetch_state"), pipeline.get("plan_extract_state")):
                 return {"state": "failed"}
             time.sleep(poll_s)

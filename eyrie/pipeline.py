@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eyrie.errors import EyrieError
 from eyrie.manifest import Layout, check_run_name
+from eyrie.queue import enqueue_task
 
 log = logging.getLogger("eyrie.pipeline")
 
@@ -101,17 +102,28 @@ def config_key(run: str) -> str:
 
 
 def save_config(conn, store, config: RunConfig) -> None:
-    """The first config of a run is kept; a rerun must bring the same one (it continues the run)."""
+    """The run's config is kept; a rerun continues the run and may change only the sections of
+    stages not yet planned (e.g. extract.budget after a refusal)."""
     key = config_key(config.run)
     if store.exists(key):
         kept = RunConfig.model_validate(store.get_json(key))
-        if kept != config:
-            changed = sorted(k for k in config.model_fields if getattr(kept, k) != getattr(config, k))
-            raise EyrieError(f"run {config.run} was started with another config (differs in: {', '.join(changed)}).",
+        changed = sorted(k for k in RunConfig.model_fields if getattr(kept, k) != getattr(config, k))
+        frozen = [k for k in changed if k not in _open_sections(store, config.run)]
+        if frozen:
+            raise EyrieError(f"run {config.run} was started with another config (differs in: {', '.join(frozen)}, "
+                             "of stages already planned).",
                              "rerun with the original config to continue it, or give the new one another run name.")
-    else:
-        store.put_json(key, config.model_dump())
+    store.put_json(key, config.model_dump())
     conn.sadd(ACTIVE, config.run)
+
+
+def _open_sections(store, run: str) -> set[str]:
+    from eyrie.manifest import load_run_manifest
+
+    if not store.exists(Layout(run).manifest):
+        return set(RunConfig.model_fields)
+    manifest = load_run_manifest(store, run)
+    return {name for name, planned in (("extract", manifest.extract), ("train", manifest.train)) if planned is None}
 
 
 ACTIVE = "eyrie:pipelines:active"
@@ -137,15 +149,13 @@ def _next_stage(conn, store, config: RunConfig) -> str | None:
     manifest, layout = load_run_manifest(store, config.run), Layout(config.run)
     if not all(store.exists(layout.generate_shard_manifest(p.index)) for p in manifest.generate_shards):
         return None
-    if manifest.extract is None or not _all_extracted(store, manifest, layout):
-        from eyrie_extractor.plan import start_extract
-
-        e = config.extract
-        start_extract(conn, store, config.run, layers=e.layers, dtype=e.dtype, max_length=e.max_length,
-                      budget=e.budget, backend=e.backend)
+    if manifest.extract is None:  # planned by the extractor (it has the tokenizer and the model config)
+        enqueue_task(conn, "extract", PLAN_EXTRACT_FUNC, {"run": config.run}, plan_extract_task_id(config.run))
+        return "extract"
+    if not _all_extracted(store, manifest, layout):
+        start_configured_extract(conn, store, config)  # planned: this only enqueues what is missing
         return "extract"
     if manifest.drafter is None:
-        from eyrie.queue import enqueue_task
         from eyrie_trainer.plan import TASK_FUNC, TRAIN_TIMEOUT_S, train_task_id
 
         # planned by the trainer (which fetches and checks the base drafter in its own cache)
@@ -178,6 +188,40 @@ def drained_run(conn, store) -> str | None:
     return None
 
 
+PLAN_EXTRACT_FUNC = "eyrie.pipeline.run_plan_extract_task"
+
+
+def plan_extract_task_id(run: str) -> str:
+    return f"plan-extract-{run}-00000"
+
+
+def start_configured_extract(conn, store, config: RunConfig):
+    from eyrie_extractor.plan import start_extract
+
+    e = config.extract
+    return start_extract(conn, store, config.run, layers=e.layers, dtype=e.dtype, max_length=e.max_length,
+                         budget=e.budget, backend=e.backend)
+
+
+def run_plan_extract_task(payload: dict) -> dict:
+    """RQ entry point (extract queue): plan the pipeline's extract stage (storage checked first)."""
+    from eyrie.config import load_settings
+    from eyrie.queue import connect
+    from eyrie.store import open_store
+
+    run = check_run_name(str(payload.get("run")))
+    if set(payload) != {"run"}:
+        raise EyrieError(f"unexpected fields in a plan task: {sorted(set(payload) - {'run'})}.", "enqueue {run} only.")
+    settings = load_settings()
+    conn, store = connect(settings.redis_url), open_store(settings)
+    try:
+        manifest, enqueued = start_configured_extract(conn, store, stored_config(store, run))
+    except EyrieError as exc:
+        block(conn, run, exc)
+        return {"run": run, "status": "refused", "error": str(exc)}
+    return {"run": run, "samples": manifest.extract.samples, "enqueued": enqueued}
+
+
 def _all_extracted(store, manifest, layout) -> bool:
     return all(store.exists(layout.extract_shard_manifest(p.index)) for p in manifest.generate_shards)
 
@@ -199,16 +243,24 @@ def on_task_done(job, connection, result, *args, **kwargs) -> None:
         advance_or_record(connection, open_store(load_settings()), run)
 
 
-def advance_or_record(conn, store, run: str) -> str | None:
-    """advance, keeping a refusal (e.g. the storage budget) where status shows it."""
-    try:
-        stage = advance(conn, store, run)
-    except EyrieError as exc:
-        log.warning("run %s: the next stage did not start: %s", run, exc)
-        conn.set(blocked_key(run), str(exc))
+def advance_or_record(conn, store, run: str, retry_blocked: bool = False) -> str | None:
+    """advance, unless a refusal blocks the run (only `eyrie run`, the user's rerun, retries it)."""
+    if retry_blocked:
+        conn.delete(blocked_key(run))
+    elif conn.exists(blocked_key(run)):
         return None
-    conn.delete(blocked_key(run))
-    return stage
+    try:
+        return advance(conn, store, run)
+    except EyrieError as exc:
+        block(conn, run, exc)
+        return None
+
+
+def block(conn, run: str, exc: EyrieError) -> None:
+    """A refusal the user must fix (storage budget, a base drafter that does not fit): no retry,
+    shown by status until `eyrie run` is run again."""
+    log.warning("run %s: the next stage did not start: %s", run, exc)
+    conn.set(blocked_key(run), str(exc))
 
 
 def blocked_key(run: str) -> str:

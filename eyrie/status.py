@@ -39,14 +39,15 @@ def run_status(conn, store, run: str) -> dict:
 
 def pipeline_status(conn, store, run: str) -> dict | None:
     """Set for runs started by `eyrie run`: whether the chain is blocked, and the base drafter's fetch."""
-    from eyrie.pipeline import blocked_key, config_key
+    from eyrie.pipeline import blocked_key, config_key, plan_extract_task_id
 
     if not store.exists(config_key(run)):
         return None
-    fetch = task_id("fetch", run, 0)
+    fetch, plan = task_id("fetch", run, 0), plan_extract_task_id(run)
     blocked = conn.get(blocked_key(run))
     return {"blocked": blocked.decode() if blocked else None, "fetch_state": job_state(conn, fetch),
-            "fetch_errors": job_errors(conn, [fetch])}
+            "fetch_errors": job_errors(conn, [fetch]), "plan_extract_state": job_state(conn, plan),
+            "plan_extract_errors": job_errors(conn, [plan])}
 
 
 def stage_status(conn, store, manifest: RunManifest, stage: str, total: int) -> dict:

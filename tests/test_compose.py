@@ -23,10 +23,10 @@ ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERIGNORE = ROOT / ".dockerignore"
 CHECK_JSONSCHEMA = Path(sys.executable).with_name("check-jsonschema")
 
-SERVICES = {"redis", "minio", "minio-init", "inference", "generator", "extractor", "trainer"}
+SERVICES = {"preflight", "redis", "minio", "minio-init", "inference", "generator", "extractor", "trainer"}
 BUILT = {"inference", "generator", "extractor", "trainer"}
 GPU_SERVICES = {"inference", "extractor", "trainer"}
-ONE_SHOT = {"minio-init"}
+ONE_SHOT = {"preflight", "minio-init"}
 WORKER_STAGE = {"generator": "generate", "extractor": "extract", "trainer": "train"}
 COMMON_ENV = {"EYRIE_REDIS_URL", "EYRIE_STORE_URL", "EYRIE_S3_ENDPOINT", "EYRIE_S3_ACCESS_KEY",
               "EYRIE_S3_SECRET_KEY"}
@@ -453,3 +453,35 @@ def test_inference_entrypoint_shows_the_real_vllm_command():
     proc = subprocess.run([str(script), "--print-command"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0 and "EYRIE_TENSOR_PARALLEL_SIZE" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# credentials
+
+
+def preflight(redis_password: str, access_key: str, secret_key: str, dev: str = "0") -> subprocess.CompletedProcess:
+    """The preflight service's own script, run by a real shell (Compose's $$ unescaped)."""
+    script = load(COMPOSE)["services"]["preflight"]["command"][0].replace("$$", "$")
+    env = {"PATH": os.environ["PATH"], "REDIS_PASSWORD": redis_password, "S3_ACCESS_KEY": access_key,
+           "S3_SECRET_KEY": secret_key, "DEV_INSECURE": dev}
+    return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True)
+
+
+def test_preflight_refuses_placeholder_and_well_known_credentials():
+    strong = "3f9c2a7d41b8e6f0a9c4"
+    assert preflight(strong, "eyrie-prod", strong).returncode == 0
+    for args, names in [(("change-me-redis-password", "change-me-access-key", "change-me-secret-key"),
+                         ["EYRIE_REDIS_PASSWORD", "EYRIE_S3_ACCESS_KEY", "EYRIE_S3_SECRET_KEY"]),
+                        ((strong, "minioadmin", "minioadmin"), ["EYRIE_S3_ACCESS_KEY", "EYRIE_S3_SECRET_KEY"]),
+                        (("short", "eyrie-prod", strong), ["EYRIE_REDIS_PASSWORD"]),
+                        ((strong, "eyrie-prod", ""), ["EYRIE_S3_SECRET_KEY"])]:
+        result = preflight(*args)
+        assert result.returncode == 1 and "refusing to start" in result.stderr, args
+        assert all(n in result.stderr for n in names) and "EYRIE_DEV_INSECURE=1" in result.stderr
+    assert preflight("change-me-redis-password", "minioadmin", "minioadmin", dev="1").returncode == 0
+
+
+def test_redis_and_minio_start_only_after_the_preflight():
+    services = load(COMPOSE)["services"]
+    for name in ("redis", "minio"):
+        assert services[name]["depends_on"]["preflight"]["condition"] == "service_completed_successfully"

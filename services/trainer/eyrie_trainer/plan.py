@@ -153,7 +153,14 @@ def run_fetch_task(payload: dict) -> dict:
     config = stored_config(open_store(settings), task.run)
     if config is None or not config.train.base:
         return {"status": "no_base"}
-    layers = resolve_aux_layers(config.extract.layers, text_config(config.target.model).num_hidden_layers)
-    path, info = prepare_base(config.train.base, config.train.base_revision, config.target.model, layers,
-                              config.train.draft_vocab, Path(settings.cache_dir) / "base")
+    try:
+        layers = resolve_aux_layers(config.extract.layers, text_config(config.target.model).num_hidden_layers)
+        path, info = prepare_base(config.train.base, config.train.base_revision, config.target.model, layers,
+                                  config.train.draft_vocab, Path(settings.cache_dir) / "base")
+    except EyrieError as exc:  # a base that cannot be had or does not fit: the user's to fix
+        from eyrie.pipeline import block
+        from eyrie.queue import connect
+
+        block(connect(settings.redis_url), task.run, exc)
+        return {"status": "refused", "error": str(exc)}
     return {"status": "ready", "path": str(path), **info.model_dump(exclude={"path"})}
