@@ -26,7 +26,8 @@ class Settings(BaseSettings):
     s3_region: str | None = None
 
     inference_url: str | None = Field(
-        None, description="OpenAI-compatible base URL; unset: the endpoint `eyrie serve` published."
+        None, description="OpenAI-compatible base URL(s), comma-separated, each optionally URL#WEIGHT "
+                          "(its share of the requests in flight); unset: the endpoints `eyrie serve` published."
     )
     model: str = Field(DEFAULT_TINY_MODEL, description="Target model: local directory or HF id.")
     server: Literal["transformers", "vllm"] = "transformers"
@@ -37,6 +38,9 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, ge=16)
     vllm_args: str = Field("", description="Extra vLLM flags, shell-quoted.")
     advertise_url: str | None = Field(None, description="URL workers use to reach this server.")
+    endpoint_name: str = Field("default", pattern=r"^[A-Za-z0-9._-]{1,64}$",
+                               description="Name this server is published under (one per replica).")
+    endpoint_weight: int = Field(1, ge=1, description="This replica's share of the requests in flight.")
     serve_deadline_s: float = Field(3600.0, gt=0, description="How long `eyrie serve` waits.")
     serve_stop_when_drained: bool | None = Field(
         None, description="Stop the server once a pipeline's generation has drained and its later stages "
@@ -77,12 +81,38 @@ class Settings(BaseSettings):
             raise ValueError("s3:// needs a bucket name: s3://BUCKET[/PREFIX]")
         return v
 
-    @field_validator("inference_url", "s3_endpoint", "advertise_url", "extract_vllm_url")
+    @field_validator("inference_url")
+    @classmethod
+    def _inference_urls(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        for url, _ in parse_endpoints(v):
+            _check_http(url)
+        return ",".join(f"{u}#{w}" if w != 1 else u for u, w in parse_endpoints(v))
+
+    @field_validator("s3_endpoint", "advertise_url", "extract_vllm_url")
     @classmethod
     def _http_url(cls, v: str | None) -> str | None:
-        if v is not None and (urlparse(v).scheme not in ("http", "https") or not urlparse(v).netloc):
-            raise ValueError("must be an http(s)://HOST:PORT URL")
-        return v.rstrip("/") if v else v
+        return _check_http(v.rstrip("/")) if v else v
+
+
+def _check_http(v: str) -> str:
+    if urlparse(v).scheme not in ("http", "https") or not urlparse(v).netloc:
+        raise ValueError("must be an http(s)://HOST:PORT URL")
+    return v
+
+
+def parse_endpoints(value: str) -> list[tuple[str, int]]:
+    """`http://a:8000#3,http://b:8000` -> [(url, weight)]; weight 1 where none is given."""
+    endpoints = []
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        url, _, weight = item.partition("#")
+        if weight and (not weight.isdigit() or int(weight) < 1):
+            raise ValueError(f"weight of {url} must be a whole number >= 1, not {weight!r}")
+        endpoints.append((url.rstrip("/"), int(weight) if weight else 1))
+    if not endpoints:
+        raise ValueError("no URL given")
+    return endpoints
 
 
 def load_settings(**overrides) -> Settings:

@@ -23,6 +23,7 @@ class Endpoint(BaseModel):
     revision: str = "unresolved"
     chat_template_sha256: str | None = None
     progress: str = ""  # last load-progress line the server printed
+    weight: int = 1  # its share of the requests in flight, against the other ready endpoints
     host: str = ""
     pid: int | None = None
     updated_at: float = 0.0
@@ -38,13 +39,24 @@ def read(conn: redis.Redis, name: str = "default") -> Endpoint | None:
     return Endpoint.model_validate(orjson.loads(raw)) if raw else None
 
 
+def read_all(conn: redis.Redis) -> list[Endpoint]:
+    names = sorted(k.decode().split(":", 2)[2] for k in conn.scan_iter(KEY.format(name="*")))
+    return [e for e in (read(conn, name) for name in names) if e]
+
+
 def wait_ready(conn: redis.Redis, deadline_s: float, name: str = "default") -> Endpoint:
     """The published endpoint once it is ready; a clear error if it isn't by the deadline."""
+    return wait_all_ready(conn, deadline_s, name)[0]
+
+
+def wait_all_ready(conn: redis.Redis, deadline_s: float, name: str = "default") -> list[Endpoint]:
+    """Every ready endpoint once one is (the default first where it is ready)."""
     limit = time.monotonic() + deadline_s
     while True:
+        ready = [e for e in read_all(conn) if e.state == "ready"]
+        if ready:
+            return sorted(ready, key=lambda e: e.name != name)
         endpoint = read(conn, name)
-        if endpoint and endpoint.state == "ready":
-            return endpoint
         if time.monotonic() > limit:
             state = endpoint.state if endpoint else "never published"
             raise EyrieError(f"no ready inference endpoint after {deadline_s:g} s (state: {state}).",

@@ -20,6 +20,7 @@ def make_app(latency: float, shape: str, tokens: int, faults: dict[str, list] | 
     """faults: last user message -> list of outcomes per attempt ("ok", an HTTP status, "drop");
     the last outcome repeats."""
     counts: Counter = Counter()
+    flight = {"now": 0, "max": 0}
     faults = faults or {}
     half = max(1, tokens // 2)
     reasoning_text, answer_text = " ".join(["step"] * half), " ".join(["answer"] * (tokens - half))
@@ -47,7 +48,12 @@ def make_app(latency: float, shape: str, tokens: int, faults: dict[str, list] | 
         counts[prompt] += 1
         plan = faults.get(prompt, ["ok"])
         outcome = str(plan[min(counts[prompt], len(plan)) - 1])
-        await asyncio.sleep(latency)
+        flight["now"] += 1
+        flight["max"] = max(flight["max"], flight["now"])
+        try:
+            await asyncio.sleep(latency)
+        finally:
+            flight["now"] -= 1
         if outcome == "drop":
             request.transport.close()
             return web.Response(status=500)
@@ -56,7 +62,8 @@ def make_app(latency: float, shape: str, tokens: int, faults: dict[str, list] | 
         return web.Response(body=answer(prompt, body), content_type="application/json")
 
     async def stats(_: web.Request) -> web.Response:
-        return web.json_response({"requests": dict(counts), "total": sum(counts.values())})
+        return web.json_response({"requests": dict(counts), "total": sum(counts.values()),
+                                  "max_in_flight": flight["max"]})
 
     async def ok(_: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "stub"}]})

@@ -133,3 +133,16 @@ def test_same_run_enqueued_twice_is_done_once(env, stub_server, tmp_path):
     eyrie("worker", "generate", "--burst", env=env)
     assert requests.get(f"{url}/stats").json()["total"] == 30
     assert "0 tasks enqueued now" in eyrie(*args, env=env).stdout
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_several_endpoints_each_keep_their_share_in_flight(env, stub_server, tmp_path):
+    big, small = stub_server(latency=0.2, tokens=4), stub_server(latency=0.2, tokens=4)
+    env = {**env, "EYRIE_INFERENCE_URL": f"{big}#2,{small}", "EYRIE_SERVER": "vllm"}
+    data = write_prompts(tmp_path / "p.jsonl", 90)
+    eyrie("generate", "--dataset", str(data), "--run", "shares", "--concurrency", "9", env=env)
+    eyrie("worker", "generate", "--burst", env=env)
+    assert len(records("shares")) == 90
+    stats = [requests.get(f"{url}/stats", timeout=5).json() for url in (big, small)]
+    assert [s["max_in_flight"] for s in stats] == [6, 3]  # 9 in flight, split 2:1
+    assert stats[0]["total"] + stats[1]["total"] == 90 and stats[0]["total"] > stats[1]["total"]

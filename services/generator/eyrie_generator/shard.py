@@ -17,7 +17,7 @@ import orjson
 import redis
 
 from eyrie import inference, progress
-from eyrie.config import Settings
+from eyrie.config import Settings, parse_endpoints
 from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
 from eyrie.queue import LEASE_TTL_S, held_task
@@ -90,24 +90,27 @@ class ShardRunner:
             self.records.setdefault(record["sample_id"], record)
 
     async def _answer(self, todo: list[dict]) -> None:
-        endpoint = self._endpoint()
+        endpoints = self._endpoints()
         params = self.manifest.generate
-        budget = PromptBudget.load(self.manifest.target.model, endpoint.max_model_len)
+        lengths = [e.max_model_len for e in endpoints if e.max_model_len]
+        budget = PromptBudget.load(self.manifest.target.model, min(lengths) if lengths else None)
         connector = aiohttp.TCPConnector(limit=params.concurrency, limit_per_host=params.concurrency)
         async with aiohttp.ClientSession(connector=connector) as session:
-            client = ChatClient(session, endpoint.url, endpoint.model, endpoint.server,
-                                params.sampling.model_dump(), params.request_timeout_s,
-                                params.max_retries, (params.think_start, params.think_end),
-                                params.retry_backoff_s)
+            clients = [ChatClient(session, e.url, e.model, e.server, params.sampling.model_dump(),
+                                  params.request_timeout_s, params.max_retries,
+                                  (params.think_start, params.think_end), params.retry_backoff_s)
+                       for e in endpoints]
             rows = iter(todo)
 
-            async def lane() -> None:
+            async def lane(client: ChatClient) -> None:
                 for row in rows:
                     await self._answer_one(client, budget, row)
 
+            # each endpoint keeps its share of the C lanes busy: its in-flight count is its share
+            shares = split_lanes(params.concurrency, [e.weight for e in endpoints])
             reporter = asyncio.create_task(self._report_loop())
             try:
-                await asyncio.gather(*(lane() for _ in range(params.concurrency)))
+                await asyncio.gather(*(lane(c) for c, n in zip(clients, shares) for _ in range(n)))
             finally:
                 reporter.cancel()
 
@@ -129,13 +132,14 @@ class ShardRunner:
         self.in_flight_area += self.in_flight * (now - self._last_tick)
         self._last_tick, self.in_flight = now, self.in_flight + delta
 
-    def _endpoint(self) -> inference.Endpoint:
+    def _endpoints(self) -> list[inference.Endpoint]:
         if self.settings.inference_url:
-            return inference.Endpoint(url=self.settings.inference_url, model=self.manifest.target.model,
-                                      server=self.manifest.target.server, state="ready",
-                                      max_model_len=self.settings.max_model_len)
+            return [inference.Endpoint(name=url, url=url, model=self.manifest.target.model, weight=weight,
+                                       server=self.manifest.target.server, state="ready",
+                                       max_model_len=self.settings.max_model_len)
+                    for url, weight in parse_endpoints(self.settings.inference_url)]
         self._report(waiting_for="inference")  # visible in `eyrie status` while the server loads
-        return inference.wait_ready(self.conn, self.settings.serve_deadline_s)
+        return inference.wait_all_ready(self.conn, self.settings.serve_deadline_s)
 
     def _add(self, row: dict, result: Completion) -> None:
         record = {"sample_id": row["sample_id"], "row": row["row"], "messages": row.get("messages"),
@@ -208,6 +212,22 @@ class ShardRunner:
         wall = max(1e-9, time.monotonic() - self._t0)
         return {"shard": self.shard, "status": "done", **counts.model_dump(), "wall_s": round(wall, 3),
                 "mean_in_flight": round(self.in_flight_area / wall, 2)}
+
+
+def split_lanes(concurrency: int, weights: list[int]) -> list[int]:
+    """C lanes over the endpoints in proportion to their weights (largest remainder), at least one
+    each while there are lanes enough."""
+    total = sum(weights)
+    exact = [concurrency * w / total for w in weights]
+    lanes = [max(1, int(x)) if concurrency >= len(weights) else int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: exact[i] - int(exact[i]), reverse=True)
+    i = 0
+    while sum(lanes) < concurrency:
+        lanes[by_remainder[i % len(lanes)]] += 1
+        i += 1
+    while sum(lanes) > concurrency:
+        lanes[max(range(len(lanes)), key=lambda j: lanes[j] - exact[j])] -= 1
+    return lanes
 
 
 def run_generate_shard(payload: dict) -> dict:

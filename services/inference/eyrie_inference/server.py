@@ -51,7 +51,7 @@ class Server:
         self.model = info.model if Path(model).is_dir() else model
         host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.gethostname()
         self.endpoint = inference.Endpoint(
-            url=settings.advertise_url or f"http://{host}:{settings.port}", model=self.model,
+            name=settings.endpoint_name, weight=settings.endpoint_weight, url=settings.advertise_url or f"http://{host}:{settings.port}", model=self.model,
             server=settings.server, state="starting", host=socket.gethostname(),
             max_model_len=settings.max_model_len or info.max_model_len, revision=info.revision,
             chat_template_sha256=info.chat_template_sha256)
