@@ -126,12 +126,14 @@ def start_worker(env: dict, burst: bool = True, stage: str = "generate") -> subp
 
 
 @pytest.fixture(scope="session")
-def tiny_server(redis_server):
-    """`eyrie serve` on the tiny target: real transformers serve, published in Redis."""
+def tiny_server(redis_server, tmp_path_factory):
+    """`eyrie serve` on the tiny target: real transformers serve, published in Redis. Its output
+    goes to a file: a pipe nobody reads fills up after enough requests and blocks the server."""
     port = free_port()
     env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_server}
+    log = tmp_path_factory.mktemp("tiny-server") / "serve.log"
     proc = subprocess.Popen([str(BIN / "eyrie"), "serve", "--model", str(TINY), "--port", str(port)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     from eyrie import inference
 
@@ -142,7 +144,7 @@ def tiny_server(redis_server):
         if endpoint and endpoint.state == "ready":
             break
         if proc.poll() is not None:
-            pytest.fail(f"eyrie serve exited: {proc.stdout.read()}")
+            pytest.fail(f"eyrie serve exited: {log.read_text()[-4000:]}")
         time.sleep(0.5)
     else:
         pytest.fail("eyrie serve did not become ready in 180 s")

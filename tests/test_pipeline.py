@@ -87,7 +87,8 @@ def test_the_server_hands_the_gpus_over_when_generation_drains(env, tmp_path):
     serve_env = {**env, "PATH": f"{ROOT / 'tests' / 'fake_vllm'}:{BIN}:{os.environ['PATH']}",
                  "EYRIE_SERVER": "vllm", "EYRIE_PORT": str(port), "EYRIE_MODEL": str(TINY)}
     conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
-    server = subprocess.Popen([str(BIN / "eyrie"), "serve"], env=serve_env, stdout=subprocess.PIPE,
+    log = tmp_path / "serve.log"
+    server = subprocess.Popen([str(BIN / "eyrie"), "serve"], env=serve_env, stdout=log.open("w"),
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     procs = []
     try:
@@ -106,8 +107,7 @@ def test_the_server_hands_the_gpus_over_when_generation_drains(env, tmp_path):
         assert server.wait(120) == 0  # drained: the server stopped by itself ...
         waiting.join(30)
         assert got == [True] and holder(conn)["holder"]["owner"] == "extractor@test"  # ... and handed over
-        log = server.stdout.read()
-        assert "generation has drained" in log
+        assert "generation has drained" in log.read_text()
         status = json.loads(eyrie("status", "handover", "--json", env=env).stdout)
         assert status["stages"]["generate"]["state"] == "done"
         assert status["pipeline"]["plan_extract_state"] == "queued"  # for the extractor, which has the GPUs now
