@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_UPDATE_CHECK := 1
 REQS := requirements/base.txt requirements/generator.txt requirements/inference.txt \
-        requirements/speculators.txt requirements/dev.txt pyproject.toml
+        requirements/speculators.txt requirements/api.txt requirements/dev.txt pyproject.toml
 
 .PHONY: setup test demo redis bench compose-check up down ps logs status run clean tiny-target
 
