@@ -1,7 +1,8 @@
 """The `eyrie` command line: the control plane of the embedded default and of the stack.
 
-Exit codes: 0 success; 1 a problem the message names (with its fix); 2 bad usage;
-3 `--wait` ended with the stage failed.
+Exit codes: 0 success; 1 a problem the message names (with its fix), e.g. an unknown run;
+2 bad usage; 3 `--wait` or `watch` ended with the run failed (or blocked); 4 `watch` ended with
+the run cancelled.
 """
 
 from __future__ import annotations

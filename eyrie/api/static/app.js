@@ -50,13 +50,38 @@ function renderRuns(runs) {
 
 function stageItem(name, s) {
   const counts = name === "train" ? `step ${num(s.done)} of ${num(s.total || null)}`
+    : name === "evaluate" ? `${num(s.done)} of ${num(s.total)} checkpoints evaluated`
+    : name === "export" ? (s.done ? "drafter exported" : "not yet")
     : `${num(s.done)} done · ${num(s.skipped)} skipped · ${num(s.failed)} failed of ${num(s.total)}`;
   return el("li", { class: `stage state-${s.state}`, "data-stage": name, "data-state": s.state,
                     "data-processed": processed(s), "data-total": s.total },
     el("span", { class: "badge" }, `${MARK[s.state] || "?"} ${name}`), el("span", { class: "state" }, s.state),
     el("div", { class: "bar" }, el("div", { style: `width: ${percent(s)}%` })),
     el("span", { class: "counts" }, counts),
-    el("span", { class: "dim" }, ` · ${num(s.tok_per_s)} tok/s · ETA ${s.state === "done" ? "-" : eta(s.eta_s)}`));
+    el("span", { class: "dim" }, s.tok_per_s === null && s.eta_s === null ? ""
+      : ` · ${num(s.tok_per_s)} tok/s · ETA ${s.state === "done" ? "-" : eta(s.eta_s)}`));
+}
+
+// A pipeline's stages appear as they are planned: the ones not planned yet are shown pending, and
+// evaluate and export (run by the trainer) get their own lines.
+function checklist(status) {
+  const blank = (state, total = 0, done = 0) =>
+    ({ state, total, done, skipped: 0, failed: 0, tokens: 0, tok_per_s: null, eta_s: null });
+  const waiting = status.cancelled ? "cancelled" : "pending";
+  const stages = {};
+  for (const name of ["generate", "extract", "train"]) {
+    if (status.stages[name]) stages[name] = status.stages[name];
+    else if (status.pipeline) stages[name] = blank(waiting);
+  }
+  const train = status.stages.train;
+  if (status.pipeline || train) {
+    const evaluated = train && train.evaluation ? train.evaluation.checkpoints.length : 0;
+    const exported = Boolean(train && train.drafter);
+    stages.evaluate = blank(exported ? "done" : evaluated ? "in_progress" : waiting,
+                            train ? train.epochs : 0, evaluated);
+    stages.export = blank(exported ? "done" : waiting, 1, exported ? 1 : 0);
+  }
+  return stages;
 }
 
 function renderRun(status, manifest, errors) {
@@ -67,13 +92,13 @@ function renderRun(status, manifest, errors) {
     (status.cancelled ? ` · cancelled ${status.cancelled}` : "") +
     (status.pipeline && status.pipeline.blocked ? ` · BLOCKED: ${status.pipeline.blocked}` : "");
   document.getElementById("stages").replaceChildren(
-    ...Object.entries(status.stages).map(([name, s]) => stageItem(name, s)));
+    ...Object.entries(checklist(status)).map(([name, s]) => stageItem(name, s)));
   const lease = status.gpu_lease;
   document.getElementById("lease").textContent = "GPU lease: " + (lease && lease.holder
     ? `${lease.holder.owner} (${lease.holder.devices})` : "free") +
     (lease && lease.waiting.length ? `; waiting: ${lease.waiting.join(", ")}` : "");
   document.getElementById("errors").replaceChildren(
-    ...(errors.length ? errors : ["none"]).map((e) => el("li", {}, e)));
+    ...(errors.length ? errors.map((e) => el("li", {}, e)) : [el("li", { class: "dim" }, "none")]));
   renderTau(status.stages.train);
   document.getElementById("manifest").textContent = JSON.stringify(manifest, null, 2);
 }
