@@ -1,8 +1,8 @@
 """The `eyrie` command line: the control plane of the embedded default and of the stack.
 
 Exit codes: 0 success; 1 a problem the message names (with its fix), e.g. an unknown run;
-2 bad usage; 3 `--wait` or `watch` ended with the run failed (or blocked); 4 `watch` ended with
-the run cancelled.
+2 bad usage; 3 `--wait` or `watch` ended with the run failed (or blocked); 4 `--wait` or `watch`
+ended with the run cancelled.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def _wait(conn, store, run: str, stage: str) -> None:
 
     final = live_progress(conn, store, run, stage)
     render_status(run_status(conn, store, run))
-    if final["state"] == "failed":
-        raise typer.Exit(3)
+    if final["state"] in ("failed", "cancelled"):
+        raise typer.Exit(3 if final["state"] == "failed" else 4)
 
 
 @app.command()

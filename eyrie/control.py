@@ -10,6 +10,7 @@ from rq.exceptions import InvalidJobOperation
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from eyrie.errors import EyrieError
 from eyrie.manifest import load_run_manifest, now_iso
 from eyrie.queue import job_errors, job_state, queue
 from eyrie.status import task_id
@@ -29,16 +30,14 @@ def start_pipeline(settings, conn, store, cfg) -> dict:
     """What `eyrie run` does (and POST /runs): keep the config, start generate (and the base
     drafter's fetch), then let `advance` start whatever stage is next. A rerun continues."""
     from eyrie.pipeline import advance_or_record, save_config
-    from eyrie_generator.plan import start_generate
 
     save_config(conn, store, cfg)
     conn.delete(cancelled_key(cfg.run))
-    g = cfg.generate
-    manifest, enqueued = start_generate(
-        settings, conn, store, source=cfg.dataset.source, run=cfg.run, split=cfg.dataset.split,
-        revision=cfg.dataset.revision, limit=cfg.dataset.limit,
-        params={"concurrency": g.concurrency, "max_tokens": g.max_tokens, "timeout": g.timeout_s,
-                "temperature": g.temperature, "shard_size": g.shard_size})
+    try:
+        manifest, enqueued = _generate(settings, conn, store, cfg)
+    except EyrieError:
+        _forget_unstarted(conn, store, cfg.run)
+        raise
     if cfg.train.base:  # fetched (and checked) by the trainer while the target serves
         from eyrie.queue import enqueue_task
         from eyrie_trainer.plan import FETCH_FUNC, fetch_task_id
@@ -47,6 +46,47 @@ def start_pipeline(settings, conn, store, cfg) -> dict:
     stage = advance_or_record(conn, store, cfg.run, retry_blocked=True)
     return {"run": cfg.run, "rows": manifest.dataset.row_end - manifest.dataset.row_start,
             "generate_enqueued": enqueued, "started": stage}
+
+
+def _generate(settings, conn, store, cfg):
+    from eyrie_generator.plan import start_generate
+
+    g = cfg.generate
+    return start_generate(
+        settings, conn, store, source=cfg.dataset.source, run=cfg.run, split=cfg.dataset.split,
+        revision=cfg.dataset.revision, limit=cfg.dataset.limit,
+        params={"concurrency": g.concurrency, "max_tokens": g.max_tokens, "timeout": g.timeout_s,
+                "temperature": g.temperature, "shard_size": g.shard_size})
+
+
+def _forget_unstarted(conn, store, run: str) -> None:
+    """A first start that failed (e.g. no such dataset) leaves no active pipeline behind."""
+    from eyrie.manifest import Layout
+    from eyrie.pipeline import ACTIVE, config_key
+
+    if not store.exists(Layout(run).manifest):
+        conn.srem(ACTIVE, run)
+        store.delete(config_key(run))
+
+
+def start_stage(settings, conn, store, cfg, stage: str) -> dict:
+    """One stage of the config on its own (what `eyrie generate|extract|train` do): the config is
+    not kept as a pipeline, so nothing starts after it by itself."""
+    from pathlib import Path
+
+    if stage == "generate":
+        _, enqueued = _generate(settings, conn, store, cfg)
+    elif stage == "extract":
+        from eyrie.pipeline import start_configured_extract
+
+        _, enqueued = start_configured_extract(conn, store, cfg)
+    else:
+        from eyrie.pipeline import train_request
+        from eyrie_trainer.plan import TrainRequest, start_train
+
+        _, enqueued = start_train(conn, store, cfg.run, TrainRequest(**train_request(cfg)), Path(settings.cache_dir))
+    conn.delete(cancelled_key(cfg.run))
+    return {"run": cfg.run, "stage": stage, "enqueued": enqueued}
 
 
 def run_names(conn) -> list[str]:

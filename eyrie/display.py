@@ -50,6 +50,8 @@ def stage_table(status: dict) -> Table:
 
 def render_status(status: dict) -> None:
     console.print(stage_table(status))
+    if status.get("cancelled"):
+        console.print(f"[magenta]run cancelled[/] at {status['cancelled']}; `eyrie retry {status['run']}` resumes it")
     pipeline = status.get("pipeline")
     if pipeline:
         console.print(f"pipeline: next stages start by themselves"
@@ -119,8 +121,10 @@ def live_progress(conn, store, run: str, stage: str, poll_s: float = 1.0) -> dic
             status = run_status(conn, store, run)
             live.update(stage_table(status))
             current = status["stages"].get(stage)  # a pipeline's later stages appear as they start
-            if current and current["state"] in ("done", "failed"):
+            if current and current["state"] in ("done", "failed", "cancelled"):
                 return current
+            if status.get("cancelled"):
+                return {"state": "cancelled"}
             pipeline = status.get("pipeline") or {}
             if any(s["state"] == "failed" for s in status["stages"].values()) or pipeline.get("blocked") \
                     or "failed" in (pipeline.get("fetch_state"), pipeline.get("plan_extract_state")):

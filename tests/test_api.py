@@ -8,6 +8,7 @@ import subprocess
 import time
 
 import pytest
+import redis
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -85,7 +86,7 @@ def test_auth_reads_and_writes(api):
 
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
-def test_unknown_runs_404_and_bad_bodies_422_naming_the_field(api):
+def test_unknown_runs_404_and_bad_bodies_422_naming_the_field(env, api):
     url = api()
     for path in ("/runs/nope", "/runs/nope/manifest", "/runs/nope/errors"):
         missing = requests.get(f"{url}{path}", headers=AUTH)
@@ -103,6 +104,7 @@ def test_unknown_runs_404_and_bad_bodies_422_naming_the_field(api):
     assert named.status_code == 422 and named.json()["detail"][0]["loc"] == ["body", "run"]
     missing_data = requests.post(f"{url}/runs", json=run_config("nodata", "/no/such.jsonl"), headers=AUTH)
     assert missing_data.status_code == 400 and "such.jsonl" in missing_data.json()["detail"]
+    assert not redis.Redis.from_url(env["EYRIE_REDIS_URL"]).smembers("eyrie:pipelines:active")  # nothing left
 
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
@@ -128,9 +130,9 @@ def test_cancel_and_retry_a_live_run_with_status_and_metrics(env, api, stub_serv
         retried = requests.post(f"{url}/runs/live/retry", headers=AUTH).json()
         assert set(cancelled["cancelled"]) <= set(retried["requeued"])
         wait_for(lambda: status()["stages"]["generate"]["state"] == "done", timeout=180)
+        wait_for(lambda: status()["pipeline"]["plan_extract_state"] == "queued")  # the pipeline moved on
         final = status()
         assert final["cancelled"] is None and final["stages"]["generate"]["done"] == 40
-        assert final["pipeline"]["plan_extract_state"] == "queued"  # the pipeline moved on
         cli = json.loads(eyrie("status", "live", "--json", env=env).stdout)
         assert {k: v for k, v in cli.items() if k != "stages"} == {k: v for k, v in final.items() if k != "stages"}
         assert cli["stages"]["generate"]["done"] == final["stages"]["generate"]["done"]
@@ -202,3 +204,20 @@ def test_cli_cancel_retry_logs_watch(env, stub_server, tmp_path):
     assert json.loads(eyrie("show", "cli", "--json", env=env).stdout)["run"] == "cli"
     unknown = eyrie("cancel", "nope", env=env, check=False)
     assert unknown.returncode == 1 and "unknown run 'nope'" in unknown.stderr
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_one_stage_only(env, api, stub_server, tmp_path):
+    stub = stub_server(tokens=4)
+    url = api(EYRIE_INFERENCE_URL=stub, EYRIE_SERVER="vllm")
+    body = run_config("single", prompts(tmp_path / "p.jsonl", 5))
+    bad = requests.post(f"{url}/runs?stage=evaluate", json=body, headers=AUTH)
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["query", "stage"]
+    early = requests.post(f"{url}/runs?stage=extract", json=body, headers=AUTH)
+    assert early.status_code == 404 and "unknown run 'single'" in early.json()["detail"]
+    started = requests.post(f"{url}/runs?stage=generate", json=body, headers=AUTH)
+    assert started.status_code == 202 and started.json() == {"run": "single", "stage": "generate", "enqueued": 1}
+    eyrie("worker", "generate", "--burst", env={**env, "EYRIE_INFERENCE_URL": stub, "EYRIE_SERVER": "vllm"})
+    status = requests.get(f"{url}/runs/single", headers=AUTH).json()
+    assert status["stages"]["generate"]["state"] == "done" and status["pipeline"] is None
+    assert "extract" not in status["stages"]  # nothing followed by itself

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path as FilePath
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import Depends, FastAPI, Path, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -20,6 +20,8 @@ STATIC = FilePath(__file__).parent / "static"
 RunName = Annotated[str, Path(pattern=RUN_NAME.pattern, description="Run name.")]
 ERRORS = {401: {"description": "No bearer token."}, 403: {"description": "Wrong token, or none configured."}}
 UNKNOWN = {**ERRORS, 404: {"description": "Unknown run."}}
+BAD = {**ERRORS, 400: {"description": "A problem the user can fix (`detail` and `fix`)."}}
+Stage = Literal["generate", "extract", "train"]
 
 
 def create_app(settings=None) -> FastAPI:
@@ -65,11 +67,14 @@ def routes():
         """Every known run: state, and each stage's state and counts."""
         return control.list_runs(request.app.state.conn, request.app.state.store)
 
-    @r.post("/runs", status_code=202, dependencies=[Depends(need_token)], responses=ERRORS, tags=["runs"])
-    def start_run(config: RunConfig, request: Request) -> dict:
-        """Start (or continue) a pipeline: the body is the config `eyrie run --config` takes."""
+    @r.post("/runs", status_code=202, dependencies=[Depends(need_token)], responses=BAD, tags=["runs"])
+    def start_run(config: RunConfig, request: Request, stage: Stage | None = None) -> dict:
+        """Start (or continue) a pipeline: the body is the config `eyrie run --config` takes.
+        With `?stage=generate|extract|train`, that stage only (nothing follows by itself)."""
         state = request.app.state
         settings = state.settings.model_copy(update={"model": config.target.model})
+        if stage:
+            return control.start_stage(settings, state.conn, state.store, config, stage)
         return control.start_pipeline(settings, state.conn, state.store, config)
 
     @r.get("/runs/{name}", dependencies=[Depends(can_read)], responses=UNKNOWN, tags=["runs"])
