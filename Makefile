@@ -6,11 +6,11 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_UPDATE_CHECK := 1
 REQS := requirements/base.txt requirements/generator.txt requirements/inference.txt \
-        requirements/speculators.txt requirements/dev.txt pyproject.toml
+        requirements/speculators.txt requirements/api.txt requirements/dev.txt pyproject.toml
 
-.PHONY: setup test demo redis bench compose-check up down ps logs status run clean tiny-target
+.PHONY: setup test demo redis chromium api bench compose-check up down ps logs status run clean tiny-target
 
-setup: $(VENV)/.installed redis
+setup: $(VENV)/.installed redis chromium
 
 $(VENV)/.installed: $(REQS)
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,10 @@ $(VENV)/.installed: $(REQS)
 redis:
 	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
 
+# Debian's chromium + chromedriver: the dashboard's browser test drives them headless
+chromium:
+	@{ command -v chromium && command -v chromedriver; } >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }
+
 test: setup
 	$(BIN)/pytest -q
 
@@ -36,6 +40,10 @@ demo: setup
 	  || { mkdir -p .eyrie/redis && redis-server --daemonize yes --port 6379 --bind 127.0.0.1 \
 	       --dir $$PWD/.eyrie/redis --appendonly yes --logfile $$PWD/.eyrie/redis/redis.log && sleep 1; }
 	$(BIN)/eyrie demo
+
+# The control API and dashboard on http://127.0.0.1:8080/ (EYRIE_API_TOKEN for mutating calls)
+api: setup
+	$(BIN)/eyrie api
 
 bench: setup
 	$(BIN)/python bench/generate_throughput.py

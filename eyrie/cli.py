@@ -1,7 +1,8 @@
 """The `eyrie` command line: the control plane of the embedded default and of the stack.
 
-Exit codes: 0 success; 1 a problem the message names (with its fix); 2 bad usage;
-3 `--wait` ended with the stage failed.
+Exit codes: 0 success; 1 a problem the message names (with its fix), e.g. an unknown run;
+2 bad usage; 3 `--wait` or `watch` ended with the run failed (or blocked); 4 `--wait` or `watch`
+ended with the run cancelled.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ def _wait(conn, store, run: str, stage: str) -> None:
 
     final = live_progress(conn, store, run, stage)
     render_status(run_status(conn, store, run))
-    if final["state"] == "failed":
-        raise typer.Exit(3)
+    if final["state"] in ("failed", "cancelled"):
+        raise typer.Exit(3 if final["state"] == "failed" else 4)
 
 
 @app.command()
@@ -275,7 +276,7 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
     """Start (or continue) a whole pipeline: generate -> extract -> train -> evaluate -> export,
     each stage starting by itself when the one before is done."""
     from eyrie.config import load_settings
-    from eyrie.pipeline import advance_or_record, load_config, save_config
+    from eyrie.pipeline import load_config
 
     cfg = load_config(config)
     if plan:
@@ -283,27 +284,15 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
 
         typer.echo("\n".join(render(project(cfg, load_settings().max_tokens))))
         return
+    from eyrie.control import start_pipeline
     from eyrie.queue import connect
     from eyrie.store import open_store
-    from eyrie_generator.plan import start_generate
 
     settings = load_settings(model=cfg.target.model)
     conn, store = connect(settings.redis_url), open_store(settings)
-    save_config(conn, store, cfg)
-    g = cfg.generate
-    manifest, enqueued = start_generate(
-        settings, conn, store, source=cfg.dataset.source, run=cfg.run, split=cfg.dataset.split,
-        revision=cfg.dataset.revision, limit=cfg.dataset.limit,
-        params={"concurrency": g.concurrency, "max_tokens": g.max_tokens, "timeout": g.timeout_s,
-                "temperature": g.temperature, "shard_size": g.shard_size})
-    if cfg.train.base:  # fetched (and checked) by the trainer while the target serves
-        from eyrie.queue import enqueue_task
-        from eyrie_trainer.plan import FETCH_FUNC, fetch_task_id
-
-        enqueue_task(conn, "train", FETCH_FUNC, {"run": cfg.run}, fetch_task_id(cfg.run))
-    stage = advance_or_record(conn, store, cfg.run, retry_blocked=True)
-    typer.echo(f"run {cfg.run}: {manifest.dataset.row_end - manifest.dataset.row_start} rows; "
-               f"{enqueued} generate tasks enqueued now; " + (f"{stage} started" if stage else "stages follow by themselves"))
+    out = start_pipeline(settings, conn, store, cfg)
+    typer.echo(f"run {cfg.run}: {out['rows']} rows; {out['generate_enqueued']} generate tasks enqueued now; "
+               + (f"{out['started']} started" if out["started"] else "stages follow by themselves"))
     if wait:
         _wait(conn, store, cfg.run, "train")
 
@@ -316,6 +305,9 @@ def demo(run: str = typer.Option("demo", help="Run name."),
     from eyrie.embedded import run_demo
 
     raise typer.Exit(run_demo(run, dataset))
+
+
+from eyrie import cli_control  # noqa: E402,F401  the control commands: api, runs, watch, show, cancel, retry, logs
 
 
 def main() -> None:

@@ -64,6 +64,13 @@ class Settings(BaseSettings):
                             "to sdpa + eager loss by itself if it fails), off = always sdpa + eager.")
     train_loader_workers: int = Field(2, ge=0, description="speculators' dataloader worker processes.")
 
+    api_token: SecretStr | None = Field(None, description="Bearer token every mutating API call needs; "
+                                                          "unset: the API refuses them all.")
+    api_open_reads: bool = Field(False, description="Let GET calls (runs, status, metrics, dashboard data) "
+                                                    "through without the token.")
+    api_host: str = Field("127.0.0.1", description="Bind address of `eyrie api`.")
+    api_port: int = Field(8080, ge=1, le=65535, description="Port of `eyrie api`.")
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str) -> str:

@@ -28,7 +28,7 @@ def _eta(seconds) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-STATE_STYLE = {"done": "green", "in_progress": "yellow", "failed": "red", "pending": "dim"}
+STATE_STYLE = {"done": "green", "in_progress": "yellow", "failed": "red", "pending": "dim", "cancelled": "magenta"}
 
 
 def stage_table(status: dict) -> Table:
@@ -50,6 +50,8 @@ def stage_table(status: dict) -> Table:
 
 def render_status(status: dict) -> None:
     console.print(stage_table(status))
+    if status.get("cancelled"):
+        console.print(f"[magenta]run cancelled[/] at {status['cancelled']}; `eyrie retry {status['run']}` resumes it")
     pipeline = status.get("pipeline")
     if pipeline:
         console.print(f"pipeline: next stages start by themselves"
@@ -119,10 +121,65 @@ def live_progress(conn, store, run: str, stage: str, poll_s: float = 1.0) -> dic
             status = run_status(conn, store, run)
             live.update(stage_table(status))
             current = status["stages"].get(stage)  # a pipeline's later stages appear as they start
-            if current and current["state"] in ("done", "failed"):
+            if current and current["state"] in ("done", "failed", "cancelled"):
                 return current
+            if status.get("cancelled"):
+                return {"state": "cancelled"}
             pipeline = status.get("pipeline") or {}
             if any(s["state"] == "failed" for s in status["stages"].values()) or pipeline.get("blocked") \
                     or "failed" in (pipeline.get("fetch_state"), pipeline.get("plan_extract_state")):
                 return {"state": "failed"}
             time.sleep(poll_s)
+
+
+def runs_table(runs: list[dict]) -> None:
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("run", "state", "stages", "created", "target"):
+        table.add_column(column, no_wrap=column != "target")
+    for r in runs:
+        stages = "  ".join(f"{name} {_percent(s)}" for name, s in r["stages"].items())
+        table.add_row(r["run"], f"[{STATE_STYLE.get(r['state'], '')}]{r['state']}[/]", stages,
+                      r["created_at"], r["target"])
+    console.print(table if runs else "no runs")
+
+
+def _percent(s: dict) -> str:
+    return f"{100 * (s['done'] + s['skipped'] + s['failed']) / max(1, s['total']):.0f}%"
+
+
+def watch_status(conn, store, run: str, poll_s: float) -> dict:
+    """Redraw the whole run until it is done, failed or cancelled; returns its last status."""
+    from rich.live import Live
+
+    from eyrie.control import overall_state
+    from eyrie.status import run_status
+
+    with Live(console=console, refresh_per_second=2, transient=True) as live:
+        while True:
+            status = run_status(conn, store, run)
+            live.update(stage_table(status))
+            if overall_state(status) in ("done", "failed", "cancelled"):
+                return status
+            time.sleep(poll_s)
+
+
+def render_manifest(manifest: dict) -> None:
+    """The provenance manifest as sections of `key  value` lines (lists of shards summarized)."""
+    shards = manifest.pop("generate_shards")
+    for section, value in manifest.items():
+        if isinstance(value, dict):
+            console.print(f"[bold]{section}[/]")
+            for key, item in _flat(value):
+                console.print(f"  {key:<28} {item}")
+        else:
+            console.print(f"[bold]{section:<30}[/] {value}")
+    console.print(f"[bold]generate_shards[/]  {len(shards)} shards, rows "
+                  f"{shards[0]['row_start'] if shards else 0}..{shards[-1]['row_end'] if shards else 0}")
+
+
+def _flat(d: dict, prefix: str = ""):
+    for key, value in d.items():
+        if isinstance(value, dict) and value:
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value

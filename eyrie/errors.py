@@ -11,3 +11,7 @@ class EyrieError(Exception):
 
     def __str__(self) -> str:
         return f"{self.problem} Fix: {self.fix}" if self.fix else self.problem
+
+
+class UnknownRun(EyrieError):
+    """No run of that name in the store (the API answers 404)."""

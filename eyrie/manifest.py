@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 import eyrie
-from eyrie.errors import EyrieError
+from eyrie.errors import EyrieError, UnknownRun
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -226,6 +226,6 @@ def load_run_manifest(store, run: str) -> RunManifest:
     try:
         return RunManifest.model_validate(store.get_json(layout.manifest))
     except KeyError:
-        raise EyrieError(f"unknown run {run!r}: no {layout.manifest} in {store.url}.",
+        raise UnknownRun(f"unknown run {run!r}: no {layout.manifest} in {store.url}.",
                          "check the name (`eyrie status` lists nothing for it) or start it with "
                          "`eyrie generate --run NAME --dataset …`.") from None

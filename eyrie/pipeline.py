@@ -8,10 +8,10 @@ import logging
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from eyrie.errors import EyrieError
-from eyrie.manifest import Layout, check_run_name
+from eyrie.manifest import RUN_NAME, Layout, check_run_name
 from eyrie.queue import enqueue_task
 
 log = logging.getLogger("eyrie.pipeline")
@@ -19,6 +19,14 @@ log = logging.getLogger("eyrie.pipeline")
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*")
+    @classmethod
+    def _fits_64_bits(cls, value):
+        """Integers beyond 64 bits cannot be stored (JSON in the store, Redis)."""
+        if any(isinstance(x, int) and abs(x) >= 2**63 for x in (value if isinstance(value, list) else [value])):
+            raise ValueError("must be below 2**63")
+        return value
 
 
 class TargetShape(_Section):
@@ -73,7 +81,7 @@ class TrainSection(_Section):
 class RunConfig(_Section):
     """What `eyrie run --config run.yaml` runs: every stage, from prompts to an exported drafter."""
 
-    run: str
+    run: str = Field(pattern=RUN_NAME.pattern, description="1-64 letters, digits, '.', '_' or '-'.")
     target: TargetSection
     dataset: DatasetSection
     generate: GenerateSection = Field(default_factory=GenerateSection)
@@ -245,6 +253,10 @@ def on_task_done(job, connection, result, *args, **kwargs) -> None:
 
 def advance_or_record(conn, store, run: str, retry_blocked: bool = False) -> str | None:
     """advance, unless a refusal blocks the run (only `eyrie run`, the user's rerun, retries it)."""
+    from eyrie.control import cancelled_key
+
+    if conn.exists(cancelled_key(run)):
+        return None  # cancelled: nothing more starts until `eyrie retry` or `eyrie run`
     if retry_blocked:
         conn.delete(blocked_key(run))
     elif conn.exists(blocked_key(run)):

@@ -25,6 +25,9 @@ def run_status(conn, store, run: str) -> dict:
         stages["extract"]["projected_bytes"] = manifest.extract.projected_bytes
     if manifest.train:
         stages["train"] = train_status(conn, store, manifest)
+    cancelled = conn.get(f"eyrie:pipeline:{run}:cancelled")
+    if cancelled:
+        _mark_cancelled(stages)
     return {
         "run": run,
         "created_at": manifest.created_at,
@@ -34,7 +37,15 @@ def run_status(conn, store, run: str) -> dict:
         "inference": endpoint.model_dump() if endpoint else None,
         "gpu_lease": gpu.holder(conn),
         "pipeline": pipeline_status(conn, store, run),
+        "cancelled": cancelled.decode() if cancelled else None,
     }
+
+
+def _mark_cancelled(stages: dict) -> None:
+    """A cancelled run's unfinished stages with no task still running read `cancelled`."""
+    for s in stages.values():
+        if s["state"] != "done" and not set(s.get("jobs", {})) & LIVE_JOB_STATES:
+            s["state"] = "cancelled"
 
 
 def pipeline_status(conn, store, run: str) -> dict | None:
@@ -61,7 +72,8 @@ def stage_status(conn, store, manifest: RunManifest, stage: str, total: int) -> 
         key = layout.shard_manifest(stage, plan.index)
         if store.exists(key):
             shard = ShardManifest.model_validate(store.get_json(key))
-            counts, done_shards = counts.add(shard.counts), done_shards + 1
+            stored = shard.counts.model_copy(update={"bytes": shard.counts.bytes or shard.bytes})  # generate: its JSONL
+            counts, done_shards = counts.add(stored), done_shards + 1
             for reason, n in shard.skip_reasons.items():
                 skip_reasons[reason] = skip_reasons.get(reason, 0) + n
             continue
@@ -139,6 +151,6 @@ def train_status(conn, store, manifest: RunManifest) -> dict:
         "acc": live.get("acc"), "path": live.get("path"), "notes": live.get("notes", []),
         "checkpoints": live.get("checkpoints", []), "evaluation": evaluation, "drafter": manifest.drafter,
         "waiting_for": [live["waiting_for"]] if live.get("waiting_for") and live.get("phase") == "waiting" else [],
-        "workers": workers_on(conn, "train"), "errors": job_errors(conn, [job]), "active": [],
+        "workers": workers_on(conn, "train"), "errors": job_errors(conn, [job]), "active": [], "jobs": {state: 1},
         "params": manifest.train.model_dump(),
     }

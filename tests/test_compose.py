@@ -23,8 +23,8 @@ ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERIGNORE = ROOT / ".dockerignore"
 CHECK_JSONSCHEMA = Path(sys.executable).with_name("check-jsonschema")
 
-SERVICES = {"preflight", "redis", "minio", "minio-init", "inference", "generator", "extractor", "trainer"}
-BUILT = {"inference", "generator", "extractor", "trainer"}
+SERVICES = {"preflight", "redis", "minio", "minio-init", "inference", "generator", "extractor", "trainer", "api"}
+BUILT = {"inference", "generator", "extractor", "trainer", "api"}
 GPU_SERVICES = {"inference", "extractor", "trainer"}
 ONE_SHOT = {"preflight", "minio-init"}
 WORKER_STAGE = {"generator": "generate", "extractor": "extract", "trainer": "train"}
@@ -398,7 +398,8 @@ def test_dockerfile_pinned_non_root_without_secrets(service):
              for line in lines if line.upper().startswith("FROM ")]
     assert bases and all(re.fullmatch(r"[\w./-]+:[\w.-]+", b) and not b.endswith(":latest")
                          for b in bases), bases
-    expected = {"generator": "python:3.11-slim-bookworm", "inference": "vllm/vllm-openai:v0.33.0"}
+    expected = {"generator": "python:3.11-slim-bookworm", "api": "python:3.11-slim-bookworm",
+                "inference": "vllm/vllm-openai:v0.33.0"}
     if service in expected:
         assert bases[-1] == expected[service]
     else:
@@ -459,11 +460,12 @@ def test_inference_entrypoint_shows_the_real_vllm_command():
 # credentials
 
 
-def preflight(redis_password: str, access_key: str, secret_key: str, dev: str = "0") -> subprocess.CompletedProcess:
+def preflight(redis_password: str, access_key: str, secret_key: str, dev: str = "0",
+              api_token: str = "5be1c0de9a7f42e8b3d6") -> subprocess.CompletedProcess:
     """The preflight service's own script, run by a real shell (Compose's $$ unescaped)."""
     script = load(COMPOSE)["services"]["preflight"]["command"][0].replace("$$", "$")
     env = {"PATH": os.environ["PATH"], "REDIS_PASSWORD": redis_password, "S3_ACCESS_KEY": access_key,
-           "S3_SECRET_KEY": secret_key, "DEV_INSECURE": dev}
+           "S3_SECRET_KEY": secret_key, "API_TOKEN": api_token, "DEV_INSECURE": dev}
     return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True)
 
 
@@ -479,6 +481,17 @@ def test_preflight_refuses_placeholder_and_well_known_credentials():
         assert result.returncode == 1 and "refusing to start" in result.stderr, args
         assert all(n in result.stderr for n in names) and "EYRIE_DEV_INSECURE=1" in result.stderr
     assert preflight("change-me-redis-password", "minioadmin", "minioadmin", dev="1").returncode == 0
+    for token in ("change-me-api-token", "short", ""):
+        result = preflight(strong, "eyrie-prod", strong, api_token=token)
+        assert result.returncode == 1 and "EYRIE_API_TOKEN" in result.stderr, token
+
+
+def test_api_service_published_locally_with_a_token():
+    api = load(COMPOSE)["services"]["api"]
+    assert api["environment"]["EYRIE_API_TOKEN"] == "${EYRIE_API_TOKEN:?set EYRIE_API_TOKEN in .env}"
+    assert api["ports"] == ["${EYRIE_API_BIND:-127.0.0.1}:${EYRIE_API_PORT:-8080}:8080"]
+    assert "/healthz" in " ".join(api["healthcheck"]["test"])
+    assert 'CMD ["api"]' in (ROOT / "services" / "api" / "Dockerfile").read_text()
 
 
 def test_redis_and_minio_start_only_after_the_preflight():

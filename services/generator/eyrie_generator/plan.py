@@ -40,6 +40,7 @@ def start_generate(settings: Settings, conn, store: Store, *, source: str, run: 
         _check_same(manifest, source, limit, params or {})
     else:
         manifest = _new_run(settings, conn, store, layout, source, split, revision, limit, params or {})
+    conn.sadd("eyrie:runs", run)  # the runs list (eyrie.control.KNOWN): no listing of the store
     enqueued = sum(
         enqueue_task(conn, "generate", TASK_FUNC, {"run": run, "shard": plan.index},
                      task_id("generate", run, plan.index))

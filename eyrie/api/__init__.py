@@ -1,0 +1,1 @@
+"""The control API (FastAPI): runs, status, cancel/retry, /metrics and the dashboard."""

@@ -1,0 +1,115 @@
+"""The API's routes: runs (start, list, status, manifest, cancel, retry), health, metrics, dashboard."""
+
+from __future__ import annotations
+
+from pathlib import Path as FilePath
+from typing import Annotated, Literal
+
+from fastapi import Depends, FastAPI, Path, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+import eyrie
+from eyrie.api.auth import can_read, need_token
+from eyrie.api.metrics import metrics_response
+from eyrie.errors import EyrieError, UnknownRun
+from eyrie.manifest import RUN_NAME
+from eyrie.pipeline import RunConfig
+
+STATIC = FilePath(__file__).parent / "static"
+RunName = Annotated[str, Path(pattern=RUN_NAME.pattern, description="Run name.")]
+ERRORS = {401: {"description": "No bearer token."}, 403: {"description": "Wrong token, or none configured."}}
+UNKNOWN = {**ERRORS, 404: {"description": "Unknown run."}}
+BAD = {**ERRORS, 400: {"description": "A problem the user can fix (`detail` and `fix`)."}}
+Stage = Literal["generate", "extract", "train"]
+
+
+def create_app(settings=None) -> FastAPI:
+    from eyrie.config import load_settings
+    from eyrie.queue import connect
+    from eyrie.store import open_store
+
+    settings = settings or load_settings()
+    app = FastAPI(title="eyrie", version=eyrie.__version__,
+                  description="Control plane of eyrie: prompts + target LLM -> EAGLE-3 drafter.")
+    app.state.settings, app.state.conn, app.state.store = settings, connect(settings.redis_url), open_store(settings)
+    app.add_exception_handler(UnknownRun, lambda _, exc: _error(404, exc))
+    app.add_exception_handler(EyrieError, lambda _, exc: _error(400, exc))
+    app.include_router(routes())
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+def _error(status: int, exc: EyrieError) -> JSONResponse:
+    return JSONResponse({"detail": exc.problem, "fix": exc.fix}, status_code=status)
+
+
+def routes():
+    from fastapi import APIRouter
+
+    from eyrie import control
+    from eyrie.manifest import load_run_manifest
+    from eyrie.status import run_status
+
+    r = APIRouter()
+
+    @r.get("/healthz", tags=["health"])
+    def healthz(request: Request) -> JSONResponse:
+        """Redis answers (the store is checked when the API starts)."""
+        try:
+            request.app.state.conn.ping()
+        except Exception:
+            return JSONResponse({"ok": False, "redis": "unreachable"}, status_code=503)
+        return JSONResponse({"ok": True})
+
+    @r.get("/runs", dependencies=[Depends(can_read)], responses=ERRORS, tags=["runs"])
+    def list_runs(request: Request) -> list[dict]:
+        """Every known run: state, and each stage's state and counts."""
+        return control.list_runs(request.app.state.conn, request.app.state.store)
+
+    @r.post("/runs", status_code=202, dependencies=[Depends(need_token)], responses=BAD, tags=["runs"])
+    def start_run(config: RunConfig, request: Request, stage: Stage | None = None) -> dict:
+        """Start (or continue) a pipeline: the body is the config `eyrie run --config` takes.
+        With `?stage=generate|extract|train`, that stage only (nothing follows by itself)."""
+        state = request.app.state
+        settings = state.settings.model_copy(update={"model": config.target.model})
+        if stage:
+            return control.start_stage(settings, state.conn, state.store, config, stage)
+        return control.start_pipeline(settings, state.conn, state.store, config)
+
+    @r.get("/runs/{name}", dependencies=[Depends(can_read)], responses=UNKNOWN, tags=["runs"])
+    def status(name: RunName, request: Request) -> dict:
+        """The same object as `eyrie status NAME --json`."""
+        return run_status(request.app.state.conn, request.app.state.store, name)
+
+    @r.get("/runs/{name}/manifest", dependencies=[Depends(can_read)], responses=UNKNOWN, tags=["runs"])
+    def manifest(name: RunName, request: Request) -> dict:
+        """The run's provenance manifest, as stored."""
+        return load_run_manifest(request.app.state.store, name).model_dump()
+
+    @r.get("/runs/{name}/errors", dependencies=[Depends(can_read)], responses=UNKNOWN, tags=["runs"])
+    def errors(name: RunName, request: Request) -> list[str]:
+        """The run's recent errors, most recent first (what `eyrie logs NAME` prints)."""
+        return control.recent_errors(request.app.state.conn, request.app.state.store, name)
+
+    @r.post("/runs/{name}/cancel", dependencies=[Depends(need_token)], responses=UNKNOWN, tags=["runs"])
+    def cancel(name: RunName, request: Request) -> dict:
+        """Remove the run's waiting tasks, stop its running ones; no stage starts after."""
+        return control.cancel_run(request.app.state.conn, request.app.state.store, name)
+
+    @r.post("/runs/{name}/retry", dependencies=[Depends(need_token)], responses=UNKNOWN, tags=["runs"])
+    def retry(name: RunName, request: Request) -> dict:
+        """Requeue the run's failed, stopped and cancelled tasks; clear a block or a cancel."""
+        return control.retry_run(request.app.state.conn, request.app.state.store, name)
+
+    @r.get("/metrics", dependencies=[Depends(can_read)], responses=ERRORS, tags=["health"],
+           response_class=Response)
+    def metrics(request: Request) -> Response:
+        """Prometheus text format: queues, in flight, samples, tokens, tok/s, bytes, lease, failures."""
+        return metrics_response(request.app.state.conn, request.app.state.store)
+
+    @r.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    return r

@@ -1,0 +1,96 @@
+"""/metrics: a Prometheus collector that reads Redis and each run's status at scrape time."""
+
+from __future__ import annotations
+
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from eyrie.control import STAGE_QUEUES, overall_state, run_names
+from eyrie.errors import UnknownRun
+from eyrie.queue import queue, workers_on
+
+RUN_STATES = ("pending", "in_progress", "done", "failed", "cancelled")
+
+
+class EyrieCollector:
+    def __init__(self, conn, store):
+        self.conn, self.store = conn, store
+
+    def collect(self):
+        yield from self._queues()
+        yield self._lease()
+        yield from self._runs()
+
+    def _queues(self):
+        jobs = GaugeMetricFamily("eyrie_queue_jobs", "Tasks per queue and state.", labels=["queue", "state"])
+        workers = GaugeMetricFamily("eyrie_workers", "Workers listening on a stage's queue.", labels=["queue"])
+        for stage in STAGE_QUEUES:
+            q = queue(self.conn, stage)
+            for state, count in (("queued", q.count), ("started", q.started_job_registry.count),
+                                 ("scheduled", q.scheduled_job_registry.count),
+                                 ("failed", q.failed_job_registry.count), ("deferred", q.deferred_job_registry.count)):
+                jobs.add_metric([stage, state], count)
+            workers.add_metric([stage], workers_on(self.conn, stage))
+        yield jobs
+        yield workers
+
+    def _lease(self):
+        from eyrie import gpu
+
+        lease = GaugeMetricFamily("eyrie_gpu_lease_held", "1 while the owner holds the GPU lease.",
+                                  labels=["owner", "devices"])
+        holder = (gpu.holder(self.conn) or {}).get("holder")
+        if holder:
+            lease.add_metric([holder["owner"], str(holder.get("devices", ""))], 1)
+        return lease
+
+    def _runs(self):
+        from eyrie.status import run_status
+
+        families = _run_families()
+        for run in run_names(self.conn):
+            try:
+                status = run_status(self.conn, self.store, run)
+            except UnknownRun:
+                continue
+            state = overall_state(status)
+            for value in RUN_STATES:
+                families["state"].add_metric([run, value], 1 if state == value else 0)
+            for stage, s in status["stages"].items():
+                _stage_metrics(families, run, stage, s)
+        yield from families.values()
+
+
+def _run_families() -> dict[str, GaugeMetricFamily]:
+    rs = ["run", "stage"]
+    return {
+        "state": GaugeMetricFamily("eyrie_run_state", "1 for the run's current state.", labels=["run", "state"]),
+        "samples": GaugeMetricFamily("eyrie_samples", "Samples per stage by outcome (train: steps).",
+                                     labels=[*rs, "outcome"]),
+        "tokens": GaugeMetricFamily("eyrie_tokens", "Tokens processed per stage.", labels=rs),
+        "tok_per_s": GaugeMetricFamily("eyrie_tokens_per_second", "Tokens per second of a stage.", labels=rs),
+        "in_flight": GaugeMetricFamily("eyrie_requests_in_flight", "Requests in flight (generate).", labels=rs),
+        "bytes": GaugeMetricFamily("eyrie_bytes_stored", "Bytes a stage has stored.", labels=rs),
+        "eta": GaugeMetricFamily("eyrie_eta_seconds", "Estimated seconds left in a stage.", labels=rs),
+        "failures": GaugeMetricFamily("eyrie_task_failures", "A stage's tasks that failed for good.", labels=rs),
+    }
+
+
+def _stage_metrics(families: dict, run: str, stage: str, s: dict) -> None:
+    labels = [run, stage]
+    for outcome in ("total", "done", "skipped", "failed"):
+        families["samples"].add_metric([*labels, outcome], s.get(outcome) or 0)
+    families["tokens"].add_metric(labels, s.get("tokens") or 0)
+    families["tok_per_s"].add_metric(labels, s.get("tok_per_s") or 0)
+    families["in_flight"].add_metric(labels, s.get("in_flight") or 0)
+    families["bytes"].add_metric(labels, s.get("bytes") or 0)
+    if s.get("eta_s") is not None:
+        families["eta"].add_metric(labels, s["eta_s"])
+    families["failures"].add_metric(labels, (s.get("jobs") or {}).get("failed", 0))
+
+
+def metrics_response(conn, store) -> Response:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EyrieCollector(conn, store))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,117 @@
+"""The control commands of the `eyrie` CLI: api, runs, watch, show, cancel, retry, logs."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import orjson
+import typer
+
+from eyrie.cli import _context, app, command
+
+
+def _print_json(obj) -> None:
+    typer.echo(orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode())
+
+
+@app.command()
+@command
+def api(host: Optional[str] = typer.Option(None, help="Bind address (EYRIE_API_HOST, default 127.0.0.1)."),
+        port: Optional[int] = typer.Option(None, help="Port (EYRIE_API_PORT, default 8080).")):
+    """Serve the control API, the dashboard (/) and /metrics."""
+    import uvicorn
+
+    from eyrie.api.app import create_app
+    from eyrie.config import load_settings
+
+    settings = load_settings(api_host=host, api_port=port)
+    uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port,
+                log_level="info", access_log=False)
+
+
+@app.command()
+@command
+def runs(as_json: bool = typer.Option(False, "--json", help="One JSON array.")):
+    """Every run known to Redis: its state and each stage's progress."""
+    from eyrie.control import list_runs
+    from eyrie.display import runs_table
+
+    _, conn, store = _context()
+    listed = list_runs(conn, store)
+    if as_json:
+        _print_json(listed)
+    else:
+        runs_table(listed)
+
+
+@app.command()
+@command
+def watch(run: str = typer.Argument(..., help="Run name."),
+          interval: float = typer.Option(2.0, min=0.2, help="Seconds between refreshes.")):
+    """Follow a run live until it is done, failed or cancelled (exit 0, 3, 4)."""
+    from eyrie.control import overall_state
+    from eyrie.display import render_status, watch_status
+    from eyrie.status import run_status
+
+    _, conn, store = _context()
+    final = watch_status(conn, store, run, interval)
+    render_status(run_status(conn, store, run))
+    raise typer.Exit({"done": 0, "failed": 3, "cancelled": 4}.get(overall_state(final), 0))
+
+
+@app.command()
+@command
+def show(run: str = typer.Argument(..., help="Run name."),
+         as_json: bool = typer.Option(False, "--json", help="The manifest as stored.")):
+    """The run's provenance manifest: target, dataset, parameters of every stage, the drafter."""
+    from eyrie.display import render_manifest
+    from eyrie.manifest import load_run_manifest
+
+    _, _, store = _context()
+    manifest = load_run_manifest(store, run).model_dump()
+    if as_json:
+        _print_json(manifest)
+    else:
+        render_manifest(manifest)
+
+
+@app.command()
+@command
+def cancel(run: str = typer.Argument(..., help="Run name.")):
+    """Cancel a run: its waiting tasks are removed, running ones stopped, no stage starts after."""
+    from eyrie.control import cancel_run
+
+    _, conn, store = _context()
+    out = cancel_run(conn, store, run)
+    typer.echo(f"run {run}: cancelled ({len(out['cancelled'])} waiting tasks removed, "
+               f"{len(out['stopped'])} running tasks asked to stop); `eyrie retry {run}` resumes it")
+
+
+@app.command()
+@command
+def retry(run: str = typer.Argument(..., help="Run name.")):
+    """Requeue a run's failed, stopped and cancelled tasks and clear a block or a cancel."""
+    from eyrie.control import retry_run
+
+    _, conn, store = _context()
+    out = retry_run(conn, store, run)
+    typer.echo(f"run {run}: {len(out['requeued'])} tasks requeued"
+               + (f"; {out['started']} started" if out["started"] else ""))
+
+
+@app.command()
+@command
+def logs(run: str = typer.Argument(..., help="Run name."),
+         limit: int = typer.Option(20, min=1, help="At most this many errors."),
+         as_json: bool = typer.Option(False, "--json", help="One JSON array.")):
+    """The run's recent errors, most recent first (and a block, if the run is blocked)."""
+    from eyrie.control import recent_errors
+
+    _, conn, store = _context()
+    errors = recent_errors(conn, store, run, limit)
+    if as_json:
+        _print_json(errors)
+    elif not errors:
+        typer.echo(f"run {run}: no errors")
+    for line in [] if as_json else errors:
+        typer.echo(line)

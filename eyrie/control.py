@@ -1,0 +1,204 @@
+"""Control of runs, shared by the CLI and the API: start a pipeline, list, cancel, retry, errors."""
+
+from __future__ import annotations
+
+import logging
+
+from rq import Worker
+from rq.command import send_command
+from rq.exceptions import InvalidJobOperation
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from eyrie.errors import EyrieError
+from eyrie.manifest import load_run_manifest, now_iso
+from eyrie.queue import job_errors, job_state, queue
+from eyrie.status import task_id
+
+log = logging.getLogger("eyrie.control")
+
+KNOWN = "eyrie:runs"  # every run whose manifest was written (the store's runs/ may be huge on S3)
+STAGE_QUEUES = ("generate", "extract", "train")
+WAITING = {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value}
+
+
+def cancelled_key(run: str) -> str:
+    return f"eyrie:pipeline:{run}:cancelled"
+
+
+def start_pipeline(settings, conn, store, cfg) -> dict:
+    """What `eyrie run` does (and POST /runs): keep the config, start generate (and the base
+    drafter's fetch), then let `advance` start whatever stage is next. A rerun continues."""
+    from eyrie.pipeline import advance_or_record, save_config
+
+    save_config(conn, store, cfg)
+    conn.delete(cancelled_key(cfg.run))
+    try:
+        manifest, enqueued = _generate(settings, conn, store, cfg)
+    except EyrieError:
+        _forget_unstarted(conn, store, cfg.run)
+        raise
+    if cfg.train.base:  # fetched (and checked) by the trainer while the target serves
+        from eyrie.queue import enqueue_task
+        from eyrie_trainer.plan import FETCH_FUNC, fetch_task_id
+
+        enqueue_task(conn, "train", FETCH_FUNC, {"run": cfg.run}, fetch_task_id(cfg.run))
+    stage = advance_or_record(conn, store, cfg.run, retry_blocked=True)
+    return {"run": cfg.run, "rows": manifest.dataset.row_end - manifest.dataset.row_start,
+            "generate_enqueued": enqueued, "started": stage}
+
+
+def _generate(settings, conn, store, cfg):
+    from eyrie_generator.plan import start_generate
+
+    g = cfg.generate
+    return start_generate(
+        settings, conn, store, source=cfg.dataset.source, run=cfg.run, split=cfg.dataset.split,
+        revision=cfg.dataset.revision, limit=cfg.dataset.limit,
+        params={"concurrency": g.concurrency, "max_tokens": g.max_tokens, "timeout": g.timeout_s,
+                "temperature": g.temperature, "shard_size": g.shard_size})
+
+
+def _forget_unstarted(conn, store, run: str) -> None:
+    """A first start that failed (e.g. no such dataset) leaves no active pipeline behind."""
+    from eyrie.manifest import Layout
+    from eyrie.pipeline import ACTIVE, config_key
+
+    if not store.exists(Layout(run).manifest):
+        conn.srem(ACTIVE, run)
+        store.delete(config_key(run))
+
+
+def start_stage(settings, conn, store, cfg, stage: str) -> dict:
+    """One stage of the config on its own (what `eyrie generate|extract|train` do): the config is
+    not kept as a pipeline, so nothing starts after it by itself."""
+    from pathlib import Path
+
+    if stage == "generate":
+        _, enqueued = _generate(settings, conn, store, cfg)
+    elif stage == "extract":
+        from eyrie.pipeline import start_configured_extract
+
+        _, enqueued = start_configured_extract(conn, store, cfg)
+    else:
+        from eyrie.pipeline import train_request
+        from eyrie_trainer.plan import TrainRequest, start_train
+
+        _, enqueued = start_train(conn, store, cfg.run, TrainRequest(**train_request(cfg)), Path(settings.cache_dir))
+    conn.delete(cancelled_key(cfg.run))
+    return {"run": cfg.run, "stage": stage, "enqueued": enqueued}
+
+
+def run_names(conn) -> list[str]:
+    from eyrie.pipeline import ACTIVE
+
+    return sorted(m.decode() for m in conn.sunion(KNOWN, ACTIVE))
+
+
+def list_runs(conn, store) -> list[dict]:
+    """One line per run: its stages' states and progress, whether it is active, blocked, cancelled."""
+    from eyrie.errors import UnknownRun
+    from eyrie.pipeline import ACTIVE
+    from eyrie.status import run_status
+
+    runs = []
+    for name in run_names(conn):
+        try:
+            status = run_status(conn, store, name)
+        except UnknownRun:
+            continue  # started but its manifest is not written yet, or deleted from the store
+        pipeline = status.get("pipeline") or {}
+        runs.append({"run": name, "created_at": status["created_at"], "target": status["target"]["model"],
+                     "state": overall_state(status), "active": conn.sismember(ACTIVE, name),
+                     "blocked": pipeline.get("blocked"), "cancelled": status.get("cancelled"),
+                     "stages": {k: {"state": s["state"], "total": s["total"], "done": s["done"],
+                                    "skipped": s["skipped"], "failed": s["failed"], "eta_s": s.get("eta_s")}
+                                for k, s in status["stages"].items()}})
+    return runs
+
+
+def overall_state(status: dict) -> str:
+    states = [s["state"] for s in status["stages"].values()]
+    if status.get("cancelled"):
+        return "cancelled"
+    if "failed" in states or (status.get("pipeline") or {}).get("blocked"):
+        return "failed"
+    if all(s == "done" for s in states) and ("train" in status["stages"] or not status.get("pipeline")):
+        return "done"  # a pipeline is done once it is exported; a stage started by hand, once it is
+    return "in_progress" if any(s != "pending" for s in states) else "pending"
+
+
+def run_job_ids(store, run: str) -> dict[str, list[str]]:
+    """Every task id the run may have, by queue (raises UnknownRun for an unknown run)."""
+    from eyrie.pipeline import plan_extract_task_id
+
+    manifest = load_run_manifest(store, run)
+    shards = [p.index for p in manifest.generate_shards]
+    return {"generate": [task_id("generate", run, i) for i in shards],
+            "extract": [task_id("extract", run, i) for i in shards] + [plan_extract_task_id(run)],
+            "train": [task_id("train", run, 0), task_id("fetch", run, 0)]}
+
+
+def cancel_run(conn, store, run: str) -> dict:
+    """Mark the run cancelled (advance starts nothing more), cancel its waiting tasks, then ask
+    the workers running its tasks to stop them (generate's forked tasks stop at once; extract and
+    train run in the worker process itself and finish the task at hand)."""
+    from eyrie.pipeline import ACTIVE
+
+    ids = {j for stage_ids in run_job_ids(store, run).values() for j in stage_ids}
+    conn.set(cancelled_key(run), now_iso())
+    conn.srem(ACTIVE, run)
+    cancelled = [job_id for job_id in sorted(ids) if _cancel_waiting(conn, job_id)]
+    return {"run": run, "cancelled": cancelled, "stopped": _stop_running(conn, ids)}
+
+
+def _cancel_waiting(conn, job_id: str) -> bool:
+    if job_state(conn, job_id) not in WAITING:
+        return False
+    try:
+        Job.fetch(job_id, connection=conn, serializer=JSONSerializer).cancel()
+    except InvalidJobOperation:  # cancelled meanwhile
+        return False
+    return True
+
+
+def _stop_running(conn, ids: set[str]) -> list[str]:
+    """By the workers' own current job (a task a worker took while we cancelled is stopped too)."""
+    stopped = []
+    for stage in STAGE_QUEUES:
+        for worker in Worker.all(queue=queue(conn, stage)):
+            job_id = worker.get_current_job_id()
+            if job_id in ids:
+                send_command(conn, worker.name, "stop-job", job_id=job_id)
+                stopped.append(job_id)
+    return sorted(stopped)
+
+
+def retry_run(conn, store, run: str) -> dict:
+    """Requeue the run's failed, stopped and cancelled tasks, clear a block or a cancel, and let
+    `advance` start whatever stage is next."""
+    from eyrie.pipeline import ACTIVE, advance_or_record, blocked_key, stored_config
+
+    ids = run_job_ids(store, run)
+    conn.delete(cancelled_key(run), blocked_key(run))
+    requeued = []
+    for stage in STAGE_QUEUES:
+        q = queue(conn, stage)
+        for registry in (q.failed_job_registry, q.canceled_job_registry):
+            for job_id in set(registry.get_job_ids()) & set(ids[stage]):
+                registry.requeue(job_id)
+                requeued.append(job_id)
+    started = None
+    if stored_config(store, run) is not None:
+        conn.sadd(ACTIVE, run)
+        started = advance_or_record(conn, store, run)
+    return {"run": run, "requeued": sorted(requeued), "started": started}
+
+
+def recent_errors(conn, store, run: str, limit: int = 20) -> list[str]:
+    """The last errors of the run's tasks (most recent first), and a block, if any."""
+    from eyrie.pipeline import blocked_key
+
+    ids = [j for stage_ids in run_job_ids(store, run).values() for j in stage_ids]
+    blocked = conn.get(blocked_key(run))
+    return ([f"pipeline blocked: {blocked.decode()}"] if blocked else []) + job_errors(conn, ids, limit)

@@ -1,0 +1,223 @@
+"""The control API as a live `eyrie api` process against real Redis and a real store: auth, 404/422,
+status equal to the CLI's, cancel and retry on a live run, /metrics parsed by Prometheus' own parser,
+and a schemathesis fuzz run against the published OpenAPI schema (no 500s)."""
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+import redis
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from prometheus_client.parser import text_string_to_metric_families
+from schemathesis.checks import not_a_server_error
+
+from conftest import BIN, OFFLINE, TINY, eyrie, free_port, start_worker, stop, wait_http
+
+TOKEN = "test-token-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def start_api(env: dict, **extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([str(BIN / "eyrie"), "api", "--port", str(port)],
+                            env={**env, "EYRIE_API_TOKEN": TOKEN, **extra}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/healthz", proc=proc)
+    return proc, url
+
+
+@pytest.fixture
+def api(env):
+    procs = []
+
+    def start(**extra):
+        proc, url = start_api(env, **extra)
+        procs.append(proc)
+        return url
+
+    yield start
+    for proc in procs:
+        stop(proc)
+        assert TOKEN not in proc.stdout.read(), "the token must never be logged"
+
+
+def prompts(path, n):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"conversations": [{"from": "human", "value": f"q{i}"}]}) + "\n")
+    return str(path)
+
+
+def run_config(run: str, source: str, **generate) -> dict:
+    return {"run": run, "target": {"model": str(TINY)}, "dataset": {"source": source},
+            "generate": {"concurrency": 2, "max_tokens": 8, **generate}}
+
+
+def wait_for(predicate, timeout=120, poll=0.3):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(predicate)
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_auth_reads_and_writes(api):
+    url = api()
+    body = run_config("authz", "nowhere.jsonl")
+    assert requests.post(f"{url}/runs", json=body).status_code == 401
+    assert requests.post(f"{url}/runs", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 403
+    assert requests.get(f"{url}/runs").status_code == 401  # reads are closed by default
+    assert requests.get(f"{url}/runs", headers=AUTH).json() == []
+    assert requests.get(f"{url}/healthz").json() == {"ok": True}
+    opened = api(EYRIE_API_OPEN_READS="true")
+    assert requests.get(f"{opened}/runs").status_code == 200
+    assert requests.post(f"{opened}/runs/x/cancel").status_code == 401
+    no_token = api(EYRIE_API_TOKEN="")
+    refused = requests.post(f"{no_token}/runs/x/retry", headers=AUTH)
+    assert refused.status_code == 403 and "EYRIE_API_TOKEN" in refused.json()["detail"]
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_unknown_runs_404_and_bad_bodies_422_naming_the_field(env, api):
+    url = api()
+    for path in ("/runs/nope", "/runs/nope/manifest", "/runs/nope/errors"):
+        missing = requests.get(f"{url}{path}", headers=AUTH)
+        assert missing.status_code == 404 and "unknown run 'nope'" in missing.json()["detail"], path
+    for action in ("cancel", "retry"):
+        assert requests.post(f"{url}/runs/nope/{action}", headers=AUTH).status_code == 404
+    assert requests.get(f"{url}/runs/..bad", headers=AUTH).status_code == 422
+    bad = run_config("x", "d.jsonl", concurency=8)
+    bad["extract"] = {"dtype": "fp16"}
+    result = requests.post(f"{url}/runs", json=bad, headers=AUTH)
+    assert result.status_code == 422
+    locs = {tuple(e["loc"]) for e in result.json()["detail"]}
+    assert ("body", "generate", "concurency") in locs and ("body", "extract", "dtype") in locs
+    named = requests.post(f"{url}/runs", json={**run_config("../evil", "d.jsonl")}, headers=AUTH)
+    assert named.status_code == 422 and named.json()["detail"][0]["loc"] == ["body", "run"]
+    missing_data = requests.post(f"{url}/runs", json=run_config("nodata", "/no/such.jsonl"), headers=AUTH)
+    assert missing_data.status_code == 400 and "such.jsonl" in missing_data.json()["detail"]
+    assert not redis.Redis.from_url(env["EYRIE_REDIS_URL"]).smembers("eyrie:pipelines:active")  # nothing left
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_cancel_and_retry_a_live_run_with_status_and_metrics(env, api, stub_server, tmp_path):
+    stub = stub_server(latency=0.4, tokens=6)
+    env = {**env, "EYRIE_INFERENCE_URL": stub, "EYRIE_SERVER": "vllm"}
+    url = api(EYRIE_INFERENCE_URL=stub, EYRIE_SERVER="vllm")
+    started = requests.post(f"{url}/runs", json=run_config("live", prompts(tmp_path / "p.jsonl", 40),
+                                                           shard_size=4), headers=AUTH)
+    assert started.status_code == 202 and started.json()["generate_enqueued"] == 10
+    worker = start_worker(env, burst=False)
+    try:
+        status = lambda: requests.get(f"{url}/runs/live", headers=AUTH).json()  # noqa: E731
+        wait_for(lambda: status()["stages"]["generate"]["shards_done"] >= 1)
+        cancelled = requests.post(f"{url}/runs/live/cancel", headers=AUTH).json()
+        assert cancelled["cancelled"] and len(cancelled["cancelled"]) + len(cancelled["stopped"]) <= 10
+        wait_for(lambda: status()["stages"]["generate"]["state"] == "cancelled", timeout=60)
+        frozen = status()["stages"]["generate"]["shards_done"]
+        time.sleep(3)
+        assert status()["stages"]["generate"]["shards_done"] == frozen < 10  # nothing more runs
+        assert status()["cancelled"] and "cancelled" in eyrie("runs", env=env).stdout
+
+        retried = requests.post(f"{url}/runs/live/retry", headers=AUTH).json()
+        assert set(cancelled["cancelled"]) <= set(retried["requeued"])
+        wait_for(lambda: status()["stages"]["generate"]["state"] == "done", timeout=180)
+        wait_for(lambda: status()["pipeline"]["plan_extract_state"] == "queued")  # the pipeline moved on
+        final = status()
+        assert final["cancelled"] is None and final["stages"]["generate"]["done"] == 40
+        cli = json.loads(eyrie("status", "live", "--json", env=env).stdout)
+        assert {k: v for k, v in cli.items() if k != "stages"} == {k: v for k, v in final.items() if k != "stages"}
+        assert cli["stages"]["generate"]["done"] == final["stages"]["generate"]["done"]
+        check_metrics(url)
+        listed = json.loads(eyrie("runs", "--json", env=env).stdout)
+        assert [r["run"] for r in listed] == ["live"] == [r["run"] for r in requests.get(f"{url}/runs",
+                                                                                      headers=AUTH).json()]
+        manifest = requests.get(f"{url}/runs/live/manifest", headers=AUTH).json()
+        assert manifest["run"] == "live" and len(manifest["generate_shards"]) == 10
+        assert "live" in eyrie("show", "live", env=env).stdout
+    finally:
+        os.killpg(worker.pid, 9)
+
+
+def check_metrics(url: str) -> None:
+    text = requests.get(f"{url}/metrics", headers=AUTH).text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("eyrie_samples", (("outcome", "done"), ("run", "live"), ("stage", "generate")))] == 40
+    assert samples[("eyrie_tokens", (("run", "live"), ("stage", "generate")))] == 240
+    assert samples[("eyrie_run_state", (("run", "live"), ("state", "in_progress")))] == 1
+    assert samples[("eyrie_queue_jobs", (("queue", "extract"), ("state", "queued")))] == 1
+    assert ("eyrie_workers", (("queue", "generate"),)) in samples
+    assert samples[("eyrie_bytes_stored", (("run", "live"), ("stage", "generate")))] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# schemathesis
+
+
+@pytest.fixture(scope="module")
+def fuzz_api(redis_server, tmp_path_factory):
+    env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_server,
+           "EYRIE_STORE_URL": f"file://{tmp_path_factory.mktemp('fuzz-store')}"}
+    proc, url = start_api(env)
+    yield url
+    stop(proc)
+
+
+def test_no_server_errors_on_any_input(fuzz_api):
+    """Every operation of the published schema, with generated valid and invalid inputs."""
+    schema = schemathesis.openapi.from_url(f"{fuzz_api}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/runs", "/runs/{name}", "/runs/{name}/cancel", "/metrics"}
+    for operation in operations:
+        @given(case=operation.as_strategy())
+        @settings(max_examples=12, deadline=None, phases=[Phase.explicit, Phase.generate],
+                  suppress_health_check=list(HealthCheck), database=None)
+        def call(case):
+            case.call_and_validate(base_url=fuzz_api, headers=AUTH, checks=[not_a_server_error])
+
+        call()
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_cli_cancel_retry_logs_watch(env, stub_server, tmp_path):
+    env = {**env, "EYRIE_INFERENCE_URL": stub_server(tokens=4), "EYRIE_SERVER": "vllm"}
+    eyrie("generate", "--dataset", prompts(tmp_path / "p.jsonl", 6), "--run", "cli", "--shard-size", "3", env=env)
+    assert "2 waiting tasks removed" in eyrie("cancel", "cli", env=env).stdout
+    assert json.loads(eyrie("runs", "--json", env=env).stdout)[0]["state"] == "cancelled"
+    assert json.loads(eyrie("status", "cli", "--json", env=env).stdout)["stages"]["generate"]["state"] == "cancelled"
+    assert "2 tasks requeued" in eyrie("retry", "cli", env=env).stdout
+    eyrie("worker", "generate", "--burst", env=env)
+    assert eyrie("watch", "cli", env=env, timeout=60).returncode == 0
+    assert "no errors" in eyrie("logs", "cli", env=env).stdout
+    assert json.loads(eyrie("logs", "cli", "--json", env=env).stdout) == []
+    shown = eyrie("show", "cli", env=env).stdout
+    assert "dataset" in shown and "2 shards" in shown
+    assert json.loads(eyrie("show", "cli", "--json", env=env).stdout)["run"] == "cli"
+    unknown = eyrie("cancel", "nope", env=env, check=False)
+    assert unknown.returncode == 1 and "unknown run 'nope'" in unknown.stderr
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_one_stage_only(env, api, stub_server, tmp_path):
+    stub = stub_server(tokens=4)
+    url = api(EYRIE_INFERENCE_URL=stub, EYRIE_SERVER="vllm")
+    body = run_config("single", prompts(tmp_path / "p.jsonl", 5))
+    bad = requests.post(f"{url}/runs?stage=evaluate", json=body, headers=AUTH)
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["query", "stage"]
+    early = requests.post(f"{url}/runs?stage=extract", json=body, headers=AUTH)
+    assert early.status_code == 404 and "unknown run 'single'" in early.json()["detail"]
+    started = requests.post(f"{url}/runs?stage=generate", json=body, headers=AUTH)
+    assert started.status_code == 202 and started.json() == {"run": "single", "stage": "generate", "enqueued": 1}
+    eyrie("worker", "generate", "--burst", env={**env, "EYRIE_INFERENCE_URL": stub, "EYRIE_SERVER": "vllm"})
+    status = requests.get(f"{url}/runs/single", headers=AUTH).json()
+    assert status["stages"]["generate"]["state"] == "done" and status["pipeline"] is None
+    assert "extract" not in status["stages"]  # nothing followed by itself
