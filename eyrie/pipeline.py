@@ -38,13 +38,13 @@ class TargetShape(_Section):
 
 
 class TargetSection(_Section):
-    model: str
+    model: str = Field(min_length=1, description="Local directory or HF id of the target.")
     shape: TargetShape | None = None
 
 
 class DatasetSection(_Section):
-    source: str
-    split: str = "train"
+    source: str = Field(min_length=1, description="Local .jsonl/.parquet/dataset directory, or HF id.")
+    split: str = Field("train", min_length=1)
     revision: str | None = None
     limit: int | None = Field(None, ge=1)
 

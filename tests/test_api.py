@@ -182,7 +182,7 @@ def test_no_server_errors_on_any_input(fuzz_api):
         @settings(max_examples=12, deadline=None, phases=[Phase.explicit, Phase.generate],
                   suppress_health_check=list(HealthCheck), database=None)
         def call(case):
-            case.call_and_validate(base_url=fuzz_api, headers=AUTH, checks=[not_a_server_error])
+            case.call_and_validate(base_url=fuzz_api, headers=AUTH, checks=[not_a_server_error], timeout=120)
 
         call()
 

@@ -83,3 +83,16 @@ def test_sample_ids_are_deterministic_and_distinct(tmp_path):
 ])
 def test_rows_to_prompts(row, expected):
     assert to_prompt(row) == expected
+
+
+@pytest.mark.parametrize("where", ["empty", "root"])
+def test_a_directory_that_is_not_a_dataset_is_refused_before_reading_it(tmp_path, where):
+    folder = tmp_path if where == "empty" else "/"  # "/": never walked, let alone hashed
+    if where == "empty":
+        (tmp_path / "notes.md").write_text("not data")
+        (tmp_path / ".hidden").mkdir()
+        (tmp_path / ".hidden" / "x.jsonl").write_text("{}\n")
+    # an empty one is refused by its contents; "/" at the latest by datasets' loader: one clear
+    # error either way, after reading no more than the data files 2 levels down
+    with pytest.raises(EyrieError, match="does not look like a dataset directory" if where == "empty" else "dataset /"):
+        dataset.resolve(str(folder))

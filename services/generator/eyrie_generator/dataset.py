@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,9 +25,33 @@ def _sha256_files(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
+DATA_SUFFIXES = {".parquet", ".jsonl", ".json", ".csv", ".arrow"}
+MAX_DEPTH, MAX_FILES = 2, 10_000
+
+
+def dataset_files(root: Path) -> list[Path]:
+    """A dataset directory's data files (saved dataset or hub layout: at most 2 levels down, hidden
+    and cache folders skipped). Anything else, e.g. "/" or a home directory, is refused before
+    any file is read."""
+    found = []
+    for folder, subdirs, files in os.walk(root):
+        depth = len(Path(folder).relative_to(root).parts)
+        subdirs[:] = [] if depth >= MAX_DEPTH else [d for d in subdirs if not d.startswith(".")]
+        found += [Path(folder) / f for f in files if Path(f).suffix in DATA_SUFFIXES and not f.startswith(".")]
+        if len(found) > MAX_FILES:
+            break
+    if not found or len(found) > MAX_FILES:
+        why = "no data files (.parquet, .jsonl, .json, .csv, .arrow)" if not found else f"over {MAX_FILES:,} files"
+        raise EyrieError(f"{root} does not look like a dataset directory: {why} within {MAX_DEPTH} levels.",
+                         "pass a dataset file (.jsonl/.parquet), a dataset directory, or a hub id.")
+    return found
+
+
 def resolve(source: str, split: str = "train", revision: str | None = None,
             limit: int | None = None) -> DatasetRef:
     """Identify the dataset exactly (revision or content hash) and how many rows to use."""
+    if not source.strip():
+        raise EyrieError("no dataset given (an empty name).", "pass a .jsonl/.parquet file, a dataset directory or a hub id.")
     path = Path(source)
     if path.is_file():
         kind = "parquet" if path.suffix == ".parquet" else "jsonl"
@@ -34,7 +59,7 @@ def resolve(source: str, split: str = "train", revision: str | None = None,
         rev = _sha256_files([path])
     elif path.is_dir():
         kind = "hf"
-        rev = _sha256_files([p for p in path.rglob("*") if p.is_file() and ".cache" not in p.parts])
+        rev = _sha256_files(dataset_files(path))
         total = len(_load_hf(str(path), split, None))
     elif _looks_like_path(source):
         raise EyrieError(f"dataset file {source} does not exist.",
