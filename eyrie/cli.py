@@ -156,19 +156,19 @@ def train(run: str = typer.Option(..., "--run", help="Run name (its extract stag
                                                                        "capped at the target's)."),
           lr: Optional[float] = typer.Option(None, min=0, help="Learning rate (default 1e-4)."),
           seq_len: Optional[int] = typer.Option(None, min=16, help="Tokens per packed batch (default 8192)."),
-          ttt_steps: Optional[int] = typer.Option(None, min=1, help="Draft steps trained and evaluated: K (default 3)."),
+          ttt_steps: Optional[int] = typer.Option(None, min=1, max=16, help="Draft steps trained and evaluated: K (default 3)."),
           heldout: Optional[int] = typer.Option(None, min=1, help="Samples held out for evaluation "
                                                                  "(default 10%, at most 500)."),
           wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
     """Train an EAGLE-3 drafter (speculators) on the run's hidden states; evaluate; export the best."""
     from eyrie.manifest import check_run_name
-    from eyrie_trainer.plan import TrainRequest, start_train
+    from eyrie.pipeline import TrainSection
+    from eyrie_trainer.plan import start_train
 
     check_run_name(run)
     settings, conn, store = _context()
-    request = TrainRequest(base=base, base_revision=base_revision, epochs=epochs, max_steps=max_steps,
-                           draft_vocab=draft_vocab, lr=lr, total_seq_len=seq_len, ttt_steps=ttt_steps,
-                           heldout=heldout)
+    request = TrainSection(base=base, base_revision=base_revision, epochs=epochs, max_steps=max_steps,
+                           draft_vocab=draft_vocab, lr=lr, seq_len=seq_len, ttt_steps=ttt_steps, heldout=heldout)
     manifest, enqueued = start_train(conn, store, run, request, Path(settings.cache_dir))
     p = manifest.train
     vocab = f"draft vocab {p.draft_vocab} ({'the base drafter' if p.base else 'token frequencies of the run'})"

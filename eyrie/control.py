@@ -81,10 +81,9 @@ def start_stage(settings, conn, store, cfg, stage: str) -> dict:
 
         _, enqueued = start_configured_extract(conn, store, cfg)
     else:
-        from eyrie.pipeline import train_request
-        from eyrie_trainer.plan import TrainRequest, start_train
+        from eyrie_trainer.plan import start_train
 
-        _, enqueued = start_train(conn, store, cfg.run, TrainRequest(**train_request(cfg)), Path(settings.cache_dir))
+        _, enqueued = start_train(conn, store, cfg.run, cfg.train, Path(settings.cache_dir))
     conn.delete(cancelled_key(cfg.run))
     return {"run": cfg.run, "stage": stage, "enqueued": enqueued}
 

@@ -67,6 +67,9 @@ class ExtractSection(_Section):
 
 
 class TrainSection(_Section):
+    """What the train stage asks for (`eyrie train` flags, a config's train section, a train task's
+    request); None: the default, or on a rerun what was planned."""
+
     base: str | None = None
     base_revision: str | None = None
     epochs: int | None = Field(None, ge=1)
@@ -74,7 +77,7 @@ class TrainSection(_Section):
     draft_vocab: int | None = Field(None, ge=2)
     lr: float | None = Field(None, gt=0)
     seq_len: int | None = Field(None, ge=16)
-    ttt_steps: int | None = Field(None, ge=1)
+    ttt_steps: int | None = Field(None, ge=1, le=16)
     heldout: int | None = Field(None, ge=1)
 
 
@@ -167,7 +170,7 @@ def _next_stage(conn, store, config: RunConfig) -> str | None:
         from eyrie_trainer.plan import TASK_FUNC, TRAIN_TIMEOUT_S, train_task_id
 
         # planned by the trainer (which fetches and checks the base drafter in its own cache)
-        enqueue_task(conn, "train", TASK_FUNC, {"run": config.run, "request": train_request(config)},
+        enqueue_task(conn, "train", TASK_FUNC, {"run": config.run, "request": config.train.model_dump()},
                      train_task_id(config.run), timeout_s=TRAIN_TIMEOUT_S)
         return "train"
     conn.srem(ACTIVE, config.run)  # exported: the pipeline is done
@@ -232,13 +235,6 @@ def run_plan_extract_task(payload: dict) -> dict:
 
 def _all_extracted(store, manifest, layout) -> bool:
     return all(store.exists(layout.extract_shard_manifest(p.index)) for p in manifest.generate_shards)
-
-
-def train_request(config: RunConfig) -> dict:
-    t = config.train
-    return {"base": t.base, "base_revision": t.base_revision, "epochs": t.epochs, "max_steps": t.max_steps,
-            "draft_vocab": t.draft_vocab, "lr": t.lr, "total_seq_len": t.seq_len, "ttt_steps": t.ttt_steps,
-            "heldout": t.heldout}
 
 
 def on_task_done(job, connection, result, *args, **kwargs) -> None:

@@ -187,6 +187,13 @@ def test_no_server_errors_on_any_input(fuzz_api):
         call()
 
 
+def test_a_value_the_stage_refuses_is_a_422_naming_it(fuzz_api):
+    """Found by schemathesis in CI: ttt_steps over 16 passed the body's schema, then failed (500)."""
+    body = {"run": "ttt", "target": {"model": "m"}, "dataset": {"source": "d"}, "train": {"ttt_steps": 103995}}
+    reply = requests.post(f"{fuzz_api}/runs?stage=train", json=body, headers=AUTH, timeout=30)
+    assert reply.status_code == 422 and reply.json()["detail"][0]["loc"] == ["body", "train", "ttt_steps"]
+
+
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
 def test_cli_cancel_retry_logs_watch(env, stub_server, tmp_path):
     env = {**env, "EYRIE_INFERENCE_URL": stub_server(tokens=4), "EYRIE_SERVER": "vllm"}

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from fastapi import Depends, FastAPI, Path, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from pydantic import ValidationError
 
 import eyrie
 from eyrie.api.auth import can_read, need_token
@@ -35,6 +36,7 @@ def create_app(settings=None) -> FastAPI:
     app.state.settings, app.state.conn, app.state.store = settings, connect(settings.redis_url), open_store(settings)
     app.add_exception_handler(UnknownRun, lambda _, exc: _error(404, exc))
     app.add_exception_handler(EyrieError, lambda _, exc: _error(400, exc))
+    app.add_exception_handler(ValidationError, lambda _, exc: _invalid(exc))
     app.include_router(routes())
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
@@ -42,6 +44,13 @@ def create_app(settings=None) -> FastAPI:
 
 def _error(status: int, exc: EyrieError) -> JSONResponse:
     return JSONResponse({"detail": exc.problem, "fix": exc.fix}, status_code=status)
+
+
+def _invalid(exc: ValidationError) -> JSONResponse:
+    """A value the body's schema let through but a stage's own model refuses: the user's to fix."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    return JSONResponse({"detail": [{"loc": list(e["loc"]), "msg": e["msg"]} for e in errors],
+                         "fix": "change the named values and send the request again."}, status_code=422)
 
 
 def routes():

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from eyrie import progress
 from eyrie.errors import EyrieError
 from eyrie.manifest import BaseDrafter, Layout, RunManifest, TrainParams, load_run_manifest
+from eyrie.pipeline import TrainSection
 from eyrie.queue import enqueue_task
 from eyrie.status import task_id
 
@@ -25,28 +26,14 @@ class TrainTask(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-    request: "TrainRequest | None" = None
-
-
-class TrainRequest(BaseModel):
-    """What `eyrie train` asks for; None: the default (or, on a rerun, what was planned)."""
-
-    base: str | None = None
-    base_revision: str | None = None
-    epochs: int | None = Field(None, ge=1)
-    max_steps: int | None = Field(None, ge=1)
-    draft_vocab: int | None = Field(None, ge=2)
-    lr: float | None = Field(None, gt=0)
-    total_seq_len: int | None = Field(None, ge=16)
-    ttt_steps: int | None = Field(None, ge=1, le=16)
-    heldout: int | None = Field(None, ge=1)
+    request: TrainSection | None = None
 
 
 def train_task_id(run: str) -> str:
     return task_id("train", run, 0)
 
 
-def ensure_plan(conn, store, run: str, request: TrainRequest, cache_dir: Path) -> RunManifest:
+def ensure_plan(conn, store, run: str, request: TrainSection, cache_dir: Path) -> RunManifest:
     """The run's train plan: made now (base drafter fetched and checked), or checked against."""
     manifest, layout = load_run_manifest(store, run), Layout(run)
     _require_extract_done(store, manifest, layout)
@@ -59,7 +46,7 @@ def ensure_plan(conn, store, run: str, request: TrainRequest, cache_dir: Path) -
     return manifest
 
 
-def start_train(conn, store, run: str, request: TrainRequest, cache_dir: Path) -> tuple[RunManifest, int]:
+def start_train(conn, store, run: str, request: TrainSection, cache_dir: Path) -> tuple[RunManifest, int]:
     manifest, layout = ensure_plan(conn, store, run, request, cache_dir), Layout(run)
     if store.exists(layout.drafter_manifest):
         return manifest, 0
@@ -77,7 +64,7 @@ def _require_extract_done(store, manifest: RunManifest, layout: Layout) -> None:
                          f"run `eyrie extract --run {manifest.run} --wait` first, then train.")
 
 
-def plan(store, manifest: RunManifest, request: TrainRequest, cache_dir: Path) -> TrainParams:
+def plan(store, manifest: RunManifest, request: TrainSection, cache_dir: Path) -> TrainParams:
     from importlib.metadata import version
 
     from eyrie_trainer.data import done_samples
@@ -94,12 +81,12 @@ def plan(store, manifest: RunManifest, request: TrainRequest, cache_dir: Path) -
     return TrainParams(
         epochs=request.epochs or 10, max_steps=request.max_steps, draft_vocab=draft_vocab,
         vocab_mapping="base" if request.base else "frequency", lr=request.lr or 1e-4,
-        total_seq_len=request.total_seq_len or 8192, ttt_steps=request.ttt_steps or 3,
+        total_seq_len=request.seq_len or 8192, ttt_steps=request.ttt_steps or 3,
         train_samples=samples - heldout, heldout_samples=heldout,
         base=base, speculators_version=version("speculators"))
 
 
-def check_base_drafter(manifest: RunManifest, request: TrainRequest, cache_dir: Path) -> BaseDrafter:
+def check_base_drafter(manifest: RunManifest, request: TrainSection, cache_dir: Path) -> BaseDrafter:
     """Fetched, converted and checked against the target and the run's layers now, before any
     training is planned: a mismatch is refused here, naming both values."""
     from eyrie_trainer.base import prepare_base
@@ -115,9 +102,9 @@ def _target_vocab(model: str) -> int:
     return text_config(model).vocab_size
 
 
-def _check_same(params: TrainParams, request: TrainRequest) -> None:
+def _check_same(params: TrainParams, request: TrainSection) -> None:
     planned = {"epochs": params.epochs, "max_steps": params.max_steps, "lr": params.lr,
-               "total_seq_len": params.total_seq_len, "ttt_steps": params.ttt_steps,
+               "seq_len": params.total_seq_len, "ttt_steps": params.ttt_steps,
                "heldout": params.heldout_samples, "base": params.base.source if params.base else None}
     changed = [f"{name} {getattr(request, name)} vs {old}" for name, old in planned.items()
                if getattr(request, name) is not None and getattr(request, name) != old]
@@ -127,8 +114,6 @@ def _check_same(params: TrainParams, request: TrainRequest) -> None:
         raise EyrieError(f"train of this run was planned with other settings: {'; '.join(changed)}.",
                          "rerun with the original settings to continue it, or start a new run.")
 
-
-TrainTask.model_rebuild()
 
 
 FETCH_FUNC = "eyrie_trainer.plan.run_fetch_task"
