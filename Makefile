@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_UPDATE_CHECK := 1
 REQS := requirements/base.txt requirements/generator.txt requirements/inference.txt \
         requirements/speculators.txt requirements/api.txt requirements/dev.txt pyproject.toml
 
-.PHONY: setup test demo redis chromium api bench compose-check up down ps logs status run clean tiny-target
+.PHONY: setup test faults demo redis chromium api bench compose-check up down ps logs status run clean tiny-target
 
 setup: $(VENV)/.installed redis chromium
 
@@ -32,6 +32,10 @@ chromium:
 
 test: setup
 	$(BIN)/pytest -q
+
+# The fault suite alone (it is also part of `make test`): writes docs/faults.md
+faults: setup
+	$(BIN)/pytest -q tests/test_faults.py
 
 # The embedded default: Redis on 127.0.0.1:6379 (started here if none answers), a local
 # file store in .eyrie/store, transformers serve on the tiny target, one generator worker.

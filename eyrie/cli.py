@@ -1,8 +1,8 @@
 """The `eyrie` command line: the control plane of the embedded default and of the stack.
 
 Exit codes: 0 success; 1 a problem the message names (with its fix), e.g. an unknown run;
-2 bad usage; 3 `--wait` or `watch` ended with the run failed (or blocked); 4 `--wait` or `watch`
-ended with the run cancelled.
+2 bad usage; 3 `--wait` or `watch` ended with the run failed (or blocked), or `audit` found a
+sample lost or duplicated; 4 `--wait` or `watch` ended with the run cancelled.
 """
 
 from __future__ import annotations

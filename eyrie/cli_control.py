@@ -1,4 +1,4 @@
-"""The control commands of the `eyrie` CLI: api, runs, watch, show, cancel, retry, logs."""
+"""The control commands of the `eyrie` CLI: api, runs, watch, show, cancel, retry, logs, audit."""
 
 from __future__ import annotations
 
@@ -115,3 +115,25 @@ def logs(run: str = typer.Argument(..., help="Run name."),
         typer.echo(f"run {run}: no errors")
     for line in [] if as_json else errors:
         typer.echo(line)
+
+
+@app.command()
+@command
+def audit(run: str = typer.Argument(..., help="Run name."),
+          as_json: bool = typer.Option(False, "--json", help="One JSON array.")):
+    """Every sample accounted for, from the store: in, done, skipped, failed, duplicated, lost,
+    pending, per stage. Exit code 3 if any sample is lost or duplicated."""
+    from eyrie.audit import audit as audit_run
+    from eyrie.audit import clean
+
+    _, _, store = _context()
+    figures = audit_run(store, run)
+    if as_json:
+        _print_json([f.model_dump() for f in figures])
+    else:
+        typer.echo(f"{'stage':<9}{'in':>8}{'done':>8}{'skipped':>9}{'failed':>8}{'dup':>6}{'lost':>6}{'pending':>9}")
+        for f in figures:
+            typer.echo(f"{f.stage:<9}{f.samples_in:>8}{f.done:>8}{f.skipped:>9}{f.failed:>8}{f.duplicated:>6}"
+                       f"{f.lost:>6}{f.pending:>9}")
+    if not clean(figures):
+        raise typer.Exit(3)

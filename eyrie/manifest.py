@@ -217,6 +217,8 @@ class ShardManifest(BaseModel):
     finished_at: str
     worker: str
     samples: list[dict] = Field(default_factory=list, description="extract: one entry per object")
+    not_done: list[dict] = Field(default_factory=list, description="extract: sample_id, status and "
+                                                                   "reason or error of each sample not stored")
     mismatches: int = 0  # extract: server token ids that disagree with the chat template
     truncated: int = 0  # extract: samples cut to --max-length
 

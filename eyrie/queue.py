@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
@@ -19,6 +20,45 @@ from eyrie.errors import EyrieError
 RETRY_INTERVALS_S = [10, 60, 300]
 ADVANCE_TIMEOUT_S = 3600  # planning the next stage reads every record (25k samples: minutes)
 LEASE_TTL_S = 15  # a dead worker's task is taken over within this time
+# The only functions a worker runs, and the only callback: a payload naming anything else
+# (os.system, say) is refused unexecuted, whoever could write to Redis.
+TASK_FUNCS = frozenset({
+    "eyrie_generator.shard.run_generate_shard", "eyrie_extractor.shard.run_extract_shard",
+    "eyrie.pipeline.run_plan_extract_task", "eyrie_trainer.runner.run_train_task",
+    "eyrie_trainer.plan.run_fetch_task"})
+CALLBACKS = frozenset({"eyrie.pipeline.on_task_done"})
+
+
+class RefusedTask(Exception):
+    """A queued job that is not one of ours."""
+
+
+class EyrieJob(Job):
+    """A job that resolves only eyrie's own task functions and callback."""
+
+    @property
+    def func(self):
+        if self.func_name not in TASK_FUNCS or self.instance is not None:
+            raise RefusedTask(f"{self.func_name!r} is not an eyrie task; refused unexecuted")
+        return super().func
+
+    @property
+    def success_callback(self):
+        return self._allowed_callback(self._success_callback_name, lambda: super(EyrieJob, self).success_callback)
+
+    @property
+    def failure_callback(self):
+        return self._allowed_callback(self._failure_callback_name, lambda: super(EyrieJob, self).failure_callback)
+
+    @property
+    def stopped_callback(self):
+        return self._allowed_callback(self._stopped_callback_name, lambda: super(EyrieJob, self).stopped_callback)
+
+    @staticmethod
+    def _allowed_callback(name, resolve):
+        if name and name not in CALLBACKS:
+            raise RefusedTask(f"callback {name!r} is not eyrie's; refused")
+        return resolve()
 
 
 def connect(redis_url: str) -> redis.Redis:
@@ -45,7 +85,7 @@ def _safe(url: str) -> str:
 
 def queue(conn: redis.Redis, stage: str) -> Queue:
     """The queue of one stage. JSON payloads only: nothing read from Redis is unpickled."""
-    return Queue(f"eyrie-{stage}", connection=conn, serializer=JSONSerializer)
+    return Queue(f"eyrie-{stage}", connection=conn, serializer=JSONSerializer, job_class=EyrieJob)
 
 
 def job_state(conn: redis.Redis, job_id: str) -> str | None:
@@ -103,7 +143,7 @@ def _abandoned(conn: redis.Redis, job_id: str) -> bool:
     job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
     started = job.started_at.replace(tzinfo=timezone.utc) if job.started_at else None
     old_enough = started is None or datetime.now(timezone.utc) - started > timedelta(seconds=LEASE_TTL_S)
-    return old_enough and not conn.exists(lease_key(job_id))
+    return old_enough and not conn.exists(lease_key(job_id), alive_key(job_id))
 
 
 def live_tasks(conn: redis.Redis, stage: str) -> int:
@@ -114,6 +154,19 @@ def live_tasks(conn: redis.Redis, stage: str) -> int:
 
 def lease_key(task_id: str) -> str:
     return f"eyrie:lease:{task_id}"
+
+
+def alive_key(job_id: str) -> str:
+    return f"eyrie:alive:{job_id}"
+
+
+def _keep_alive(conn: redis.Redis, job_id: str, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            conn.set(alive_key(job_id), socket.gethostname(), ex=LEASE_TTL_S)
+        except redis.exceptions.RedisError:
+            pass  # Redis is away: the key lapses; the task's own lease decides who works on it
+        stop.wait(LEASE_TTL_S / 3)
 
 
 def task_lease(conn: redis.Redis, task_id: str) -> Lock:
@@ -159,15 +212,49 @@ def reclaim_abandoned(conn: redis.Redis, stage: str) -> int:
     return reclaimed
 
 
+class _Maintained:
+    """A worker that keeps its job's alive key fresh while it runs it (task code, callbacks and
+    all), and whose maintenance requeues the tasks of dead workers: a survivor takes them over
+    without a restart."""
+
+    def execute_job(self, job, queue):
+        stop = threading.Event()
+        keeper = threading.Thread(target=_keep_alive, args=(self.connection, job.id, stop), daemon=True)
+        keeper.start()
+        try:
+            return super().execute_job(job, queue)
+        finally:
+            stop.set()
+            keeper.join()
+            self.connection.delete(alive_key(job.id))
+
+    def run_maintenance_tasks(self):
+        super().run_maintenance_tasks()
+        for q in self.queues:
+            reclaimed = reclaim_abandoned(self.connection, q.name.removeprefix("eyrie-"))
+            if reclaimed:
+                self.log.warning("requeued %d task(s) of dead workers on %s", reclaimed, q.name)
+
+
+class ForkingWorker(_Maintained, Worker):
+    pass
+
+
+class InProcessWorker(_Maintained, SimpleWorker):
+    pass
+
+
 def run_worker(conn: redis.Redis, stage: str, burst: bool) -> None:
     """An RQ worker on one stage's queue; the scheduler runs retries after their backoff.
 
-    RQ itself fails or retries a dead worker's job once its heartbeat lapses (~90 s); the
-    shorter task lease lets a new worker take it over sooner."""
+    RQ itself fails or retries a dead worker's job once its heartbeat lapses (for tasks run in
+    the worker process: the job's whole timeout); the shorter task lease lets a live worker
+    take it over within a minute."""
     reclaim_abandoned(conn, stage)
     # GPU stages run tasks in the worker process itself: the model stays loaded between tasks
     # (and CUDA does not survive a fork). The generator forks a work horse per task.
-    worker_class = Worker if stage == "generate" else SimpleWorker
+    worker_class = ForkingWorker if stage == "generate" else InProcessWorker
     worker = worker_class([queue(conn, stage)], connection=conn, serializer=JSONSerializer,
-                          name=worker_name(stage), maintenance_interval=60)
+                          job_class=EyrieJob, name=worker_name(stage), maintenance_interval=2 * LEASE_TTL_S,
+                          worker_ttl=3 * LEASE_TTL_S)
     worker.work(burst=burst, with_scheduler=True, logging_level="INFO")

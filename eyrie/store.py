@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
+import logging
 import os
 import shutil
 import tempfile
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +18,9 @@ from urllib.parse import urlparse
 import orjson
 
 from eyrie.errors import EyrieError
+
+log = logging.getLogger("eyrie.store")
+OUTAGE_S = 300  # how long an S3 call is retried while the endpoint is away (restart, network)
 
 
 @dataclass(frozen=True)
@@ -25,7 +31,11 @@ class ObjectInfo:
 
 
 class CorruptObject(EyrieError):
-    pass
+    """An object whose bytes do not match the sha256 recorded when it was written."""
+
+    def __init__(self, problem: str, fix: str, key: str):
+        super().__init__(problem, fix)
+        self.key = key
 
 
 def sha256_file(path: Path) -> str:
@@ -99,7 +109,7 @@ class Store(ABC):
 
     def _corrupt(self, key: str, sha256: str) -> "CorruptObject":
         return CorruptObject(f"object {key} in {self.url} does not match its recorded sha256 {sha256[:12]}…",
-                             "delete the object so the stage that wrote it produces it again.")
+                             "delete the object so the stage that wrote it produces it again.", key)
 
     def get_verified(self, key: str, sha256: str) -> bytes:
         data = self.get_bytes(key)
@@ -194,6 +204,30 @@ class FileStore(Store):
         return shutil.disk_usage(self.root).free
 
 
+def _through_outages(method):
+    """An S3 call retried (backoff up to 10 s) while the endpoint is unreachable or answers 5xx,
+    for up to OUTAGE_S: a MinIO restart costs time, not the task. A put is atomic, so a retried
+    one leaves no partial object."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        import urllib3
+        from minio.error import ServerError
+
+        deadline, delay = time.monotonic() + OUTAGE_S, 0.5
+        while True:
+            try:
+                return method(self, *args, **kwargs)
+            except (urllib3.exceptions.HTTPError, ServerError, ConnectionError, TimeoutError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise EyrieError(f"the S3 endpoint {self.endpoint} failed for {OUTAGE_S} s "
+                                     f"({type(exc).__name__}).", "bring MinIO/S3 back; the task is retried "
+                                     "from what is stored.") from None
+                log.warning("S3 %s: %s; retried in %.1f s", method.__name__, type(exc).__name__, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+    return call
+
+
 class S3Store(Store):
     """S3 or MinIO through the minio SDK. A PUT becomes visible only once complete."""
 
@@ -202,7 +236,7 @@ class S3Store(Store):
         from minio import Minio
 
         parsed = urlparse(endpoint)
-        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.bucket, self.prefix, self.endpoint = bucket, prefix.strip("/"), endpoint
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
         self.client = Minio(parsed.netloc, access_key=access_key, secret_key=secret_key,
                             secure=parsed.scheme == "https", region=region)
@@ -228,17 +262,20 @@ class S3Store(Store):
     def _name(self, key: str) -> str:
         return f"{self.prefix}/{_check_key(key)}" if self.prefix else _check_key(key)
 
+    @_through_outages
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
         digest = sha256_bytes(data)
         self.client.put_object(self.bucket, self._name(key), io.BytesIO(data), len(data),
                                metadata={"sha256": digest})
         return ObjectInfo(key, len(data), digest)
 
+    @_through_outages
     def put_file(self, key: str, path: Path) -> ObjectInfo:
         digest = sha256_file(path)  # a first pass: the sha256 travels as the object's metadata
         self.client.fput_object(self.bucket, self._name(key), str(path), metadata={"sha256": digest})
         return ObjectInfo(key, Path(path).stat().st_size, digest)
 
+    @_through_outages
     def _download(self, key: str, dest: Path) -> None:
         from minio.error import S3Error
 
@@ -249,6 +286,7 @@ class S3Store(Store):
                 raise KeyError(key) from None
             raise
 
+    @_through_outages
     def get_bytes(self, key: str) -> bytes:
         from minio.error import S3Error
 
@@ -264,6 +302,7 @@ class S3Store(Store):
             resp.close()
             resp.release_conn()
 
+    @_through_outages
     def exists(self, key: str) -> bool:
         from minio.error import S3Error
 
@@ -275,6 +314,7 @@ class S3Store(Store):
                 return False
             raise
 
+    @_through_outages
     def list(self, prefix: str) -> list[str]:
         strip = len(self.prefix) + 1 if self.prefix else 0
         objects = self.client.list_objects(self.bucket, prefix=self._name(prefix) if prefix else
@@ -282,6 +322,7 @@ class S3Store(Store):
                                            recursive=True)
         return sorted(o.object_name[strip:] for o in objects)
 
+    @_through_outages
     def delete(self, key: str) -> None:
         self.client.remove_object(self.bucket, self._name(key))
 

@@ -164,28 +164,3 @@ def test_generate_started_on_one_host_is_finished_on_another(env, tiny_server, t
         manifest = store.get_json(layout.generate_shard_manifest(index))
         ids += [json.loads(line)["sample_id"] for line in store.get_bytes(manifest["object"]).splitlines()]
     assert len(ids) == len(set(ids)) == 306  # none lost, none twice
-
-
-@pytest.mark.parametrize("store_env", ["file"], indirect=True)
-def test_a_pipeline_over_its_storage_budget_stops_before_any_forward_pass(env, tiny_server, tmp_path):
-    procs = workers({**env, "EYRIE_RETRY_BACKOFF_S": "0.05"}, "generate", "extract")
-    try:
-        path = config(tmp_path, "budget", dataset={"limit": 12}, extract={"budget": "10kB"})
-        result = eyrie("run", "--config", path, "--wait", env=env, check=False, timeout=900)
-        assert result.returncode == 3
-        status = json.loads(eyrie("status", "budget", "--json", env=env).stdout)
-        assert status["stages"]["generate"]["state"] == "done" and "extract" not in status["stages"]
-        blocked = status["pipeline"]["blocked"]
-        assert "10.00 kB" in blocked and "--dtype fp8" in blocked  # refused, with the numbers and the options
-        assert "pipeline blocked" in eyrie("status", "budget", env=env).stdout
-        # the fix: a bigger budget; extract was not planned, so its section may change on a rerun
-        fixed = config(tmp_path, "budget", dataset={"limit": 12}, extract={"budget": "1GB"})
-        assert "extract started" in eyrie("run", "--config", fixed, env=env).stdout
-        deadline = time.monotonic() + 300
-        while json.loads(eyrie("status", "budget", "--json", env=env).stdout)["stages"].get(
-                "extract", {}).get("state") != "done" and time.monotonic() < deadline:
-            time.sleep(1)
-        assert json.loads(eyrie("status", "budget", "--json", env=env).stdout)["pipeline"]["blocked"] is None
-    finally:
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGKILL)

@@ -201,6 +201,8 @@ class ExtractRunner:
             failure_errors=dict(Counter(e["error"][:80] for e in entries if e["status"] == "failed")),
             started_at=started_at, finished_at=now_iso(), worker=socket.gethostname(),
             samples=[e for e in entries if e["status"] == "done"],
+            not_done=[{k: e[k] for k in ("sample_id", "status", "reason", "error") if k in e}
+                      for e in entries if e["status"] != "done"],
             mismatches=sum(1 for e in entries if e.get("mismatch")),
             truncated=sum(1 for e in entries if e.get("truncated")))
         self.store.put_json(self.layout.extract_shard_manifest(self.shard), manifest.model_dump())

@@ -19,7 +19,9 @@ from eyrie.config import Settings
 from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease, pick_device
 from eyrie.manifest import Layout, load_run_manifest
-from eyrie.queue import LEASE_TTL_S, held_task
+from eyrie.queue import LEASE_TTL_S, enqueue_task, held_task
+from eyrie.status import task_id
+from eyrie.store import CorruptObject
 from eyrie_trainer import checkpoints, engine
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
 from eyrie_trainer.plan import train_task_id
@@ -92,7 +94,10 @@ class TrainRunner:
         from eyrie_trainer.export import evaluate_and_export
 
         self._report(phase="data", force=True)
-        train_dir, eval_dir = self._prepare_data()
+        try:
+            train_dir, eval_dir = self._prepare_data()
+        except CorruptObject as exc:
+            return self._extract_again(exc)
         base_args = self._prepare_base() if self.params.base else []
         restored = checkpoints.restore(self.store, self.layout, self.work / "checkpoints", self._say)
         if restored:
@@ -122,6 +127,20 @@ class TrainRunner:
         n_eval = materialize(self.store, self.run_name, eval_dir, lambda s: s["sample_id"] in held)
         self._say(f"data: {n_train} training samples, {n_eval} held out, in {self.work / 'data'}")
         return train_dir, eval_dir
+
+    def _extract_again(self, exc: CorruptObject) -> dict:
+        """A stored sample that fails its checksum: its extract shard is produced again (the
+        pipeline trains once that is done; by hand, rerun `eyrie train`). Never trained on."""
+        from eyrie_extractor.plan import TASK_FUNC as EXTRACT_FUNC
+
+        shard = int(exc.key.split("/extract/shards/shard-", 1)[1][:5])
+        self.store.delete(exc.key)
+        self.store.delete(self.layout.extract_shard_manifest(shard))
+        enqueue_task(self.conn, "extract", EXTRACT_FUNC, {"run": self.run_name, "shard": shard},
+                     task_id("extract", self.run_name, shard))
+        self._say(f"{exc.problem} Extract shard {shard} is produced again; training starts once it is done.")
+        self._report(phase="waiting", waiting_for=f"extract shard {shard}", force=True)
+        return {"status": "extracting_again", "shard": shard, "corrupt": exc.key}
 
     def _prepare_base(self) -> list[str]:
         """The base as planned (fetched and converted again on a new host), checked again here."""
