@@ -63,7 +63,7 @@ class EyrieJob(Job):
 
 def connect(redis_url: str) -> redis.Redis:
     """A checked connection: a clear error now beats a stack trace at the first enqueue."""
-    conn = redis.Redis.from_url(redis_url, socket_connect_timeout=5, health_check_interval=30)
+    conn = redis.Redis.from_url(redis_url, socket_connect_timeout=5, health_check_interval=30, retry=_patient())
     try:
         conn.ping()
     except redis.exceptions.AuthenticationError:
@@ -73,6 +73,15 @@ def connect(redis_url: str) -> redis.Redis:
         raise EyrieError(f"cannot reach Redis at {_safe(redis_url)}.",
                          "start redis-server or set EYRIE_REDIS_URL to a reachable Redis.") from None
     return conn
+
+
+def _patient():
+    """Every Redis command is retried through about a minute of Redis being away (a restart on
+    its AOF): workers, their RQ bookkeeping and the tasks ride it out instead of crashing."""
+    from redis.backoff import ExponentialWithJitterBackoff
+    from redis.retry import Retry as RedisRetry
+
+    return RedisRetry(ExponentialWithJitterBackoff(base=0.5, cap=10), retries=12)
 
 
 def _safe(url: str) -> str:
