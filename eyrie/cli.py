@@ -31,6 +31,22 @@ def command(func):
     return wrapper
 
 
+def _check_flags(section, **flags):
+    """A stage's flags, checked by the model its run.yaml section and the API check (64-bit
+    integers, finite numbers, ranges): one line naming each bad flag."""
+    from pydantic import ValidationError
+
+    try:
+        return section(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as exc:
+        bad = "; ".join(f"--{_FLAG.get(e['loc'][0], str(e['loc'][0]).replace('_', '-'))} "
+                        f"{str(e.get('input'))[:40]}: {e['msg']}" for e in exc.errors())
+        raise EyrieError(f"invalid {bad}.", "correct these flags (eyrie COMMAND --help).") from None
+
+
+_FLAG = {"timeout_s": "timeout"}
+
+
 def _context():
     from eyrie.config import load_settings
     from eyrie.queue import connect
@@ -73,9 +89,12 @@ def generate(dataset: str = typer.Option(..., "--dataset", help="Local .jsonl/.p
              wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
     """Answer a prompt dataset with the served target; results go to the store as shards."""
     from eyrie.manifest import check_run_name
+    from eyrie.pipeline import GenerateSection
     from eyrie_generator.plan import start_generate
 
     check_run_name(run)
+    _check_flags(GenerateSection, concurrency=concurrency, max_tokens=max_tokens, timeout_s=timeout,
+                 temperature=temperature, shard_size=shard_size)
     settings, conn, store = _context()
     params = {"concurrency": concurrency, "max_tokens": max_tokens, "timeout": timeout,
               "temperature": temperature, "shard_size": shard_size}
@@ -109,6 +128,7 @@ def extract(run: str = typer.Option(..., "--run", help="Run name (its generate s
             wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
     """Record the target's hidden states for every generated sample (speculators' layout)."""
     from eyrie.manifest import check_run_name
+    from eyrie.pipeline import ExtractSection
     from eyrie_extractor.budget import human
     from eyrie_extractor.plan import start_extract
 
@@ -121,6 +141,7 @@ def extract(run: str = typer.Option(..., "--run", help="Run name (its generate s
         aux = [int(x) for x in layers.split(",")] if layers else None
     except ValueError:
         raise EyrieError(f"cannot read --layers {layers!r}.", "give comma-separated ids, e.g. --layers 2,16,29.") from None
+    _check_flags(ExtractSection, layers=aux, max_length=max_length, budget=budget)
     _, conn, store = _context()
     manifest, enqueued = start_extract(conn, store, run, layers=aux, dtype=dtype, max_length=max_length,
                                        budget=budget, backend=backend)
@@ -166,9 +187,10 @@ def train(run: str = typer.Option(..., "--run", help="Run name (its extract stag
     from eyrie_trainer.plan import start_train
 
     check_run_name(run)
+    request = _check_flags(TrainSection, base=base, base_revision=base_revision, epochs=epochs,
+                           max_steps=max_steps, draft_vocab=draft_vocab, lr=lr, seq_len=seq_len,
+                           ttt_steps=ttt_steps, heldout=heldout)
     settings, conn, store = _context()
-    request = TrainSection(base=base, base_revision=base_revision, epochs=epochs, max_steps=max_steps,
-                           draft_vocab=draft_vocab, lr=lr, seq_len=seq_len, ttt_steps=ttt_steps, heldout=heldout)
     manifest, enqueued = start_train(conn, store, run, request, Path(settings.cache_dir))
     p = manifest.train
     vocab = f"draft vocab {p.draft_vocab} ({'the base drafter' if p.base else 'token frequencies of the run'})"

@@ -18,7 +18,7 @@ log = logging.getLogger("eyrie.pipeline")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf would be stored as null
 
     @field_validator("*")
     @classmethod
@@ -97,8 +97,12 @@ def load_config(path: Path) -> RunConfig:
         raw = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
         raise EyrieError(f"no config file {path}.", "pass the path of a run.yaml (examples/ has two).") from None
-    except yaml.YAMLError as exc:
-        raise EyrieError(f"{path} is not valid YAML ({exc}).", "fix the YAML syntax.") from None
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, a name too long, not UTF-8
+        raise EyrieError(f"cannot read config {str(path)[:120]!r} ({getattr(exc, 'strerror', None) or exc}).",
+                         "pass the path of a run.yaml file (UTF-8 text; examples/ has two).") from None
+    except (yaml.YAMLError, RecursionError) as exc:
+        raise EyrieError(f"{path} is not valid YAML ({' '.join(str(exc).split())[:200]}).",
+                         "fix the YAML syntax.") from None
     try:
         config = RunConfig.model_validate(raw)
     except ValidationError as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import hashlib
 import os
 from collections.abc import Iterator
@@ -44,6 +46,9 @@ def dataset_files(root: Path) -> list[Path]:
         why = "no data files (.parquet, .jsonl, .json, .csv, .arrow)" if not found else f"over {MAX_FILES:,} files"
         raise EyrieError(f"{root} does not look like a dataset directory: {why} within {MAX_DEPTH} levels.",
                          "pass a dataset file (.jsonl/.parquet), a dataset directory, or a hub id.")
+    if not any(f.stat().st_size for f in found):
+        raise EyrieError(f"dataset directory {root} has only empty data files ({len(found)}).",
+                         "check that the download or export finished, or pass another dataset.")
     return found
 
 
@@ -53,6 +58,7 @@ def resolve(source: str, split: str = "train", revision: str | None = None,
     if not source.strip():
         raise EyrieError("no dataset given (an empty name).", "pass a .jsonl/.parquet file, a dataset directory or a hub id.")
     path = Path(source)
+    _check_local(path)
     if path.is_file():
         kind = "parquet" if path.suffix == ".parquet" else "jsonl"
         total = _count_parquet(path) if kind == "parquet" else _count_jsonl(path)
@@ -61,6 +67,9 @@ def resolve(source: str, split: str = "train", revision: str | None = None,
         kind = "hf"
         rev = _sha256_files(dataset_files(path))
         total = len(_load_hf(str(path), split, None))
+    elif path.exists():
+        raise EyrieError(f"dataset {source} is not a regular file or a directory.",
+                         "pass a .jsonl/.parquet file, a dataset directory or a hub id.")
     elif _looks_like_path(source):
         raise EyrieError(f"dataset file {source} does not exist.",
                          "check the path, or give a Hugging Face dataset id such as "
@@ -88,6 +97,17 @@ def iter_rows(ref: DatasetRef) -> Iterator[Row]:
             yield i, ds[i], None
 
 
+def _check_local(path: Path) -> None:
+    """A name the operating system refuses outright (too long, a loop of links) is refused here."""
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as exc:
+        raise EyrieError(f"cannot use dataset path {str(path)[:120]!r}: {exc.strerror}.",
+                         "pass an existing .jsonl/.parquet file, a dataset directory or a hub id.") from None
+
+
 def _looks_like_path(source: str) -> bool:
     return source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet")) \
         or source.count("/") != 1
@@ -104,7 +124,7 @@ def _iter_jsonl(path: Path, start: int, end: int) -> Iterator[Row]:
             if i >= end:
                 break
             if i >= start:
-                yield (i, *_parse_line(line))
+                yield (i, *_parse_line(line.removeprefix(codecs.BOM_UTF8) if i == 0 else line))
 
 
 def _parse_line(line: bytes) -> tuple[dict | None, str | None]:
@@ -163,13 +183,44 @@ def _load_hf(source: str, split: str, revision: str | None):
         import datasets
 
         try:
-            _HF_CACHE[key] = datasets.load_dataset(source, split=split, revision=revision)
+            with _quiet(Path(source).is_dir()):
+                _HF_CACHE[key] = datasets.load_dataset(source, split=split, revision=revision)
         except Exception as exc:  # datasets raises many types for a missing/unreadable dataset
-            raise EyrieError(f"cannot load dataset {source} (split {split}): {type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else ''}",
+            root = _root_cause(exc)
+            why = str(root).strip().splitlines()[0].rstrip(".") if str(root).strip() else "(no message)"
+            raise EyrieError(f"cannot load dataset {source} (split {split}): {type(root).__name__}: {why}.",
                              "check the id, split and revision, and that the hub (or HF cache) is "
                              "reachable; or pass a local .jsonl/.parquet file.") from None
     return _HF_CACHE[key]
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """datasets wraps what went wrong (DatasetGenerationError around pyarrow's parse error)."""
+    seen = {id(exc)}
+    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        seen.add(id(exc))
+    return exc
+
+
+@contextlib.contextmanager
+def _quiet(local: bool):
+    """A local directory loads in moments: no progress bars, and datasets' own error logs (which
+    repeat what the EyrieError says) stay off the user's terminal. Hub downloads keep their bars."""
+    from datasets.utils import logging as ds_logging
+
+    if not local:
+        yield
+        return
+    bars, verbosity = ds_logging.is_progress_bar_enabled(), ds_logging.get_verbosity()
+    ds_logging.disable_progress_bar()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(verbosity)
+        if bars:
+            ds_logging.enable_progress_bar()
 
 
 def _hub_revision(source: str, revision: str | None) -> str:

@@ -7,6 +7,7 @@ Redis and the store, and a rerun reads exactly the rows the first attempt read.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 
 import orjson
 
@@ -20,6 +21,7 @@ from eyrie.status import task_id
 from eyrie.store import Store
 from eyrie.target import describe
 from eyrie_generator import dataset
+from eyrie_generator.prompts import Skip, to_prompt
 
 TASK_FUNC = "eyrie_generator.shard.run_generate_shard"
 
@@ -61,6 +63,7 @@ def _new_run(settings, conn, store, layout, source, split, revision, limit, para
         retry_backoff_s=settings.retry_backoff_s,
         shard_size=params.get("shard_size") or settings.shard_size,
     )
+    _check_usable(ref)
     shards, skips = _write_inputs(store, layout, ref, generate.shard_size)
     manifest = RunManifest(run=layout.run, created_at=now_iso(), code_version=code_version(),
                            target=_target(settings, conn), dataset=ref, generate=generate,
@@ -103,6 +106,22 @@ def _write_inputs(store, layout, ref, shard_size: int) -> tuple[list[ShardPlan],
     if lines:
         close(ref.row_end)
     return shards, skips
+
+
+def _check_usable(ref) -> None:
+    """Refuse a dataset without one usable row (nothing would be generated). Reads up to the first
+    usable row: one row for a normal dataset, every row of a broken one."""
+    reasons: Counter = Counter()
+    for _, data, problem in dataset.iter_rows(ref):
+        prompt = None if problem else to_prompt(data)
+        if not problem and not isinstance(prompt, Skip):
+            return
+        reasons[problem or prompt.reason] += 1
+    top = ", ".join(f"{reason} x{n}" for reason, n in reasons.most_common(3))
+    raise EyrieError(f"dataset {ref.source}: none of the {reasons.total()} rows read is a usable prompt ({top}).",
+                     "give rows with `conversations` or `messages`: a list of turns ({from, value} or "
+                     "{role, content}) with a human/user turn, one JSON object per line for .jsonl "
+                     "(convert a JSON array or CSV to JSON Lines).")
 
 
 def _check_same(manifest: RunManifest, source: str, limit: int | None, params: dict) -> None:

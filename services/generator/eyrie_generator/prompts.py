@@ -20,11 +20,12 @@ def to_prompt(row) -> list[dict] | Skip:
     """Messages up to and including the last human turn, system turns kept.
 
     Accepts `conversations` or `messages`, with turns as `from`/`value` (ShareGPT, as in
-    mlabonne/open-perfectblend) or `role`/`content` (OpenAI, UltraChat).
+    mlabonne/open-perfectblend) or `role`/`content` (OpenAI, UltraChat). A null field counts as
+    absent: parquet and HF datasets give every row every column (and every turn every key).
     """
     if not isinstance(row, dict):
         return Skip("row_not_an_object")
-    turns = row.get("conversations", row.get("messages"))
+    turns = _first_set(row, "conversations", "messages")
     if turns is None:
         return Skip("no_conversation_field")
     if not isinstance(turns, list):
@@ -48,12 +49,9 @@ def to_prompt(row) -> list[dict] | Skip:
 def _to_message(turn) -> dict | Skip:
     if not isinstance(turn, dict):
         return Skip("turn_not_an_object")
-    if "from" in turn or "value" in turn:
-        role, text = turn.get("from"), turn.get("value")
-    elif "role" in turn or "content" in turn:
-        role, text = turn.get("role"), turn.get("content")
-    else:
+    if not turn.keys() & {"from", "value", "role", "content"}:
         return Skip("turn_without_role_or_text")
+    role, text = _first_set(turn, "from", "role"), _first_set(turn, "value", "content")
     if not isinstance(role, str) or role.lower() not in ROLES:
         return Skip("unknown_role")
     if text is None:
@@ -61,3 +59,8 @@ def _to_message(turn) -> dict | Skip:
     if not isinstance(text, str):
         return Skip("text_not_a_string")
     return {"role": ROLES[role.lower()], "content": text}
+
+
+def _first_set(obj: dict, *keys: str):
+    """The value of the first key that is present and not null."""
+    return next((obj[k] for k in keys if obj.get(k) is not None), None)
