@@ -6,6 +6,8 @@ job fetch uses the JSON serializer. `assert_no_pickles` checks a store's objects
 from __future__ import annotations
 
 import ast
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,136 @@ def assert_no_pickles(store, prefix: str) -> int:
             assert not data.startswith(PICKLE_MAGIC), f"{key} is a pickle"
             assert b"PK\x03\x04" not in data[:1024], f"{key} holds a zip (torch.save) header"
     return len(keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# secrets never in logs, status, responses, Redis or the store
+
+
+@pytest.fixture
+def secrets_env(s3_server, stub_server, tmp_path):
+    """A Redis with a password, S3 keys and an API token, each a distinctive random value."""
+    import secrets as random
+    import shutil
+    import subprocess
+
+    import redis
+
+    from conftest import OFFLINE, free_port, stop
+
+    values = {"redis": f"rp{random.token_hex(12)}", "access": f"AK{random.token_hex(8)}",
+              "secret": f"sk{random.token_hex(16)}", "token": f"tk{random.token_hex(16)}"}
+    port = free_port()
+    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--requirepass", values["redis"], "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL)
+    url = f"redis://:{values['redis']}@127.0.0.1:{port}/0"
+    wait_redis(redis.Redis.from_url(url))
+    env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": url, "EYRIE_STORE_URL": f"s3://sec-{port}/pre",
+           "EYRIE_S3_ENDPOINT": s3_server, "EYRIE_S3_ACCESS_KEY": values["access"],
+           "EYRIE_S3_SECRET_KEY": values["secret"], "EYRIE_INFERENCE_URL": stub_server(tokens=4),
+           "EYRIE_SERVER": "vllm", "EYRIE_RETRY_BACKOFF_S": "0.05"}
+    yield env, values
+    stop(proc)
+
+
+def wait_redis(conn) -> None:
+    import time
+
+    import redis
+
+    for _ in range(100):
+        try:
+            conn.ping()
+            return
+        except redis.ConnectionError:
+            time.sleep(0.05)
+
+
+def test_secrets_never_appear_in_output_status_responses_redis_or_the_store(secrets_env, tmp_path):
+    import requests
+
+    from conftest import eyrie, stop
+    from test_api import prompts, run_config, start_api
+
+    env, values = secrets_env
+    seen: dict[str, str] = {}  # what was said, by where it was said
+    auth = {"Authorization": f"Bearer {values['token']}"}
+    cli = lambda name, *args, **kw: seen.__setitem__(name, _said(eyrie(*args, env=env, **kw)))  # noqa: E731
+    cli("generate", "generate", "--dataset", prompts(tmp_path / "p.jsonl", 6), "--run", "sec", "--shard-size", "3")
+    api, url = start_api(env, EYRIE_API_TOKEN=values["token"])
+    try:
+        started = requests.post(f"{url}/runs", json=run_config("secapi", prompts(tmp_path / "q.jsonl", 4)),
+                                headers=auth)
+        assert started.status_code == 202, started.text
+        cli("worker", "worker", "generate", "--burst")
+        for path in ("/runs", "/runs/sec", "/runs/secapi", "/runs/sec/manifest", "/runs/sec/errors", "/metrics",
+                     "/openapi.json", "/healthz", "/"):
+            reply = requests.get(f"{url}{path}", headers=auth)
+            assert reply.status_code == 200, path
+            seen[f"GET {path}"] = reply.text
+        seen["wrong token"] = requests.get(f"{url}/runs", headers={"Authorization": "Bearer nope"}).text
+    finally:
+        stop(api)
+        seen["api process"] = api.stdout.read()
+    assert json.loads(seen["GET /runs/sec"])["stages"]["generate"]["done"] == 6  # a real step ran ...
+    assert "Started server process" in seen["api process"] and "generate" in seen["worker"]  # ... and was heard
+    for args in (("status", "sec"), ("status", "sec", "--json"), ("status", "secapi", "--json"), ("runs", "--json"),
+                 ("logs", "sec"), ("show", "sec", "--json")):
+        cli(" ".join(args), *args)
+    assert json.loads(seen["status sec --json"].split("\n--\n")[0])["stages"]["generate"]["done"] == 6
+    _refusals(env, values, seen)
+    seen.update(_redis_dump(env["EYRIE_REDIS_URL"]))
+    seen.update(_store_dump(env))
+    assert any(k.startswith("redis rq:job:") for k in seen) and any(k.endswith("manifest.json") for k in seen)
+    leaks = [f"{name} in {where}" for where, text in seen.items() for name, value in values.items() if value in text]
+    assert leaks == [], leaks
+
+
+def _said(result) -> str:
+    return f"{result.stdout}\n--\n{result.stderr}"
+
+
+def _refusals(env: dict, values: dict, seen: dict) -> None:
+    """The error paths: a wrong Redis password, an unreachable S3 endpoint, refused values."""
+    from conftest import eyrie
+
+    wrong = env["EYRIE_REDIS_URL"].replace(values["redis"], values["redis"][::-1])
+    values["wrong redis password"] = values["redis"][::-1]
+    refused = eyrie("status", "sec", env={**env, "EYRIE_REDIS_URL": wrong}, check=False)
+    assert refused.returncode == 1 and "redis://***@127.0.0.1" in refused.stderr
+    seen["wrong redis password"] = _said(refused)
+    bad = {**env, "EYRIE_REDIS_URL": env["EYRIE_REDIS_URL"].replace("redis://", "http://"),
+           "EYRIE_S3_ENDPOINT": f"ftp://{values['access']}:{values['secret']}@127.0.0.1:1"}
+    invalid = eyrie("status", "sec", env=bad, check=False)
+    assert invalid.returncode == 1 and "EYRIE_REDIS_URL='http://***@127.0.0.1" in invalid.stderr
+    seen["invalid settings"] = _said(invalid)
+    away = {**env, "EYRIE_S3_ENDPOINT": f"http://{values['access']}:{values['secret']}@127.0.0.1:1"}
+    unreachable = eyrie("status", "sec", env=away, check=False)
+    assert unreachable.returncode == 1 and "Traceback" not in unreachable.stderr
+    assert "EYRIE_S3_ENDPOINT='http://***@127.0.0.1:1': Value error, must not hold credentials" in unreachable.stderr
+    seen["credentials in the S3 endpoint"] = _said(unreachable)
+
+
+def _redis_dump(url: str) -> dict[str, str]:
+    """Every key of every type (RQ's job hashes, results, registries, our own keys), as text."""
+    import redis
+
+    conn, out = redis.Redis.from_url(url), {}
+    readers = {b"hash": conn.hgetall, b"string": conn.get, b"set": conn.smembers,
+               b"list": lambda k: conn.lrange(k, 0, -1), b"zset": lambda k: conn.zrange(k, 0, -1, withscores=True),
+               b"stream": lambda k: conn.xrange(k)}
+    for key in conn.scan_iter(count=1000):
+        out[f"redis {key.decode()}"] = repr(readers[conn.type(key)](key))
+    return out
+
+
+def _store_dump(env: dict) -> dict[str, str]:
+    from eyrie.config import load_settings
+    from eyrie.store import open_store
+
+    settings = load_settings(**{k.removeprefix("EYRIE_").lower(): v for k, v in env.items()
+                                if k.startswith("EYRIE_") and k != "EYRIE_INFERENCE_URL"})
+    store = open_store(settings)
+    return {f"store {o.object_name}": repr(store.client.get_object(store.bucket, o.object_name).read())
+            for o in store.client.list_objects(store.bucket, recursive=True)}
