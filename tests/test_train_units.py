@@ -154,7 +154,9 @@ def test_stored_checkpoints_hold_no_pickle_and_restore_the_same_optimizer_state(
     assert restored == sorted(p.name for p in files)  # speculators finds its own files, nothing more
     for name in sorted(pickled):  # torch.load of local files: the original and what we rebuilt
         original = torch.load(tmp_path / "ck" / "0" / name, weights_only=True)
-        assert name != "optimizer_state_dict.pt" or len(original["state"]) > 3  # Adam moments, after 2 steps
+        if name == "optimizer_state_dict.pt":  # one state dict per optimizer (a list when there are several)
+            states = original if isinstance(original, list) else [original]
+            assert sum(len(s["state"]) for s in states) > 3  # the moments of 2 steps, not an empty state
         same_state(original, torch.load(tmp_path / "restored" / "0" / name, weights_only=True), name)
     assert said == []
 
