@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlparse
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from eyrie.errors import EyrieError
 
@@ -18,7 +18,8 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="EYRIE_", extra="ignore", env_ignore_empty=True)
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Queues, run state, leases.")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", repr=False,  # may hold the password
+                           description="Queues, run state, leases.")
     store_url: str = Field("file://.eyrie/store", description="file://DIR or s3://BUCKET[/PREFIX].")
     s3_endpoint: str | None = Field(None, description="S3/MinIO endpoint, e.g. http://minio:9000.")
     s3_access_key: SecretStr | None = None
@@ -70,6 +71,14 @@ class Settings(BaseSettings):
                                                     "through without the token.")
     api_host: str = Field("127.0.0.1", description="Bind address of `eyrie api`.")
     api_port: int = Field(8080, ge=1, le=65535, description="Port of `eyrie api`.")
+    api_dataset_roots: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Directories (comma-separated) POST /runs may read a local dataset "
+                                          "from; empty: local paths are refused through the API (hub ids pass).")
+
+    @field_validator("api_dataset_roots", mode="before")
+    @classmethod
+    def _comma_separated(cls, v):
+        return [part.strip() for part in v.split(",") if part.strip()] if isinstance(v, str) else v
 
     @field_validator("redis_url")
     @classmethod
@@ -102,6 +111,13 @@ class Settings(BaseSettings):
     def _http_url(cls, v: str | None) -> str | None:
         return _check_http(v.rstrip("/")) if v else v
 
+    @field_validator("s3_endpoint")
+    @classmethod
+    def _no_credentials_in_endpoint(cls, v: str | None) -> str | None:
+        if v and "@" in urlparse(v).netloc:
+            raise ValueError("must not hold credentials: set EYRIE_S3_ACCESS_KEY and EYRIE_S3_SECRET_KEY")
+        return v
+
 
 def _check_http(v: str) -> str:
     if urlparse(v).scheme not in ("http", "https") or not urlparse(v).netloc:
@@ -122,6 +138,24 @@ def parse_endpoints(value: str) -> list[tuple[str, int]]:
     return endpoints
 
 
+SECRET_FIELDS = {"s3_access_key", "s3_secret_key", "api_token"}
+
+
+def safe_url(url: str) -> str:
+    """The URL without its user and password, for messages and logs."""
+    if "://" in url and "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url
+
+
+def _shown(loc: tuple, value) -> str:
+    """A refused value as an error message shows it: never a secret, never a URL's password."""
+    if loc and loc[0] in SECRET_FIELDS:
+        return "'***'"
+    return repr(safe_url(value) if isinstance(value, str) else value)
+
+
 def load_settings(**overrides) -> Settings:
     """Read EYRIE_* from the environment; raise one EyrieError listing every bad value."""
     try:
@@ -130,7 +164,7 @@ def load_settings(**overrides) -> Settings:
         lines = []
         for err in exc.errors():
             name = "EYRIE_" + "_".join(str(p) for p in err["loc"]).upper()
-            lines.append(f"{name}={err.get('input')!r}: {err['msg']}")
+            lines.append(f"{name}={_shown(err['loc'], err.get('input'))}: {err['msg']}")
         raise EyrieError(
             "invalid configuration: " + "; ".join(lines),
             "correct these environment variables (or flags) and start again.",

@@ -165,7 +165,7 @@ def _stop_running(conn, ids: set[str]) -> list[str]:
     """By the workers' own current job (a task a worker took while we cancelled is stopped too)."""
     stopped = []
     for stage in STAGE_QUEUES:
-        for worker in Worker.all(queue=queue(conn, stage)):
+        for worker in Worker.all(queue=queue(conn, stage), serializer=JSONSerializer):
             job_id = worker.get_current_job_id()
             if job_id in ids:
                 send_command(conn, worker.name, "stop-job", job_id=job_id)

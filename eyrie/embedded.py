@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from eyrie import inference
-from eyrie.config import load_settings
+from eyrie.config import load_settings, safe_url
 from eyrie.display import console
 from eyrie.queue import connect
 from eyrie.store import open_store
@@ -41,7 +41,7 @@ def run_demo(run: str, dataset: str) -> int:
     settings = load_settings()
     conn, store = connect(settings.redis_url), open_store(settings)
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
-    console.print(f"[bold]eyrie demo[/]: Redis {settings.redis_url}, store {store.url}, "
+    console.print(f"[bold]eyrie demo[/]: Redis {safe_url(settings.redis_url)}, store {store.url}, "
                   f"target {settings.model} on transformers serve (CPU); logs in {LOGS}/")
     procs = [start("inference", ["serve"], env)]
     try:

@@ -86,10 +86,9 @@ def _patient():
 
 def _safe(url: str) -> str:
     """The URL without its password, for messages and logs."""
-    if "@" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
+    from eyrie.config import safe_url
+
+    return safe_url(url)
 
 
 def queue(conn: redis.Redis, stage: str) -> Queue:

@@ -245,17 +245,19 @@ class S3Store(Store):
     def _ensure_bucket(self, endpoint: str) -> None:
         from minio.error import S3Error
 
+        from eyrie.config import safe_url
+
         try:
             if not self.client.bucket_exists(self.bucket):
                 self.client.make_bucket(self.bucket)
         except S3Error as exc:
             raise EyrieError(
-                f"S3 endpoint {endpoint} refused bucket {self.bucket}: {exc.code}.",
+                f"S3 endpoint {safe_url(endpoint)} refused bucket {self.bucket}: {exc.code}.",
                 "check EYRIE_S3_ACCESS_KEY / EYRIE_S3_SECRET_KEY and the bucket name.",
             ) from None
         except Exception as exc:  # urllib3 raises several kinds of connection errors
             raise EyrieError(
-                f"cannot reach the S3 endpoint {endpoint}: {type(exc).__name__}.",
+                f"cannot reach the S3 endpoint {safe_url(endpoint)}: {type(exc).__name__}.",
                 "start MinIO (or your S3 service) or correct EYRIE_S3_ENDPOINT.",
             ) from None
 

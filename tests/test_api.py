@@ -5,6 +5,7 @@ and a schemathesis fuzz run against the published OpenAPI schema (no 500s)."""
 import json
 import os
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -15,16 +16,18 @@ from hypothesis import HealthCheck, Phase, given, settings
 from prometheus_client.parser import text_string_to_metric_families
 from schemathesis.checks import not_a_server_error
 
-from conftest import BIN, OFFLINE, TINY, eyrie, free_port, start_worker, stop, wait_http
+from conftest import BIN, OFFLINE, ROOT, TINY, eyrie, free_port, start_worker, stop, wait_http
 
 TOKEN = "test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+DATASET_ROOTS = f"{tempfile.gettempdir()},{ROOT / 'tests' / 'data'}"  # tests' prompt files, tmp_path
 
 
 def start_api(env: dict, **extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([str(BIN / "eyrie"), "api", "--port", str(port)],
-                            env={**env, "EYRIE_API_TOKEN": TOKEN, **extra}, stdout=subprocess.PIPE,
+                            env={**env, "EYRIE_API_TOKEN": TOKEN, "EYRIE_API_DATASET_ROOTS": DATASET_ROOTS,
+                                 **extra}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/healthz", proc=proc)
@@ -83,6 +86,29 @@ def test_auth_reads_and_writes(api):
     no_token = api(EYRIE_API_TOKEN="")
     refused = requests.post(f"{no_token}/runs/x/retry", headers=AUTH)
     assert refused.status_code == 403 and "EYRIE_API_TOKEN" in refused.json()["detail"]
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_the_api_reads_local_datasets_only_under_its_roots(env, api, stub_server, tmp_path):
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed.mkdir(), outside.mkdir()
+    secret = prompts(outside / "private.jsonl", 3)
+    (allowed / "link.jsonl").symlink_to(secret)
+    url = api(EYRIE_API_DATASET_ROOTS=str(allowed), EYRIE_INFERENCE_URL=stub_server(), EYRIE_SERVER="vllm")
+    for i, source in enumerate([secret, f"{allowed}/../outside/private.jsonl", str(allowed / "link.jsonl"),
+                                "/etc/passwd", str(outside)]):
+        refused = requests.post(f"{url}/runs", json=run_config(f"out{i}", source), headers=AUTH)
+        assert refused.status_code == 400, (source, refused.text)
+        assert "EYRIE_API_DATASET_ROOTS" in refused.json()["detail"] + refused.json()["fix"], source
+    hub = requests.post(f"{url}/runs", json=run_config("hub", "someone/some-dataset"), headers=AUTH)
+    assert hub.status_code == 400 and "EYRIE_API_DATASET_ROOTS" not in hub.json()["detail"]  # offline: no hub
+    inside = requests.post(f"{url}/runs?stage=generate", json=run_config("in", prompts(allowed / "p.jsonl", 3)),
+                           headers=AUTH)
+    assert inside.status_code == 202 and inside.json()["enqueued"] == 1
+    closed = api(EYRIE_API_DATASET_ROOTS="")  # the default: no local dataset through the API
+    refused = requests.post(f"{closed}/runs", json=run_config("in2", str(allowed / "p.jsonl")), headers=AUTH)
+    assert refused.status_code == 400 and "EYRIE_API_DATASET_ROOTS (none set" in refused.json()["detail"]
+    assert not redis.Redis.from_url(env["EYRIE_REDIS_URL"]).smembers("eyrie:pipelines:active")
 
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)

@@ -498,3 +498,30 @@ def test_redis_and_minio_start_only_after_the_preflight():
     services = load(COMPOSE)["services"]
     for name in ("redis", "minio"):
         assert services[name]["depends_on"]["preflight"]["condition"] == "service_completed_successfully"
+
+
+def published(port) -> tuple[str, str]:
+    """(host address, container port) of a `ports` entry, short string or Compose's long form."""
+    if isinstance(port, dict):
+        return port.get("host_ip") or "0.0.0.0", str(port["target"])
+    parts = str(port).rsplit(":", 2)
+    return (parts[0] if len(parts) == 3 else "0.0.0.0"), parts[-1]
+
+
+def test_only_the_api_and_inference_are_published_and_only_on_loopback_by_default():
+    """Redis and MinIO stay on the stack's network (publishing them takes an override file of your
+    own); what is published binds to 127.0.0.1 unless EYRIE_*_BIND says otherwise."""
+    raw = load(COMPOSE)["services"]
+    assert {name for name, svc in raw.items() if "ports" in svc} == {"api", "inference"}
+    for name in ("api", "inference"):
+        for port in raw[name]["ports"]:
+            assert port.startswith(f"${{EYRIE_{name.upper()}_BIND:-127.0.0.1}}:"), port
+    assert all("network_mode" not in svc for svc in raw.values())
+    assert '--requirepass "$$REDIS_PASSWORD"' in " ".join(raw["redis"]["command"])
+    config, how = merged_config()
+    services = config["services"]
+    assert {name for name, svc in services.items() if svc.get("ports")} == {"api", "inference"}, how
+    assert {published(p) for p in services["api"]["ports"]} == {("127.0.0.1", "8080")}, how
+    assert {published(p) for p in services["inference"]["ports"]} == {("127.0.0.1", "8000")}, how
+    values, _ = env_example()
+    assert values["EYRIE_API_BIND"] == values["EYRIE_INFERENCE_BIND"] == "127.0.0.1"

@@ -21,6 +21,7 @@ from eyrie.queue import lease_key
 from eyrie.store import open_store
 from eyrie.config import load_settings
 from legacy_drafter import build_legacy_drafter
+from test_security import assert_no_pickles
 
 PROMPTS = ROOT / "tests" / "data" / "tiny_train_prompts.jsonl"
 TRAIN = ["--seq-len", "256", "--lr", "3e-3", "--draft-vocab", "500"]
@@ -207,6 +208,7 @@ def test_a_killed_trainer_resumes_from_its_last_checkpoint(pipeline):
     assert saved["global_step"] > 0 and train["done"] > saved["global_step"]
     labels = [c["label"] for c in train["evaluation"]["checkpoints"]]
     assert labels == ["0", "1", "2"]
+    assert assert_no_pickles(store, layout.train) > 0  # resumed from safetensors + JSON alone
 
 
 def test_sigterm_saves_a_mid_epoch_checkpoint_and_the_trainer_resumes_there(pipeline):
@@ -240,3 +242,4 @@ def test_sigterm_saves_a_mid_epoch_checkpoint_and_the_trainer_resumes_there(pipe
     train = status("term", env)["stages"]["train"]
     assert train["state"] == "done"
     assert any(f"resuming from checkpoint 0 (step {saved['local_step']} of epoch 0)" in n for n in train["notes"])
+    assert assert_no_pickles(store, layout.train) > 0

@@ -108,3 +108,69 @@ def test_the_trainer_subclass_keeps_speculators_loop():
     for name in ("self.train_epoch(", "self.val_epoch(", "self.maybe_save_checkpoint(", "self.maybe_update_best("):
         assert name in source
     assert hasattr(trainer.Trainer, "train_epoch")
+
+
+def same_state(a, b, where="state") -> None:
+    """Two state trees equal: the same structure and types, every tensor equal in dtype, shape, value."""
+    import torch
+
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            same_state(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), where  # NaN equals NaN here
+
+
+def test_stored_checkpoints_hold_no_pickle_and_restore_the_same_optimizer_state(hs_dir, tmp_path):
+    import torch
+
+    from eyrie.manifest import Layout
+    from eyrie.store import FileStore
+    from eyrie_trainer import checkpoints
+    from test_security import assert_no_pickles
+
+    hooks, seen = recording_hooks()
+    engine.train_with_fallback(argv(hs_dir, tmp_path / "ck", "--epochs", "1", "--max-steps", "2"), "cpu",
+                               False, hooks, print)
+    store, layout = FileStore(tmp_path / "store"), Layout("units")
+    files = checkpoints.saved_files(tmp_path / "ck", "0")
+    pickled = {p.name for p in files if p.suffix == ".pt"}
+    assert {"optimizer_state_dict.pt", "scheduler_state_dict.pt"} <= pickled
+    manifest = checkpoints.upload(store, layout, files, "0", 0, 0)
+    assert set(manifest["rebuilds"]) == pickled and not any(n.endswith(".pt") for n in manifest["files"])
+    assert assert_no_pickles(store, layout.train) >= len(files)
+
+    said = []
+    assert checkpoints.restore(store, layout, tmp_path / "restored", said.append)["label"] == "0"
+    restored = sorted(p.name for p in (tmp_path / "restored" / "0").iterdir())
+    assert restored == sorted(p.name for p in files)  # speculators finds its own files, nothing more
+    for name in sorted(pickled):  # torch.load of local files: the original and what we rebuilt
+        original = torch.load(tmp_path / "ck" / "0" / name, weights_only=True)
+        if name == "optimizer_state_dict.pt":  # one state dict per optimizer (a list when there are several)
+            states = original if isinstance(original, list) else [original]
+            assert sum(len(s["state"]) for s in states) > 3  # the moments of 2 steps, not an empty state
+        same_state(original, torch.load(tmp_path / "restored" / "0" / name, weights_only=True), name)
+    assert said == []
+
+
+def test_a_stored_pickle_is_never_restored(tmp_path):
+    from eyrie.manifest import Layout
+    from eyrie.store import FileStore
+    from eyrie_trainer import checkpoints
+
+    store, layout = FileStore(tmp_path / "store"), Layout("old")
+    info = store.put_bytes(layout.checkpoint_file("0", "optimizer_state_dict.pt"), b"PK\x03\x04 a pickle")
+    store.put_json(layout.checkpoint_manifest("0"), {
+        "label": "0", "epoch": 0, "local_step": 0, "saved_at": "", "files": {
+            "optimizer_state_dict.pt": {"sha256": info.sha256, "bytes": info.size}}})
+    said = []
+    assert checkpoints.restore(store, layout, tmp_path / "ck", said.append) is None  # from scratch
+    assert "a pickle" in said[0] and not (tmp_path / "ck" / "0" / "optimizer_state_dict.pt").exists()

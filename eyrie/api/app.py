@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 import eyrie
 from eyrie.api.auth import can_read, need_token
+from eyrie.api.datasets import check_dataset_source
 from eyrie.api.metrics import metrics_response
 from eyrie.errors import EyrieError, UnknownRun
 from eyrie.manifest import RUN_NAME
@@ -81,6 +82,8 @@ def routes():
         """Start (or continue) a pipeline: the body is the config `eyrie run --config` takes.
         With `?stage=generate|extract|train`, that stage only (nothing follows by itself)."""
         state = request.app.state
+        if stage in (None, "generate"):  # the stages that read the dataset, on this host
+            check_dataset_source(config.dataset.source, state.settings.api_dataset_roots)
         settings = state.settings.model_copy(update={"model": config.target.model})
         if stage:
             return control.start_stage(settings, state.conn, state.store, config, stage)

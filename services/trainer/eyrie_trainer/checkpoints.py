@@ -1,16 +1,25 @@
 """speculators' checkpoints mirrored to the store: uploaded after every save, restored before a
 (re)start, so a trainer on any host resumes from the last one. A checkpoint's manifest (files
-and sha256) is written last and removed first: a half-uploaded checkpoint is never used."""
+and sha256) is written last and removed first: a half-uploaded checkpoint is never used.
+The store holds safetensors, JSON and text only: speculators' torch.save'd optimizer and scheduler
+state goes up as safetensors + JSON (tensorfile.py) and is rebuilt locally on restore."""
 
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from eyrie.errors import EyrieError
 from eyrie.manifest import Layout, now_iso
 from eyrie.store import CorruptObject
+from eyrie_trainer import tensorfile
+
+
+class UnsafeObject(EyrieError):
+    """A stored checkpoint file that would have to be unpickled: never read."""
 
 
 def saved_files(root: Path, label: str) -> list[Path]:
@@ -21,12 +30,17 @@ def saved_files(root: Path, label: str) -> list[Path]:
 
 def upload(store, layout: Layout, files: list[Path], label: str, epoch: int, local_step: int) -> dict:
     store.delete(layout.checkpoint_manifest(label))
-    entries = {}
-    for path in files:
-        info = store.put_file(layout.checkpoint_file(label, path.name), path)
-        entries[path.name] = {"sha256": info.sha256, "bytes": info.size}
+    entries, rebuilds = {}, {}
+    with tempfile.TemporaryDirectory(prefix=".eyrie-upload-", dir=files[0].parent.parent) as tmp:
+        for path in files:
+            parts = tensorfile.split(path, Path(tmp)) if tensorfile.is_pickled(path) else [path]
+            if parts != [path]:
+                rebuilds[path.name] = [p.name for p in parts]
+            for part in parts:
+                info = store.put_file(layout.checkpoint_file(label, part.name), part)
+                entries[part.name] = {"sha256": info.sha256, "bytes": info.size}
     manifest = {"label": label, "epoch": epoch, "local_step": local_step, "files": entries,
-                "saved_at": now_iso()}
+                "rebuilds": rebuilds, "saved_at": now_iso()}
     store.put_json(layout.checkpoint_manifest(label), manifest)
     return manifest
 
@@ -39,11 +53,28 @@ def stored(store, layout: Layout) -> list[dict]:
 
 
 def fetch(store, layout: Layout, manifest: dict, folder: Path, names: list[str] | None = None) -> Path:
-    """A stored checkpoint's files (all, or `names`) into `folder`, each checked on the way."""
+    """A stored checkpoint's files (all, or `names`) into `folder`, each checked on the way; the
+    pickled files speculators reads are rebuilt here from their safetensors + JSON parts."""
     for name, entry in manifest["files"].items():
         if names is None or name in names:
+            _check_name(manifest["label"], name)
             store.get_file(layout.checkpoint_file(manifest["label"], name), entry["sha256"], folder / name)
+    for name, parts in manifest.get("rebuilds", {}).items() if names is None else ():
+        if Path(name).name != name or not all(p in manifest["files"] for p in parts):
+            raise UnsafeObject(f"checkpoint {manifest['label']}: bad rebuild entry {name!r}.",
+                               "delete that checkpoint; training restarts from the one before.")
+        tensorfile.rebuild(folder, name, parts)
     return folder
+
+
+def _check_name(label: str, name: str) -> None:
+    if Path(name).name != name or name in (".", ".."):
+        raise UnsafeObject(f"checkpoint {label} names a file {name!r} outside its folder.",
+                           "delete that checkpoint; training restarts from the one before.")
+    if tensorfile.pickled_name(name):
+        raise UnsafeObject(f"checkpoint {label} stores {name}, a pickle: eyrie never loads one from the store.",
+                           "delete that checkpoint (it predates safetensors-only checkpoints); training "
+                           "restarts from the one before, or from scratch.")
 
 
 def restore(store, layout: Layout, root: Path, log) -> dict | None:
@@ -56,7 +87,7 @@ def restore(store, layout: Layout, root: Path, log) -> dict | None:
         try:
             fetch(store, layout, manifest, folder)
             return manifest
-        except (CorruptObject, KeyError) as exc:
+        except (CorruptObject, UnsafeObject, KeyError) as exc:
             log(f"checkpoint {manifest['label']} is unusable ({exc}); trying the one before")
             shutil.rmtree(folder, ignore_errors=True)
     return None
