@@ -114,7 +114,8 @@ class TrainRunner:
             self.uploads.drain()  # every checkpoint saved is in the store before the task ends
         if hooks.state.get("interrupted"):
             raise Interrupted("training interrupted (SIGTERM); the checkpoint is in the store")
-        self._report(phase="evaluating", path=path, force=True)
+        # the total was an estimate: speculators packs each epoch's shuffle into batches anew
+        self._report(phase="evaluating", path=path, total_steps=self.live["step"], force=True)
         result = evaluate_and_export(self.store, self.run_name, eval_dir, device, path, self._say)
         self._report(phase="done", path=path, final=True, force=True)
         return {"status": "done", **result}
