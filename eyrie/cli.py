@@ -8,9 +8,11 @@ sample lost or duplicated; 4 `--wait` or `watch` ended with the run cancelled.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Optional
 
+import click
 import orjson
 import typer
 
@@ -20,13 +22,22 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="eyrie: prompts + target LLM -> EAGLE-3 drafter.")
 
 def command(func):
-    """Run a command; a user-fixable error becomes one line on stderr and exit code 1."""
+    """Run a command; a user-fixable error becomes one line on stderr and exit code 1. Anything
+    else is a bug of ours: one line too (EYRIE_DEBUG=1 shows the traceback), never a stack trace."""
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
         except EyrieError as exc:
             typer.echo(f"eyrie: error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        except (typer.Exit, typer.Abort, click.ClickException, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            if os.environ.get("EYRIE_DEBUG"):
+                raise
+            typer.echo(f"eyrie: internal error: {type(exc).__name__}: {exc} Fix: rerun with EYRIE_DEBUG=1 "
+                       "for the traceback and report it.", err=True)
             raise typer.Exit(1) from None
     return wrapper
 

@@ -290,6 +290,7 @@ def test_cli_arguments_fuzzed_exit_0_1_or_2_never_a_traceback(env, stub_url, tmp
         assert unexpected is None, f"eyrie {args!r} raised {unexpected!r}\n{result.output}"
         assert result.exit_code in (0, 1, 2), (args, result.exit_code, result.output)
         assert "Traceback" not in result.output, (args, result.output)
+        assert "internal error" not in result.output, (args, result.output)  # our catch-all: still a bug
 
     check()
 
