@@ -35,7 +35,8 @@ ROWS = 48
 # --- the parts -------------------------------------------------------------------------------
 
 class Workers:
-    """`eyrie worker STAGE` processes, each logging to a file; SIGKILL takes a stage's all down."""
+    """`eyrie worker STAGE` processes, each logging to a file; SIGKILL takes a stage's all down.
+    Their cache is the test's own: a cache left by an earlier run would hide a corrupted object."""
 
     def __init__(self, env: dict, logs: Path):
         self.env, self.logs, self.procs = env, logs, {}
@@ -44,8 +45,9 @@ class Workers:
         for stage in stages:
             n = sum(1 for p in self.logs.glob(f"{stage}-*.log"))
             log = (self.logs / f"{stage}-{n}.log").open("w")
+            env = {**self.env, "EYRIE_CACHE_DIR": str(self.logs / "cache")}
             self.procs.setdefault(stage, []).append(subprocess.Popen(
-                [str(BIN / "eyrie"), "worker", stage], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                [str(BIN / "eyrie"), "worker", stage], env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True))
 
     def kill(self, stage: str) -> None:

@@ -5,6 +5,7 @@ import json
 import subprocess
 import zlib
 
+import pytest
 import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -70,3 +71,29 @@ def test_payloads_outside_the_schema_are_rejected_unexecuted(env):
     assert "ValidationError" in job.latest_result().exc_string
     stored = json.loads(zlib.decompress(conn.hget("rq:job:evil", "data")))  # JSON, never a pickle
     assert stored[2] == [{"run": "../etc", "shard": -1, "rm": "-rf"}]
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_jobs_that_are_not_ours_or_not_json_fail_unexecuted(env, tmp_path):
+    """Whoever can write to Redis cannot make a worker run a function of their choosing, and a
+    payload that is not JSON fails its job without stopping the worker."""
+    from rq import Callback
+
+    conn = connect(env["EYRIE_REDIS_URL"])
+    q = queue(conn, "generate")
+    marker = tmp_path / "pwned"
+    q.enqueue("os.system", f"touch {marker}", job_id="not-ours")
+    q.enqueue("eyrie_generator.shard.run_generate_shard", {"run": "x", "shard": 0}, job_id="not-json")
+    conn.hset("rq:job:not-json", "data", zlib.compress(b"\x80\x04 a pickle, say"))
+    q.enqueue("eyrie_generator.shard.run_generate_shard", {"run": "x", "shard": 0}, job_id="bad-callback",
+              on_failure=Callback("os.abort"))
+    q.enqueue("eyrie_generator.shard.run_generate_shard", {"run": "../x", "shard": 0}, job_id="after")
+    eyrie("worker", "generate", "--burst", env=env)  # exits 0: the worker outlived them all
+
+    assert not marker.exists()
+    errors = {job_id: Job.fetch(job_id, connection=conn, serializer=JSONSerializer).latest_result()
+              for job_id in ("not-ours", "not-json", "after")}
+    assert "'os.system' is not an eyrie task; refused unexecuted" in errors["not-ours"].exc_string
+    assert "DeserializationError" in errors["not-json"].exc_string
+    assert "ValidationError" in errors["after"].exc_string  # the next job still ran, and was checked
+    assert set(q.failed_job_registry.get_job_ids()) >= {"not-ours", "not-json", "bad-callback", "after"}
