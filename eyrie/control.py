@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from rq import Worker
 from rq.command import send_command
@@ -24,6 +25,25 @@ WAITING = {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED
 
 def cancelled_key(run: str) -> str:
     return f"eyrie:pipeline:{run}:cancelled"
+
+
+class Cancelled(Exception):
+    """The run was cancelled while a task of it ran in the worker's own process."""
+
+
+class CancelWatch:
+    """Whether the run has been cancelled, asked of Redis at most every `every_s`: tasks that run
+    in the worker process (extract, train) poll it between batches or steps and stop cleanly."""
+
+    def __init__(self, conn, run: str, every_s: float = 2.0):
+        self.conn, self.run, self.every_s = conn, run, every_s
+        self.seen, self._asked = False, 0.0
+
+    def __call__(self) -> bool:
+        if not self.seen and time.monotonic() - self._asked >= self.every_s:
+            self._asked = time.monotonic()
+            self.seen = bool(self.conn.exists(cancelled_key(self.run)))
+        return self.seen
 
 
 def start_pipeline(settings, conn, store, cfg) -> dict:
@@ -141,7 +161,8 @@ def run_job_ids(store, run: str) -> dict[str, list[str]]:
 def cancel_run(conn, store, run: str) -> dict:
     """Mark the run cancelled (advance starts nothing more), cancel its waiting tasks, then ask
     the workers running its tasks to stop them (generate's forked tasks stop at once; extract and
-    train run in the worker process itself and finish the task at hand)."""
+    train run in the worker process itself and stop at their next batch or step, within seconds,
+    the trainer after saving a checkpoint)."""
     from eyrie.pipeline import ACTIVE
 
     ids = {j for stage_ids in run_job_ids(store, run).values() for j in stage_ids}
@@ -187,11 +208,27 @@ def retry_run(conn, store, run: str) -> dict:
             for job_id in set(registry.get_job_ids()) & set(ids[stage]):
                 registry.requeue(job_id)
                 requeued.append(job_id)
+        requeued += _requeue_stopped_by_cancel(conn, stage, ids[stage])
     started = None
     if stored_config(store, run) is not None:
         conn.sadd(ACTIVE, run)
         started = advance_or_record(conn, store, run)
     return {"run": run, "requeued": sorted(requeued), "started": started}
+
+
+def _requeue_stopped_by_cancel(conn, stage: str, job_ids: list[str]) -> list[str]:
+    """Tasks that ended early, cleanly, because of a cancel (their result says `cancelled`)."""
+    from eyrie.queue import EyrieJob, enqueue_task
+
+    requeued = []
+    for job_id in job_ids:
+        if job_state(conn, job_id) != JobStatus.FINISHED.value:
+            continue
+        job = EyrieJob.fetch(job_id, connection=conn, serializer=JSONSerializer)
+        if (job.return_value() or {}).get("status") == "cancelled":
+            enqueue_task(conn, stage, job.func_name, job.args[0], job_id, timeout_s=job.timeout)
+            requeued.append(job_id)
+    return requeued
 
 
 def recent_errors(conn, store, run: str, limit: int = 20) -> list[str]:

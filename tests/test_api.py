@@ -159,6 +159,9 @@ def test_cancel_and_retry_a_live_run_with_status_and_metrics(env, api, stub_serv
         wait_for(lambda: status()["pipeline"]["plan_extract_state"] == "queued")  # the pipeline moved on
         final = status()
         assert final["cancelled"] is None and final["stages"]["generate"]["done"] == 40
+        [generate] = requests.get(f"{url}/runs/live/audit", headers=AUTH).json()  # cancelled, retried: once each
+        assert (generate["samples_in"], generate["done"], generate["duplicated"], generate["lost"]) == (40, 40, 0, 0)
+        assert requests.get(f"{url}/runs/nope/audit", headers=AUTH).status_code == 404
         cli = json.loads(eyrie("status", "live", "--json", env=env).stdout)
         assert {k: v for k, v in cli.items() if k != "stages"} == {k: v for k, v in final.items() if k != "stages"}
         assert cli["stages"]["generate"]["done"] == final["stages"]["generate"]["done"]

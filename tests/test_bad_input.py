@@ -117,6 +117,10 @@ CASES = [
                         ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))])),
      {"done": 3}),
     ("parquet_huge_row", "d.parquet", parquet([GOOD, turn(HUGE)]), {"done": 2}),
+    ("parquet_binary_text", "d.parquet",  # a `binary` column: UTF-8 bytes are text, other bytes skipped
+     parquet([turn(b"utf-8 bytes"), turn("caf\u00e9".encode()), turn(b"\xff\xfe not text")],
+             pa.schema([("conversations", pa.list_(pa.struct([("from", pa.string()), ("value", pa.binary())])))])),
+     {"done": 2, "non_utf8_bytes": 1}),
     ("parquet_no_rows", "d.parquet", parquet([], pa.schema([("conversations", TURNS)])), ("refused", "has no rows")),
     ("parquet_truncated", "d.parquet", truncated_parquet, ("refused", "cannot be read", "truncated")),
     ("parquet_not_parquet", "d.parquet", b"PAR1 this is not parquet", ("refused", "cannot be read")),

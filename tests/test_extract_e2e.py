@@ -3,6 +3,7 @@ what we wrote is read back by speculators' own data loading code and equals a di
 pass; fp8 halves the bytes; the storage budget refuses before any forward pass."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -158,3 +159,48 @@ def test_sigkilled_extractor_then_task_completed_exactly_once(env, stub_server, 
     assert len(objects) == n and not store.list(layout.extract_parts(0))
     assert shard.mismatches == n  # the stand-in's ids are not what the chat template renders: counted
     assert all(s["source"] == "server_token_ids" and s["seq_len"] == 58 for s in shard.samples)
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_a_cancel_stops_a_running_extract_task_and_a_retry_finishes_it(env, stub_server, tmp_path):
+    """Extract runs in the worker's own process (RQ cannot stop it): the task sees the cancel
+    between batches, keeps what it stored and ends `cancelled`; the worker stays up; a retry
+    finishes the shard with every sample once."""
+    import signal
+    import time
+
+    from conftest import start_worker
+
+    n = 600
+    genv = {**env, "EYRIE_INFERENCE_URL": stub_server(tokens=48), "EYRIE_SERVER": "vllm", "EYRIE_MODEL": str(TINY)}
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"q{i}"}]}) + "\n"
+                            for i in range(n)))
+    eyrie("generate", "--dataset", str(data), "--run", "stop", "--shard-size", str(n), env=genv)
+    eyrie("worker", "generate", "--burst", env=genv)
+    xenv = {**env, "EYRIE_EXTRACT_BATCH_TOKENS": "120"}
+    eyrie("extract", "--run", "stop", env=xenv)
+    store, layout = open_store(load_settings()), Layout("stop")
+    worker = start_worker(xenv, burst=False, stage="extract")
+    try:
+        deadline = time.monotonic() + 120
+        while len(store.list(layout.extract_parts(0))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        eyrie("cancel", "stop", env=env)
+        stage = lambda: json.loads(eyrie("status", "stop", "--json", env=env).stdout)["stages"]["extract"]  # noqa: E731
+        deadline = time.monotonic() + 60
+        while stage()["state"] != "cancelled" and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert stage()["state"] == "cancelled" and worker.poll() is None
+        assert not store.exists(layout.extract_shard_manifest(0)), "finished before the cancel: proves nothing"
+        assert store.list(layout.extract_parts(0))  # what it did is kept
+
+        assert "1 tasks requeued" in eyrie("retry", "stop", env=env).stdout
+        deadline = time.monotonic() + 300
+        while not store.exists(layout.extract_shard_manifest(0)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+    shard = ShardManifest.model_validate(store.get_json(layout.extract_shard_manifest(0)))
+    ids = [s["sample_id"] for s in shard.samples]
+    assert len(ids) == n == len(set(ids))

@@ -243,3 +243,34 @@ def test_sigterm_saves_a_mid_epoch_checkpoint_and_the_trainer_resumes_there(pipe
     assert train["state"] == "done"
     assert any(f"resuming from checkpoint 0 (step {saved['local_step']} of epoch 0)" in n for n in train["notes"])
     assert assert_no_pickles(store, layout.train) > 0
+
+
+def test_a_cancelled_training_stops_with_a_checkpoint_and_a_retry_resumes_it(pipeline):
+    """Training runs in the worker's own process: a cancel is seen between steps; speculators
+    saves a resumable checkpoint, the task ends `cancelled`, the worker stays up for the next."""
+    env, _ = pipeline
+    store = store_of(env)
+    clone_run(store, "p", "stopme")
+    eyrie("train", "--run", "stopme", "--epochs", "2", *TRAIN, env=env)
+    worker = subprocess.Popen([str(BIN / "eyrie"), "worker", "train"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while (status("stopme", env)["stages"]["train"]["done"] or 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert "stopme" in eyrie("cancel", "stopme", env=env).stdout
+        deadline = time.monotonic() + 120
+        while status("stopme", env)["stages"]["train"]["state"] != "cancelled" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        train = status("stopme", env)["stages"]["train"]
+        assert train["state"] == "cancelled" and worker.poll() is None  # the worker outlives the cancel
+        layout = Layout("stopme")
+        assert store.get_json(layout.checkpoint_manifest("0"))["local_step"] > 0  # saved mid-epoch 0
+        assert "1 tasks requeued" in eyrie("retry", "stopme", env=env).stdout
+        deadline = time.monotonic() + 600
+        while status("stopme", env)["stages"]["train"]["state"] != "done" and time.monotonic() < deadline:
+            time.sleep(1)
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+    train = status("stopme", env)["stages"]["train"]
+    assert train["state"] == "done" and any("resuming from checkpoint 0" in n for n in train["notes"])

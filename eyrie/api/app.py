@@ -104,6 +104,14 @@ def routes():
         """The run's recent errors, most recent first (what `eyrie logs NAME` prints)."""
         return control.recent_errors(request.app.state.conn, request.app.state.store, name)
 
+    @r.get("/runs/{name}/audit", dependencies=[Depends(can_read)], responses=UNKNOWN, tags=["runs"])
+    def audit(name: RunName, request: Request) -> list[dict]:
+        """Every sample accounted for, read back from the store: per stage in, done, skipped,
+        failed, duplicated, lost, pending (what `eyrie audit NAME --json` prints)."""
+        from eyrie.audit import audit as audit_run
+
+        return [f.model_dump() for f in audit_run(request.app.state.store, name)]
+
     @r.post("/runs/{name}/cancel", dependencies=[Depends(need_token)], responses=UNKNOWN, tags=["runs"])
     def cancel(name: RunName, request: Request) -> dict:
         """Remove the run's waiting tasks, stop its running ones; no stage starts after."""

@@ -20,6 +20,7 @@ from safetensors.torch import save
 
 from eyrie import progress
 from eyrie.config import Settings
+from eyrie.control import CancelWatch, Cancelled
 from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease, pick_device
 from eyrie.manifest import Counts, Layout, ShardManifest, load_run_manifest, now_iso
@@ -72,6 +73,7 @@ class ExtractRunner:
         self.entries: dict[str, dict] = {}
         self.pending: list[dict] = []
         self.lease = None
+        self.cancelled = CancelWatch(conn, run)
         self._started = time.time()
 
     def run(self) -> dict:
@@ -81,17 +83,24 @@ class ExtractRunner:
             if lease is None:
                 return {"shard": self.shard, "status": "held_by_another_worker"}
             self.lease = lease
-            # vLLM holds the GPUs itself when it extracts: this worker then needs no lease
-            device = "cpu" if self.params.backend == "vllm" else pick_device(self.settings.device)
-            if not device.startswith("cuda"):  # CPU-only runs need no GPU lease
-                return self._run(device, None)
-            gpu = GpuLease(self.conn, f"extractor@{socket.gethostname()}", device)
-            self._report(waiting_for="gpu_lease")
-            gpu.acquire()
             try:
-                return self._run(device, gpu)
-            finally:
-                gpu.release()
+                return self._on_device()
+            except Cancelled:
+                self._report()
+                return {"shard": self.shard, "status": "cancelled", **self._counts().model_dump()}
+
+    def _on_device(self) -> dict:
+        # vLLM holds the GPUs itself when it extracts: this worker then needs no lease
+        device = "cpu" if self.params.backend == "vllm" else pick_device(self.settings.device)
+        if not device.startswith("cuda"):  # CPU-only runs need no GPU lease
+            return self._run(device, None)
+        gpu = GpuLease(self.conn, f"extractor@{socket.gethostname()}", device)
+        self._report(waiting_for="gpu_lease")
+        gpu.acquire()
+        try:
+            return self._run(device, gpu)
+        finally:
+            gpu.release()
 
     def _run(self, device: str, gpu) -> dict:
         started_at, t0 = now_iso(), time.monotonic()
@@ -167,6 +176,8 @@ class ExtractRunner:
             self._add(future.result())
         self._flush()
         self.lease.extend(LEASE_TTL_S, replace_ttl=True)  # raises if the lease was lost: task retried
+        if self.cancelled():
+            raise Cancelled  # what is stored stays; a retry goes on from there
         if gpu:
             gpu.renew()
         self._report()

@@ -94,7 +94,25 @@ def iter_rows(ref: DatasetRef) -> Iterator[Row]:
     else:
         ds = _load_hf(ref.source, ref.split, None if Path(ref.source).is_dir() else ref.revision)
         for i in range(ref.row_start, ref.row_end):
-            yield i, ds[i], None
+            yield _typed_row(i, ds[i])
+
+
+def _typed_row(i: int, row) -> Row:
+    """A parquet/HF row; values of `binary` columns become text when they are UTF-8."""
+    try:
+        return i, _as_text(row), None
+    except UnicodeDecodeError:
+        return i, None, "non_utf8_bytes"
+
+
+def _as_text(value):
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8")
+    if isinstance(value, dict):
+        return {k: _as_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_text(v) for v in value]
+    return value
 
 
 def _check_local(path: Path) -> None:
@@ -169,7 +187,7 @@ def _iter_parquet(path: Path, start: int, end: int) -> Iterator[Row]:
                                  "re-download or re-export the file.") from None
             for j, row in enumerate(rows):
                 if start <= offset + j < end:
-                    yield offset + j, row, None
+                    yield _typed_row(offset + j, row)
         offset += n
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -105,27 +106,21 @@ def _trainer_class(device: str, hooks: Hooks):
     return EyrieTrainer
 
 
-class _NoSyncStepTimer:
-    """speculators' step timer synchronizes the accelerator, which fails where there is none."""
+def _install_no_sync_step_timer(trainer_module) -> Callable[[], None]:
+    """speculators' step timer synchronizes the accelerator, which fails where there is none.
+    Returns the undo."""
+    original = trainer_module._StepTimer
 
-    @staticmethod
-    def install(trainer_module) -> Callable[[], None]:
-        original = trainer_module._StepTimer
+    class CpuStepTimer(original):
+        def mark(self, name):
+            if self.enabled:
+                self._marks[name] = time.perf_counter()
 
-        class CpuStepTimer(original):
-            def mark(self, name):
-                if self.enabled:
-                    import time
+        def now(self):
+            return time.perf_counter() if self.enabled else None
 
-                    self._marks[name] = time.perf_counter()
-
-            def now(self):
-                import time
-
-                return time.perf_counter() if self.enabled else None
-
-        trainer_module._StepTimer = CpuStepTimer
-        return lambda: setattr(trainer_module, "_StepTimer", original)
+    trainer_module._StepTimer = CpuStepTimer
+    return lambda: setattr(trainer_module, "_StepTimer", original)
 
 
 class _MetricsHandler(logging.Handler):
@@ -152,7 +147,7 @@ def speculators_patched(device: str, hooks: Hooks) -> Iterator[None]:
     cli.Trainer = _trainer_class(device, hooks)
     if not device.startswith("cuda"):
         checkpointer.get_current_device = lambda: device  # it answers "cuda:0" when there is no accelerator
-        undo_timer = _NoSyncStepTimer.install(trainer_module)
+        undo_timer = _install_no_sync_step_timer(trainer_module)
     handler = _MetricsHandler(hooks)
     logging.getLogger().addHandler(handler)
     try:

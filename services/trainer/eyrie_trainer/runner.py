@@ -16,6 +16,7 @@ import redis
 
 from eyrie import progress
 from eyrie.config import Settings
+from eyrie.control import CancelWatch
 from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease, pick_device
 from eyrie.manifest import Layout, load_run_manifest
@@ -67,6 +68,7 @@ class TrainRunner:
         self.work = Path(settings.cache_dir) / "runs" / run
         self.live: dict = {"phase": "starting", "step": 0, "tokens": 0, "checkpoints": []}
         self._started, self._last_report = time.time(), 0.0
+        self.cancelled = CancelWatch(conn, run)
 
     def run(self) -> dict:
         if self.params is None:
@@ -112,6 +114,9 @@ class TrainRunner:
                                               self._fast_path(device), hooks, self._say)
         finally:
             self.uploads.drain()  # every checkpoint saved is in the store before the task ends
+        if hooks.state.get("interrupted") and self.cancelled.seen:
+            self._report(phase="cancelled", force=True)
+            return {"status": "cancelled", "step": self.live.get("step")}
         if hooks.state.get("interrupted"):
             raise Interrupted("training interrupted (SIGTERM); the checkpoint is in the store")
         # the total was an estimate: speculators packs each epoch's shuffle into batches anew
@@ -198,6 +203,11 @@ class TrainRunner:
     def _on_step(self, beat: Heartbeat) -> None:
         if beat.lost:
             raise TaskLost("the task lease was lost (another worker took the task over)")
+        if self.cancelled():  # speculators saves a resumable checkpoint, then training returns
+            from speculators.train.graceful_shutdown import TrainingInterruptedError
+
+            self._say("run cancelled: saving a checkpoint and stopping")
+            raise TrainingInterruptedError("cancelled")
 
     def _say(self, message: str) -> None:
         log.warning(message)
