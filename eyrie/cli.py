@@ -217,7 +217,6 @@ def train(run: str = typer.Option(..., "--run", help="Run name (its extract stag
 def evaluate(run: str = typer.Option(..., "--run", help="Run name (trained)."),
              device: str = typer.Option("cpu", help="cpu or cuda.")):
     """Simulated acceptance length τ of every checkpoint on the held-out samples (and untrained)."""
-    from eyrie.config import load_settings
     from eyrie_trainer.data import done_samples, heldout_ids, materialize
     from eyrie.manifest import load_run_manifest
     from eyrie_trainer.export import evaluate as run_evaluation

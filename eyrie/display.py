@@ -54,7 +54,7 @@ def render_status(status: dict) -> None:
         console.print(f"[magenta]run cancelled[/] at {status['cancelled']}; `eyrie retry {status['run']}` resumes it")
     pipeline = status.get("pipeline")
     if pipeline:
-        console.print(f"pipeline: next stages start by themselves"
+        console.print("pipeline: next stages start by themselves"
                       + (f"; base drafter {pipeline['fetch_state']}" if pipeline.get("fetch_state") else ""))
         if pipeline.get("blocked"):
             console.print(f"[red]pipeline blocked[/] {pipeline['blocked']}")

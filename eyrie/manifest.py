@@ -65,6 +65,10 @@ class Layout:
     def extract_sample(self, shard: int, sample_id: str) -> str:
         return f"{self.root}/extract/shards/shard-{shard:05d}/{sample_id}.safetensors"
 
+    def shard_of_extract_sample(self, key: str) -> int:
+        """The shard an extract_sample key belongs to."""
+        return int(key.removeprefix(f"{self.root}/extract/shards/shard-")[:5])
+
     def extract_shard_manifest(self, shard: int) -> str:
         return f"{self.root}/extract/shards/shard-{shard:05d}.manifest.json"
 

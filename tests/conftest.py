@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -15,11 +16,13 @@ from pathlib import Path
 import pytest
 import redis
 import requests
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "assets" / "tiny-target"
 BIN = Path(sys.executable).parent
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+TRAIN_PROMPTS = ROOT / "tests" / "data" / "tiny_train_prompts.jsonl"  # the tiny target's corpus
 
 
 def free_port() -> int:
@@ -40,6 +43,68 @@ def wait_http(url: str, timeout: float = 60, proc: subprocess.Popen | None = Non
             pass
         time.sleep(0.2)
     raise TimeoutError(url)
+
+
+def wait_for(check, what: str = "a condition", timeout: float = 120, every: float = 0.3):
+    """check()'s first true value, polled every `every` s; fails after `timeout` s naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def tiny_run_config(tmp_path: Path, run: str, *overrides: dict, **sections: dict) -> str:
+    """A run.yaml for the whole pipeline on the tiny target; each override (then `sections`)
+    updates sections of it key by key."""
+    body = {"run": run, "target": {"model": str(TINY)}, "dataset": {"source": str(TRAIN_PROMPTS)},
+            "generate": {"concurrency": 8, "max_tokens": 64, "shard_size": 80}, "extract": {"layers": [2, 4, 5]},
+            "train": {"epochs": 3, "seq_len": 256, "lr": 0.003, "draft_vocab": 500}}
+    for layer in (*overrides, sections):
+        for name, value in layer.items():
+            body[name] = {**body.get(name, {}), **value}
+    path = tmp_path / f"{run}.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return str(path)
+
+
+class Workers:
+    """`eyrie worker STAGE` processes, each logging to a file; SIGKILL takes a stage's all down.
+    Their cache is the test's own: a cache left by an earlier run would hide a corrupted object."""
+
+    def __init__(self, env: dict, logs: Path):
+        self.env, self.logs, self.procs = env, logs, {}
+
+    def start(self, *stages: str) -> None:
+        for stage in stages:
+            n = sum(1 for p in self.logs.glob(f"{stage}-*.log"))
+            log = (self.logs / f"{stage}-{n}.log").open("w")
+            env = {**self.env, "EYRIE_CACHE_DIR": str(self.logs / "cache")}
+            self.procs.setdefault(stage, []).append(subprocess.Popen(
+                [str(BIN / "eyrie"), "worker", stage], env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True))
+
+    def kill(self, stage: str) -> None:
+        for proc in self.procs.pop(stage, []):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def stop_all(self) -> None:
+        for stage in list(self.procs):
+            self.kill(stage)
+
+    def log_text(self, stage: str) -> str:
+        return "".join(p.read_text(errors="replace") for p in sorted(self.logs.glob(f"{stage}-*.log")))
+
+
+@pytest.fixture
+def workers(env, tmp_path):
+    """Workers on the test's environment (set `workers.env` to change it before starting any)."""
+    w = Workers(env, tmp_path)
+    yield w
+    w.stop_all()
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from prometheus_client.parser import text_string_to_metric_families
 from schemathesis.checks import not_a_server_error
 
-from conftest import BIN, OFFLINE, ROOT, TINY, eyrie, free_port, start_worker, stop, wait_http
+from conftest import BIN, OFFLINE, ROOT, TINY, eyrie, free_port, start_worker, stop, wait_for, wait_http
 
 TOKEN = "test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -59,16 +59,6 @@ def prompts(path, n):
 def run_config(run: str, source: str, **generate) -> dict:
     return {"run": run, "target": {"model": str(TINY)}, "dataset": {"source": source},
             "generate": {"concurrency": 2, "max_tokens": 8, **generate}}
-
-
-def wait_for(predicate, timeout=120, poll=0.3):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise TimeoutError(predicate)
 
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)

@@ -13,10 +13,9 @@ import time
 import pytest
 import requests
 
-from conftest import BIN, ROOT, TINY, stop
+from conftest import BIN, ROOT, TINY, TRAIN_PROMPTS, stop
 from test_api import AUTH, start_api
 
-PROMPTS = ROOT / "tests" / "data" / "tiny_train_prompts.jsonl"
 
 
 @pytest.fixture
@@ -63,7 +62,7 @@ def test_the_dashboard_follows_a_real_run(env, tiny_server, browser, tmp_path):
              for stage in ("generate", "extract", "train")]
     api, url = start_api(env, EYRIE_API_OPEN_READS="true")
     try:
-        config = {"run": "dash", "target": {"model": str(TINY)}, "dataset": {"source": str(PROMPTS), "limit": 120},
+        config = {"run": "dash", "target": {"model": str(TINY)}, "dataset": {"source": str(TRAIN_PROMPTS), "limit": 120},
                   "generate": {"concurrency": 8, "max_tokens": 48, "shard_size": 30}, "extract": {"layers": [2, 4, 5]},
                   "train": {"epochs": 2, "seq_len": 256, "lr": 0.003, "draft_vocab": 500}}
         assert requests.post(f"{url}/runs", json=config, headers=AUTH).status_code == 202

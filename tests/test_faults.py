@@ -21,77 +21,41 @@ from pathlib import Path
 
 import pytest
 import redis
-import yaml
 
-from conftest import BIN, ROOT, TINY, eyrie, free_port, stop, wait_http
+from conftest import BIN, ROOT, TRAIN_PROMPTS, Workers, eyrie, free_port, stop, tiny_run_config, wait_for, wait_http
 from eyrie import progress
 from eyrie.manifest import Layout, ShardManifest
 
-PROMPTS = ROOT / "tests" / "data" / "tiny_train_prompts.jsonl"
 DOCS = ROOT / "docs"
 ROWS = 48
 
 
 # --- the parts -------------------------------------------------------------------------------
 
-class Workers:
-    """`eyrie worker STAGE` processes, each logging to a file; SIGKILL takes a stage's all down.
-    Their cache is the test's own: a cache left by an earlier run would hide a corrupted object."""
-
-    def __init__(self, env: dict, logs: Path):
-        self.env, self.logs, self.procs = env, logs, {}
-
-    def start(self, *stages: str) -> None:
-        for stage in stages:
-            n = sum(1 for p in self.logs.glob(f"{stage}-*.log"))
-            log = (self.logs / f"{stage}-{n}.log").open("w")
-            env = {**self.env, "EYRIE_CACHE_DIR": str(self.logs / "cache")}
-            self.procs.setdefault(stage, []).append(subprocess.Popen(
-                [str(BIN / "eyrie"), "worker", stage], env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True))
-
-    def kill(self, stage: str) -> None:
-        for proc in self.procs.pop(stage, []):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-    def stop_all(self) -> None:
-        for stage in list(self.procs):
-            self.kill(stage)
-
-    def log_text(self, stage: str) -> str:
-        return "".join(p.read_text(errors="replace") for p in sorted(self.logs.glob(f"{stage}-*.log")))
-
-
-def wait_for(check, what: str, timeout: float = 600, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+FAULT_RUN = {"dataset": {"limit": ROWS}, "generate": {"max_tokens": 32, "shard_size": 16, "timeout_s": 60}}
 
 
 def run_config(tmp_path: Path, run: str, **sections) -> str:
-    body = {"run": run, "target": {"model": str(TINY)}, "dataset": {"source": str(PROMPTS), "limit": ROWS},
-            "generate": {"concurrency": 8, "max_tokens": 32, "shard_size": 16, "timeout_s": 60},
-            "extract": {"layers": [2, 4, 5]},
-            "train": {"epochs": 3, "seq_len": 256, "lr": 0.003, "draft_vocab": 500}}
-    for name, value in sections.items():
-        body[name] = {**body.get(name, {}), **value}
-    path = tmp_path / f"{run}.yaml"
-    path.write_text(yaml.safe_dump(body))
-    return str(path)
+    return tiny_run_config(tmp_path, run, FAULT_RUN, **sections)
+
+
+def fault_proxy(mode: str, upstream: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """tests/fault_proxy.py in front of `upstream`: the process and the URL to use instead."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fault_proxy.py"), mode, "--port", str(port),
+                             "--upstream", upstream, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/_faults" if mode == "http" else f"{url}/", proc=proc)
+    return proc, url
 
 
 def status(run: str, env: dict) -> dict:
     return json.loads(eyrie("status", run, "--json", env=env).stdout)
 
 
-def exported(run: str, env: dict) -> bool:
-    stages = status(run, env)["stages"]
-    return stages.get("train", {}).get("state") == "done"
+def stage_done(run: str, env: dict, stage: str = "train") -> bool:
+    """Train done: the drafter is exported."""
+    return status(run, env)["stages"].get(stage, {}).get("state") == "done"
 
 
 def audit(run: str, env: dict) -> list[dict]:
@@ -154,13 +118,6 @@ def render(table: dict) -> str:
 
 # --- scenarios -------------------------------------------------------------------------------
 
-@pytest.fixture
-def workers(env, tmp_path):
-    w = Workers(env, tmp_path)
-    yield w
-    w.stop_all()
-
-
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
 def test_workers_sigkilled_mid_task_in_every_stage(env, tiny_server, tmp_path, workers):
     """Each stage's worker is SIGKILLed in the middle of a task and a new one started at once: the
@@ -174,24 +131,24 @@ def test_workers_sigkilled_mid_task_in_every_stage(env, tiny_server, tmp_path, w
         active = status("kill", env)["stages"]["generate"]["active"]
         return any(a["done"] >= 2 for a in active)
 
-    wait_for(generating, "a generate task with records stored")
+    wait_for(generating, "a generate task with records stored", timeout=600)
     workers.kill("generate")
     assert status("kill", env)["stages"]["generate"]["state"] != "done", "finished before the kill: proves nothing"
     workers.start("generate")
 
-    wait_for(lambda: extract_parts(env, "kill"), "an extract task with a part stored", every=0.01)
+    wait_for(lambda: extract_parts(env, "kill"), "an extract task with a part stored", every=0.01, timeout=600)
     workers.kill("extract")
     killed_mid_task = extract_parts(env, "kill")
     workers.start("extract")
 
     layout = Layout("kill")
     first_checkpoint = store_root(env) / layout.checkpoint_manifest("0")
-    wait_for(first_checkpoint.exists, "the trainer's first checkpoint", every=0.05)
+    wait_for(first_checkpoint.exists, "the trainer's first checkpoint", every=0.05, timeout=600)
     workers.kill("train")
     assert not (store_root(env) / layout.drafter_manifest).exists(), "trained before the kill: proves nothing"
     workers.start("train")
 
-    wait_for(lambda: exported("kill", env), "the drafter exported after the restarts")
+    wait_for(lambda: stage_done("kill", env), "the drafter exported after the restarts", timeout=600)
     assert killed_mid_task, "the extract task had finished before the kill: proves nothing"
     train = status("kill", env)["stages"]["train"]
     assert any("resuming from checkpoint" in note for note in train["notes"]), train["notes"]
@@ -237,28 +194,24 @@ def test_redis_killed_and_restarted_mid_run(env, tiny_server, aof_redis, tmp_pat
     workers.env = env
     workers.start("generate", "extract", "train")
     eyrie("run", "--config", run_config(tmp_path, "redis", generate={"shard_size": 8}), env=env)
-    wait_for(lambda: 0 < status("redis", env)["stages"]["generate"]["shards_done"], "a first generate shard")
+    wait_for(lambda: status("redis", env)["stages"]["generate"]["shards_done"], "a first generate shard", timeout=600)
     queued = status("redis", env)["stages"]["generate"]["jobs"].get("queued", 0)
     aof_redis["proc"].kill()
     aof_redis["proc"].wait()
     time.sleep(2)
     aof_redis["proc"] = aof_redis["start"]()
 
-    wait_for(lambda: exported("redis", env), "the drafter exported after Redis came back")
+    wait_for(lambda: stage_done("redis", env), "the drafter exported after Redis came back", timeout=600)
     record("Redis SIGKILLed mid-run, restarted on its AOF", audit("redis", env),
            f"{queued} generate task(s) were queued at the kill; all ran")
 
 
 @pytest.fixture
-def s3_behind_relay(s3_server, tmp_path):
+def s3_behind_relay(s3_server):
     """The S3 server behind a TCP relay the test can take down (moto keeps its objects in memory,
     so the 'stopped' server is the relay refusing and cutting connections)."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fault_proxy.py"), "tcp", "--port", str(port),
-                             "--upstream", s3_server.removeprefix("http://")], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    wait_http(f"http://127.0.0.1:{port}/", proc=proc)
-    yield proc, f"http://127.0.0.1:{port}"
+    proc, url = fault_proxy("tcp", s3_server.removeprefix("http://"))
+    yield proc, url
     stop(proc)
 
 
@@ -284,12 +237,12 @@ def s3_run(env: dict, relay: subprocess.Popen, workers: Workers, redis_url: str)
     eyrie("run", "--config", run_config(Path(workers.logs), "s3"), env=env)
     conn = redis.Redis.from_url(redis_url)
     wait_for(lambda: any(e.get("done") for e in progress.read(conn, "s3", "extract").values()),
-             "extract writing objects", every=0.01)
+             "extract writing objects", every=0.01, timeout=600)
     relay.send_signal(signal.SIGUSR1)  # down: connections refused, uploads in flight cut
     time.sleep(30)
     relay.send_signal(signal.SIGUSR2)
 
-    wait_for(lambda: exported("s3", env), "the drafter exported after S3 came back")
+    wait_for(lambda: stage_done("s3", env), "the drafter exported after S3 came back", timeout=600)
     from eyrie.config import load_settings
     from eyrie.store import open_store
 
@@ -307,12 +260,7 @@ def s3_run(env: dict, relay: subprocess.Popen, workers: Workers, redis_url: str)
 
 @pytest.fixture
 def flaky_inference(tiny_server):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fault_proxy.py"), "http", "--port", str(port),
-                             "--upstream", tiny_server.url, "--rate", "0.2", "--hang-s", "20"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/_faults", proc=proc)
+    proc, url = fault_proxy("http", tiny_server.url, "--rate", "0.2", "--hang-s", "20")
     yield url
     stop(proc)
 
@@ -327,12 +275,13 @@ def test_lossy_network_to_the_inference_server(env, flaky_inference, tmp_path, w
     workers.env = env
     workers.start("generate", "extract", "train")
     eyrie("run", "--config", run_config(tmp_path, "lossy", generate={"timeout_s": 5}, train={"epochs": 1}), env=env)
-    wait_for(lambda: exported("lossy", env), "the drafter exported despite the lossy network")
+    wait_for(lambda: stage_done("lossy", env), "the drafter exported despite the lossy network", timeout=600)
     faults = requests.get(f"{flaky_inference}/_faults", timeout=5).json()
     assert all(faults.get(kind, 0) > 0 for kind in ("http_503", "hang", "drop", "drop_mid_answer")), faults
     figures = audit("lossy", env)
     failed = figures[0]["failed"]
-    shards = [json.loads(p.read_text()) for p in (store_root(env) / "runs/lossy/generate/shards").glob("*.manifest.json")]
+    manifests = (store_root(env) / "runs/lossy/generate/shards").glob("*.manifest.json")
+    shards = [json.loads(p.read_text()) for p in manifests]
     assert sum(sum(s["failure_errors"].values()) for s in shards) == failed  # each with its error
     injected = sum(v for k, v in faults.items() if k not in ("forwarded", "other"))
     record("20% of inference requests fail (503, hang, drop, drop mid-answer)", figures,
@@ -344,7 +293,7 @@ def test_lossy_network_to_the_inference_server(env, flaky_inference, tmp_path, w
 def test_a_corrupted_object_is_caught_by_its_checksum_and_produced_again(env, tiny_server, tmp_path, workers):
     workers.start("generate", "extract")
     eyrie("run", "--config", run_config(tmp_path, "corrupt"), env=env)
-    wait_for(lambda: status("corrupt", env)["stages"].get("extract", {}).get("state") == "done", "extract done")
+    wait_for(lambda: stage_done("corrupt", env, "extract"), "extract done", timeout=600)
     layout = Layout("corrupt")
     shard = ShardManifest.model_validate(json.loads((store_root(env) / layout.extract_shard_manifest(1)).read_text()))
     victim = store_root(env) / shard.samples[0]["key"]
@@ -353,7 +302,7 @@ def test_a_corrupted_object_is_caught_by_its_checksum_and_produced_again(env, ti
     victim.write_bytes(bytes(data))
 
     workers.start("train")
-    wait_for(lambda: exported("corrupt", env), "the drafter exported after the shard was extracted again")
+    wait_for(lambda: stage_done("corrupt", env), "the drafter exported after the re-extraction", timeout=600)
     log = workers.log_text("train")
     assert "does not match its recorded sha256" in log and "Extract shard 1 is produced again" in log
     record("a stored hidden-state object corrupted (1 byte)", audit("corrupt", env),
@@ -362,12 +311,7 @@ def test_a_corrupted_object_is_caught_by_its_checksum_and_produced_again(env, ti
 
 @pytest.fixture
 def counting_inference(tiny_server):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fault_proxy.py"), "http", "--port", str(port),
-                             "--upstream", tiny_server.url, "--rate", "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/_faults", proc=proc)
+    proc, url = fault_proxy("http", tiny_server.url, "--rate", "0")
     yield url
     stop(proc)
 
@@ -383,9 +327,9 @@ def test_a_run_started_twice_does_its_work_once(env, counting_inference, tmp_pat
     both = [subprocess.Popen([str(BIN / "eyrie"), "run", "--config", path], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     assert [p.wait(120) for p in both] == [0, 0], [p.stdout.read() for p in both]
-    eyrie("generate", "--dataset", str(PROMPTS), "--limit", str(ROWS), "--run", "twice", "--shard-size", "16",
+    eyrie("generate", "--dataset", str(TRAIN_PROMPTS), "--limit", str(ROWS), "--run", "twice", "--shard-size", "16",
           "--max-tokens", "32", "--concurrency", "8", "--timeout", "60", env=env)
-    wait_for(lambda: exported("twice", env), "the drafter exported")
+    wait_for(lambda: stage_done("twice", env), "the drafter exported", timeout=600)
     import requests
 
     forwarded = requests.get(f"{counting_inference}/_faults", timeout=5).json().get("forwarded", 0)
@@ -412,5 +356,5 @@ def test_over_its_storage_budget_a_pipeline_stops_before_any_forward_pass(env, t
     # the fix: a bigger budget; extract was not planned, so its section may change on a rerun
     fixed = run_config(tmp_path, "budget", dataset={"limit": 12}, extract={"budget": "1GB"})
     assert "extract started" in eyrie("run", "--config", fixed, env=env).stdout
-    wait_for(lambda: status("budget", env)["stages"].get("extract", {}).get("state") == "done", "extract after the fix")
+    wait_for(lambda: stage_done("budget", env, "extract"), "extract after the fix", timeout=600)
     assert status("budget", env)["pipeline"]["blocked"] is None

@@ -2,7 +2,6 @@
 reasoning shapes, token ids, retries, recorded failures, a SIGKILLed worker, exactly-once."""
 
 import json
-import os
 import signal
 import time
 

@@ -5,7 +5,6 @@ and finished by another, from another directory, with only the Redis and store s
 
 import json
 import os
-import signal
 import subprocess
 import threading
 import time
@@ -14,27 +13,10 @@ import pytest
 import redis
 import yaml
 
-from conftest import BIN, OFFLINE, ROOT, TINY, eyrie, free_port, stop
+from conftest import BIN, OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, free_port, stop, tiny_run_config, wait_for
 from eyrie.gpu import GpuLease, holder
 
 SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
-PROMPTS = ROOT / "tests" / "data" / "tiny_train_prompts.jsonl"
-
-
-def config(tmp_path, run: str, **sections) -> str:
-    body = {"run": run, "target": {"model": str(TINY)}, "dataset": {"source": str(PROMPTS)},
-            "generate": {"concurrency": 8, "max_tokens": 64, "shard_size": 80}, "extract": {"layers": [2, 4, 5]},
-            "train": {"epochs": 3, "seq_len": 256, "lr": 0.003, "draft_vocab": 500}}
-    for name, value in sections.items():
-        body[name] = {**body.get(name, {}), **value}
-    path = tmp_path / f"{run}.yaml"
-    path.write_text(yaml.safe_dump(body))
-    return str(path)
-
-
-def workers(env, *stages):
-    return [subprocess.Popen([str(BIN / "eyrie"), "worker", stage], env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True) for stage in stages]
 
 
 def test_plan_of_the_seeds_pipeline_needs_no_server_gpu_or_hub(tmp_path):
@@ -56,28 +38,24 @@ def test_a_bad_config_names_the_field(tmp_path):
 
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
-def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, tmp_path):
-    procs = workers(env, "generate", "extract", "train")
-    try:
-        path = config(tmp_path, "chain")
-        out = eyrie("run", "--config", path, "--wait", env=env, timeout=900).stdout
-        assert "4 generate tasks enqueued now" in out
-        status = json.loads(eyrie("status", "chain", "--json", env=env).stdout)
-        assert [s["state"] for s in status["stages"].values()] == ["done", "done", "done"]
-        train = status["stages"]["train"]
-        assert train["evaluation"]["checkpoints"][-1]["tau"] > train["evaluation"]["baseline"]["tau"] + 0.2
-        assert status["pipeline"]["blocked"] is None
-        again = eyrie("run", "--config", path, env=env).stdout
-        assert "0 generate tasks enqueued now" in again and "stages follow by themselves" in again
-        changed = eyrie("run", "--config", config(tmp_path, "chain", train={"epochs": 4}), env=env, check=False)
-        assert changed.returncode == 1 and "differs in: train, of stages already planned" in changed.stderr
-    finally:
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGKILL)
+def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, tmp_path, workers):
+    workers.start("generate", "extract", "train")
+    path = tiny_run_config(tmp_path, "chain")
+    out = eyrie("run", "--config", path, "--wait", env=env, timeout=900).stdout
+    assert "4 generate tasks enqueued now" in out
+    status = json.loads(eyrie("status", "chain", "--json", env=env).stdout)
+    assert [s["state"] for s in status["stages"].values()] == ["done", "done", "done"]
+    train = status["stages"]["train"]
+    assert train["evaluation"]["checkpoints"][-1]["tau"] > train["evaluation"]["baseline"]["tau"] + 0.2
+    assert status["pipeline"]["blocked"] is None
+    again = eyrie("run", "--config", path, env=env).stdout
+    assert "0 generate tasks enqueued now" in again and "stages follow by themselves" in again
+    changed = eyrie("run", "--config", tiny_run_config(tmp_path, "chain", train={"epochs": 4}), env=env, check=False)
+    assert changed.returncode == 1 and "differs in: train, of stages already planned" in changed.stderr
 
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
-def test_the_server_hands_the_gpus_over_when_generation_drains(env, tmp_path):
+def test_the_server_hands_the_gpus_over_when_generation_drains(env, tmp_path, workers):
     """`eyrie serve --server vllm` with a stand-in `vllm` command (tests/fake_vllm: vLLM cannot run
     here); everything else is real: the lease in Redis, the generator, the pipeline. On a Redis
     database of its own: this server publishes itself as the endpoint."""
@@ -90,7 +68,7 @@ def test_the_server_hands_the_gpus_over_when_generation_drains(env, tmp_path):
     log = tmp_path / "serve.log"
     server = subprocess.Popen([str(BIN / "eyrie"), "serve"], env=serve_env, stdout=log.open("w"),
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    procs = []
+    workers.env = env
     try:
         deadline = time.monotonic() + 60
         while not (holder(conn) or {}).get("holder") and time.monotonic() < deadline:
@@ -100,8 +78,8 @@ def test_the_server_hands_the_gpus_over_when_generation_drains(env, tmp_path):
         waiting = threading.Thread(target=lambda: got.append(extractor.acquire(wait_s=120, poll_s=0.1)))
         waiting.start()
 
-        procs = workers(env, "generate")
-        eyrie("run", "--config", config(tmp_path, "handover", dataset={"limit": 12}), env=env)
+        workers.start("generate")
+        eyrie("run", "--config", tiny_run_config(tmp_path, "handover", dataset={"limit": 12}), env=env)
         time.sleep(1)
         assert got == [] and "extractor@test" in holder(conn)["waiting"]  # never two owners
         assert server.wait(120) == 0  # drained: the server stopped by itself ...
@@ -115,27 +93,19 @@ def test_the_server_hands_the_gpus_over_when_generation_drains(env, tmp_path):
         extractor.release()
     finally:
         stop(server)
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("store_env", ["s3"], indirect=True)
-def test_generate_started_on_one_host_is_finished_on_another(env, tiny_server, tmp_path):
+def test_generate_started_on_one_host_is_finished_on_another(env, tiny_server, tmp_path, workers):
     """Host B: another working directory, an environment with only Redis and the store (the
     inference endpoint is found in Redis, where `eyrie serve` published it)."""
-    eyrie("generate", "--dataset", str(PROMPTS), "--run", "moved", "--concurrency", "4", "--max-tokens", "64",
+    eyrie("generate", "--dataset", str(TRAIN_PROMPTS), "--run", "moved", "--concurrency", "4", "--max-tokens", "64",
           "--shard-size", "40", env=env)
-    [host_a] = workers(env, "generate")
-    first = None
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        done = json.loads(eyrie("status", "moved", "--json", env=env).stdout)["stages"]["generate"]
-        if done["shards_done"] >= 2:
-            first = done
-            break
-        time.sleep(0.5)
-    os.killpg(host_a.pid, signal.SIGKILL)  # host A goes away mid-stage
-    assert first and first["shards_done"] < first["shards_total"]
+    workers.start("generate")  # host A
+    generate = lambda: json.loads(eyrie("status", "moved", "--json", env=env).stdout)["stages"]["generate"]  # noqa: E731
+    first = wait_for(lambda: (g := generate())["shards_done"] >= 2 and g, "2 shards done on host A", timeout=300)
+    workers.kill("generate")  # host A goes away mid-stage
+    assert first["shards_done"] < first["shards_total"]
 
     host_b_dir = tmp_path / "host-b"
     host_b_dir.mkdir()
@@ -146,7 +116,7 @@ def test_generate_started_on_one_host_is_finished_on_another(env, tiny_server, t
     conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
     while any(conn.scan_iter("eyrie:lease:generate-moved-*")):
         time.sleep(0.5)  # host A's task leases lapse (15 s)
-    subprocess.run([str(BIN / "eyrie"), "generate", "--dataset", str(PROMPTS), "--run", "moved", "--concurrency",
+    subprocess.run([str(BIN / "eyrie"), "generate", "--dataset", str(TRAIN_PROMPTS), "--run", "moved", "--concurrency",
                     "4", "--max-tokens", "64", "--shard-size", "40"], env=host_b_env, cwd=host_b_dir, check=True,
                    capture_output=True, timeout=300)
     subprocess.run([str(BIN / "eyrie"), "worker", "generate", "--burst"], env=host_b_env, cwd=host_b_dir,

@@ -15,7 +15,7 @@ import pytest
 import redis
 from safetensors import safe_open
 
-from conftest import BIN, OFFLINE, ROOT, TINY, eyrie
+from conftest import BIN, OFFLINE, TINY, TRAIN_PROMPTS, eyrie
 from eyrie.manifest import Layout, RunManifest
 from eyrie.queue import lease_key
 from eyrie.store import open_store
@@ -23,7 +23,6 @@ from eyrie.config import load_settings
 from legacy_drafter import build_legacy_drafter
 from test_security import assert_no_pickles
 
-PROMPTS = ROOT / "tests" / "data" / "tiny_train_prompts.jsonl"
 TRAIN = ["--seq-len", "256", "--lr", "3e-3", "--draft-vocab", "500"]
 
 
@@ -35,7 +34,7 @@ def pipeline(redis_server, s3_server, tiny_server, tmp_path_factory):
            "EYRIE_STORE_URL": f"s3://eyrie-{uuid.uuid4().hex[:8]}/train", "EYRIE_S3_ENDPOINT": s3_server,
            "EYRIE_S3_ACCESS_KEY": "testing", "EYRIE_S3_SECRET_KEY": "testing-secret",
            "EYRIE_INFERENCE_URL": tiny_server.url, "EYRIE_CACHE_DIR": str(tmp / "cache")}
-    eyrie("generate", "--dataset", str(PROMPTS), "--run", "p", "--concurrency", "8", "--max-tokens", "64",
+    eyrie("generate", "--dataset", str(TRAIN_PROMPTS), "--run", "p", "--concurrency", "8", "--max-tokens", "64",
           "--shard-size", "80", env=env)
     eyrie("worker", "generate", "--burst", env=env, timeout=900)
     eyrie("extract", "--run", "p", "--layers", "2,4,5", env=env)

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from eyrie.errors import EyrieError
 from eyrie.manifest import Layout, now_iso

@@ -139,7 +139,7 @@ class TrainRunner:
         pipeline trains once that is done; by hand, rerun `eyrie train`). Never trained on."""
         from eyrie_extractor.plan import TASK_FUNC as EXTRACT_FUNC
 
-        shard = int(exc.key.split("/extract/shards/shard-", 1)[1][:5])
+        shard = self.layout.shard_of_extract_sample(exc.key)
         self.store.delete(exc.key)
         self.store.delete(self.layout.extract_shard_manifest(shard))
         enqueue_task(self.conn, "extract", EXTRACT_FUNC, {"run": self.run_name, "shard": shard},
