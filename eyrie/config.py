@@ -75,6 +75,15 @@ class Settings(BaseSettings):
         default_factory=list, description="Directories (comma-separated) POST /runs may read a local dataset "
                                           "from; empty: local paths are refused through the API (hub ids pass).")
 
+    gpu_scheduler: Literal["redis", "kueue"] = Field(
+        "redis", description="Who decides which stage may use the GPUs now: redis = the lease in Redis (one "
+                             "host, Compose); kueue = Kueue admits a Job per GPU stage (Kubernetes, docs/kubernetes.md).")
+    kueue_jobs_file: str = Field("/etc/eyrie/gpu-jobs.json", description="The chart's Job templates of the GPU "
+                                                                        "stages (kueue only).")
+    kubernetes_api: str | None = Field(None, description="Kubernetes API server URL (kueue only); unset: the pod's "
+                                                         "own service account, in-cluster.")
+    kubernetes_namespace: str | None = Field(None, description="Namespace of the GPU Jobs; unset: the pod's own.")
+
     @field_validator("api_dataset_roots", mode="before")
     @classmethod
     def _comma_separated(cls, v):

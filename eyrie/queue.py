@@ -145,6 +145,9 @@ def _enqueue(conn, stage: str, func: str, payload: dict, job_id: str, timeout_s:
         failure_ttl=30 * 86400, retry=Retry(max=len(RETRY_INTERVALS_S), interval=RETRY_INTERVALS_S),
         description=f"{stage} {job_id}",
     )
+    from eyrie.gpu_admission import dispatch  # on Kubernetes, a GPU stage's Job for Kueue to admit
+
+    dispatch(conn, stage, payload.get("run", ""))
 
 
 def _abandoned(conn: redis.Redis, job_id: str) -> bool:

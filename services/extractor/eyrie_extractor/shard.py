@@ -22,7 +22,8 @@ from eyrie import progress
 from eyrie.config import Settings
 from eyrie.control import CancelWatch, Cancelled
 from eyrie.errors import EyrieError
-from eyrie.gpu import GpuLease, pick_device
+from eyrie.gpu import pick_device
+from eyrie.gpu_admission import gpu_lease
 from eyrie.manifest import Counts, Layout, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
 from eyrie.queue import LEASE_TTL_S, held_task
@@ -94,7 +95,7 @@ class ExtractRunner:
         device = "cpu" if self.params.backend == "vllm" else pick_device(self.settings.device)
         if not device.startswith("cuda"):  # CPU-only runs need no GPU lease
             return self._run(device, None)
-        gpu = GpuLease(self.conn, f"extractor@{socket.gethostname()}", device)
+        gpu = gpu_lease(self.settings, self.conn, f"extractor@{socket.gethostname()}", device)
         self._report(waiting_for="gpu_lease")
         gpu.acquire()
         try:

@@ -19,6 +19,7 @@ from eyrie import inference
 from eyrie.config import Settings
 from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease
+from eyrie.gpu_admission import gpu_lease
 from eyrie.target import describe
 
 PROGRESS = re.compile(r"(\d{1,3})%\|")  # tqdm bars, e.g. vLLM's "Loading safetensors ... 37%|"
@@ -64,7 +65,7 @@ class Server:
         if self.settings.server == "vllm":  # vLLM owns the GPUs while it runs: hold the lease
             while self._drained():  # restarted while a drained pipeline's later stages need the GPUs
                 time.sleep(self.POLL_S)
-            self.gpu = GpuLease(self.conn, f"inference@{socket.gethostname()}")
+            self.gpu = gpu_lease(self.settings, self.conn, f"inference@{socket.gethostname()}")
             print("eyrie serve: waiting for the GPU lease", flush=True)
             self.gpu.acquire()
             threading.Thread(target=self._renew_gpu_lease, daemon=True).start()

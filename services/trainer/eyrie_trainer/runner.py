@@ -19,6 +19,7 @@ from eyrie.config import Settings
 from eyrie.control import CancelWatch
 from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease, pick_device
+from eyrie.gpu_admission import gpu_lease
 from eyrie.manifest import Layout, load_run_manifest
 from eyrie.queue import LEASE_TTL_S, enqueue_task, held_task
 from eyrie.status import task_id
@@ -79,7 +80,7 @@ class TrainRunner:
             if lease is None:
                 return {"status": "held_by_another_worker"}
             device = pick_device(self.settings.device)
-            gpu = GpuLease(self.conn, f"trainer@{socket.gethostname()}", device) if device.startswith("cuda") else None
+            gpu = gpu_lease(self.settings, self.conn, f"trainer@{socket.gethostname()}", device) if device.startswith("cuda") else None
             if gpu:
                 self._report(phase="waiting", waiting_for="gpu_lease", force=True)
                 gpu.acquire()
