@@ -29,15 +29,16 @@ SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 JOB_FOR_QUEUE = {"generate": "serve", "extract": "extract", "train": "train"}
 
 
-def run_label(run: str) -> str:
+def run_label(run: str, slug_chars: int = 40) -> str:
     """A label value for any run name (labels: <= 63 characters, alphanumeric at both ends)."""
-    slug = re.sub(r"[^a-z0-9-]+", "-", run.lower()).strip("-")[:40].strip("-") or "run"
+    slug = re.sub(r"[^a-z0-9-]+", "-", run.lower()).strip("-")[:slug_chars].strip("-") or "run"
     return f"{slug}-{hashlib.sha256(run.encode()).hexdigest()[:8]}"
 
 
 def job_prefix(release: str, stage: str, run: str) -> str:
     """generateName of a run's Job: the API server appends 5 characters (names <= 63)."""
-    return f"{release[:16].rstrip('-')}-{stage}-{run_label(run)}"[:57].rstrip("-") + "-"
+    head = f"{release[:12].rstrip('-')}-{stage}-"
+    return f"{head}{run_label(run, max(1, 57 - len(head) - 10))}-"
 
 
 def gpus_of(job: dict) -> int:
