@@ -90,12 +90,14 @@ class KueueAdmission:
         return state
 
 
-def dispatch(conn, queue_stage: str, run: str) -> str | None:
-    """Called whenever tasks of a stage are enqueued. Under the Redis lease (the default) it
-    does nothing and reads nothing beyond one environment variable."""
-    if os.environ.get("EYRIE_GPU_SCHEDULER", "redis") != "kueue" or queue_stage not in k8s_jobs.JOB_FOR_QUEUE:
-        return None
-    return KueueAdmission(load_settings()).dispatch(conn, k8s_jobs.JOB_FOR_QUEUE[queue_stage], run)
+def dispatch(conn, queue_stage: str, run: str) -> list[str]:
+    """Called whenever tasks of a stage are enqueued: the names of the run's Jobs that serve them.
+    Under the Redis lease (the default) it does nothing and reads nothing beyond one variable."""
+    if os.environ.get("EYRIE_GPU_SCHEDULER", "redis") != "kueue" or queue_stage not in k8s_jobs.JOBS_FOR_QUEUE:
+        return []
+    admission = KueueAdmission(load_settings())
+    names = (admission.dispatch(conn, job_stage, run) for job_stage in k8s_jobs.JOBS_FOR_QUEUE[queue_stage])
+    return [name for name in names if name]
 
 
 def drain(conn, stage: str, poll_s: float = 5.0) -> None:
@@ -109,6 +111,18 @@ def drain(conn, stage: str, poll_s: float = 5.0) -> None:
         if q.count + q.scheduled_job_registry.count + q.deferred_job_registry.count == 0:
             return
         time.sleep(poll_s)
+
+
+def stop_extract_server(settings: Settings) -> list[str]:
+    """Once extraction has drained, the run's vLLM extraction server Job goes, and its GPUs with it."""
+    run = os.environ.get("EYRIE_JOB_RUN")
+    if settings.gpu_scheduler != "kueue" or not settings.extract_vllm_url or not run:
+        return []
+    admission = KueueAdmission(settings)
+    live = [j for j in admission.jobs("extract-server", run) if k8s_jobs.job_state(j) in ("waiting", "running")]
+    for job in live:
+        admission.client.delete_job(job["metadata"]["name"])
+    return [job["metadata"]["name"] for job in live]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "drain":
             print(f"eyrie: {socket.gethostname()} drains the {args.stage} queue", flush=True)
             drain(conn, args.stage)
+            if args.stage == "extract":
+                for name in stop_extract_server(settings):
+                    print(f"eyrie: extraction drained: stopped {name}", flush=True)
             return 0
         admission = KueueAdmission(settings)
         name = admission.dispatch(conn, args.stage, args.run)

@@ -25,8 +25,9 @@ RUN_LABEL = "eyrie.dev/run"
 RUN_ANNOTATION = "eyrie.dev/run-name"
 GPU_RESOURCE = "nvidia.com/gpu"
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-# The RQ stage whose tasks a GPU Job serves: generate needs the target served.
-JOB_FOR_QUEUE = {"generate": "serve", "extract": "extract", "train": "train"}
+# The GPU Jobs that serve an RQ stage's tasks, in the order they are created: generate needs the
+# target served; extract through vLLM needs the extraction server (where the chart renders it).
+JOBS_FOR_QUEUE = {"generate": ("serve",), "extract": ("extract-server", "extract"), "train": ("train",)}
 
 
 def run_label(run: str, slug_chars: int = 40) -> str:
@@ -66,15 +67,22 @@ def build_job(templates: dict, stage: str, run: str) -> dict:
     pod = job["spec"]["template"]
     pod.setdefault("metadata", {})["labels"] = {**pod["metadata"].get("labels", {}), STAGE_LABEL: stage,
                                                 RUN_LABEL: run_label(run)}
+    pod["metadata"]["annotations"] = {**pod["metadata"].get("annotations", {}), RUN_ANNOTATION: run}
     for container in pod["spec"]["containers"]:
         container["args"] = [a.replace("{run}", run) for a in container.get("args", [])]
     # Kueue creates the Job suspended itself; asking for it suspended closes the window in
     # which a Job created before Kueue's webhook answers could start pods unadmitted.
     job["spec"]["suspend"] = True
-    if gpus_of(job) < 1:
+    if gpus_of(job) < 1 and not reads_extract_server(job):
         raise EyrieError(f"the Job template of {stage!r} requests no {GPU_RESOURCE}.",
                          f"set gpuJobs.{stage}.gpus to 1 or more in the chart's values.")
     return job
+
+
+def reads_extract_server(job: dict) -> bool:
+    """An extract Job whose forward pass runs in vLLM's extraction server needs no GPU itself."""
+    env = [e["name"] for c in job["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])]
+    return "EYRIE_EXTRACT_VLLM_URL" in env
 
 
 def job_state(job: dict) -> str:
@@ -122,7 +130,7 @@ class KubeClient:
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:300]
             raise EyrieError(f"Kubernetes API {method} {path}: {exc.code} {detail}",
-                             "check the service account's Role (the chart grants create/get/list on jobs).") from None
+                             "check the service account's Role (the chart grants create/get/list/delete on jobs).") from None
         except urllib.error.URLError as exc:
             raise EyrieError(f"cannot reach the Kubernetes API at {self.api} ({exc.reason}).",
                              "check EYRIE_KUBERNETES_API or the pod's network.") from None
@@ -135,6 +143,9 @@ class KubeClient:
 
     def get_job(self, name: str) -> dict:
         return self._call("GET", f"{self.jobs_path()}/{name}")
+
+    def delete_job(self, name: str) -> dict:
+        return self._call("DELETE", f"{self.jobs_path()}/{name}", {"propagationPolicy": "Background"})
 
     def list_jobs(self, selector: str) -> list[dict]:
         query = urllib.request.quote(selector, safe="=,")

@@ -68,6 +68,9 @@ spec:
           {{- end }}
           env:
             {{- include "eyrie.env" $root | nindent 12 }}
+            - name: EYRIE_JOB_RUN
+              valueFrom:
+                fieldRef: {fieldPath: "metadata.annotations['eyrie.dev/run-name']"}
             {{- if eq $stage "serve" }}
             - {name: EYRIE_SERVER, value: vllm}
             - {name: EYRIE_HOST, value: 0.0.0.0}
@@ -100,10 +103,14 @@ spec:
             requests:
               cpu: {{ $spec.cpu | quote }}
               memory: {{ $spec.memory | quote }}
+              {{- if gt (int $spec.gpus) 0 }}
               nvidia.com/gpu: {{ $spec.gpus }}
+              {{- end }}
             limits:
               memory: {{ $spec.memory | quote }}
+              {{- if gt (int $spec.gpus) 0 }}
               nvidia.com/gpu: {{ $spec.gpus }}
+              {{- end }}
           volumeMounts:
             {{- include "eyrie.jobsMount" $root | nindent 12 }}
             - {name: dshm, mountPath: /dev/shm}
