@@ -1,0 +1,244 @@
+"""The Helm chart, rendered by Helm's own SDK (no cluster, no helm binary) for every value set in
+deploy/helm/eyrie/ci/, each core object validated strictly against Kubernetes 1.33's schemas, the
+custom resources (Kueue, KEDA, Prometheus Operator) checked against what eyrie itself uses, and
+the renders compared with tests/golden/helm/ (EYRIE_UPDATE_GOLDEN=1 rewrites them)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import redis
+import yaml
+
+from eyrie import k8s_jobs
+from eyrie.config import Settings
+from eyrie.queue import queue
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "deploy" / "helm" / "eyrie"
+GOLDEN = ROOT / "tests" / "golden" / "helm"
+KUBERNETES = "1.33.0"  # the Kubernetes version whose schemas every core object must meet
+VALUE_SETS = sorted(p.stem for p in (CHART / "ci").glob("*.yaml"))
+CUSTOM = {
+    ("kueue.x-k8s.io/v1beta1", "LocalQueue"), ("kueue.x-k8s.io/v1beta1", "ClusterQueue"),
+    ("kueue.x-k8s.io/v1beta1", "ResourceFlavor"), ("keda.sh/v1alpha1", "ScaledObject"),
+    ("keda.sh/v1alpha1", "TriggerAuthentication"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
+}
+RUNS = ("kimi-k2.5-r1", "Team_B.run-with-a-rather-long-name-that-goes-on-and-on-and-on-64ch")
+
+
+def render_text(values: dict, release: str = "eyrie", namespace: str = "eyrie") -> str:
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values, name=release, namespace=namespace)
+    return "".join(f"---\n# Source: {name}\n{text.strip()}\n" for name, text in sorted(manifests.items()) if text.strip())
+
+
+def value_set(name: str) -> dict:
+    return yaml.safe_load((CHART / "ci" / f"{name}.yaml").read_text())
+
+
+@pytest.fixture(scope="module", params=VALUE_SETS)
+def rendered(request):
+    text = render_text(value_set(request.param))
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    return request.param, value_set(request.param), text, docs
+
+
+def one(docs, kind, name_suffix=""):
+    found = [d for d in docs if d["kind"] == kind and d["metadata"].get("name", "").endswith(name_suffix)]
+    assert len(found) == 1, f"expected one {kind} *{name_suffix}, found {len(found)}"
+    return found[0]
+
+
+def gpu_jobs(docs) -> dict:
+    return json.loads(one(docs, "ConfigMap", "-gpu-jobs")["data"]["gpu-jobs.json"])
+
+
+def gpus(container: dict) -> int:
+    return int((container.get("resources", {}).get("requests") or {}).get(k8s_jobs.GPU_RESOURCE, 0))
+
+
+def pod_specs(docs):
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet", "Job"):
+            yield d, d["spec"]["template"]["spec"]
+
+
+def test_golden_render(rendered):
+    name, _, text, _ = rendered
+    golden = GOLDEN / f"{name}.yaml"
+    if os.environ.get("EYRIE_UPDATE_GOLDEN") == "1":
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(text)
+    assert golden.exists(), f"no golden render {golden}: run with EYRIE_UPDATE_GOLDEN=1"
+    assert text == golden.read_text(), f"{name} renders differently from {golden}: review, then EYRIE_UPDATE_GOLDEN=1"
+
+
+def test_core_objects_meet_the_kubernetes_schemas(rendered):
+    name, _, _, docs = rendered
+    templates = gpu_jobs(docs)
+    built = [k8s_jobs.build_job(templates, stage, run) for stage in templates["stages"] for run in RUNS]
+    core = [d for d in docs if (d["apiVersion"], d["kind"]) not in CUSTOM] + built
+    assert {d["kind"] for d in core} >= {"Deployment", "Service", "ConfigMap", "Role", "RoleBinding", "Job"}
+    for doc in core:
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{name}: {doc['kind']} {doc['metadata'].get('name') or doc['metadata'].get('generateName')}: "
+                        f"{'.'.join(map(str, exc.path))}: {exc.message}")
+
+
+def test_custom_resources_are_the_ones_eyrie_targets(rendered):
+    _, values, _, docs = rendered
+    custom = {(d["apiVersion"], d["kind"]) for d in docs if "k8s.io/" in d["apiVersion"] or "." in d["apiVersion"].split("/")[0]}
+    custom -= {("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding")}
+    assert custom <= CUSTOM, f"unexpected custom resources: {custom - CUSTOM}"
+    local = one(docs, "LocalQueue")
+    assert local["metadata"]["name"] == values.get("kueue", {}).get("localQueue", {}).get("name", "eyrie")
+    assert local["spec"]["clusterQueue"] == cluster_queue_name(values)
+    if values["kueue"].get("clusterQueue", {}).get("create"):
+        cq = one(docs, "ClusterQueue")
+        flavor = cq["spec"]["resourceGroups"][0]["flavors"][0]
+        assert {r["name"] for r in flavor["resources"]} == set(cq["spec"]["resourceGroups"][0]["coveredResources"])
+        if values["kueue"].get("resourceFlavor", {}).get("create"):
+            assert one(docs, "ResourceFlavor")["metadata"]["name"] == flavor["name"]
+    else:
+        assert not [d for d in docs if d["kind"] in ("ClusterQueue", "ResourceFlavor")]
+
+
+def cluster_queue_name(values: dict) -> str:
+    return values["kueue"].get("clusterQueue", {}).get("name", "eyrie")
+
+
+def test_every_gpu_workload_is_queued_in_kueue_and_fits_the_quota(rendered):
+    name, values, _, docs = rendered
+    queue_name = one(docs, "LocalQueue")["metadata"]["name"]
+    for obj, pod in pod_specs(docs):  # nothing the chart deploys by itself holds a GPU
+        assert not any(gpus(c) for c in pod["containers"]), f"{obj['kind']} {obj['metadata']['name']} requests GPUs"
+    templates = gpu_jobs(docs)
+    assert templates["queue"] == queue_name
+    quota = values["kueue"]["clusterQueue"]["quota"]["gpus"]
+    stages = set(templates["stages"])
+    assert {"extract", "train", "verify"} <= stages
+    for stage in stages:
+        job = k8s_jobs.build_job(templates, stage, RUNS[0])
+        assert job["metadata"]["labels"][k8s_jobs.QUEUE_LABEL] == queue_name
+        assert job["spec"]["suspend"] is True
+        asked = k8s_jobs.gpus_of(job)
+        assert asked >= 1 or (stage == "extract" and k8s_jobs.reads_extract_server(job)), f"{name}: {stage} asks no GPU"
+        assert asked <= quota, f"{name}: {stage} asks {asked} GPUs, the ClusterQueue has {quota}: never admitted"
+        for container in job["spec"]["template"]["spec"]["containers"]:
+            limits = container["resources"]["limits"].get(k8s_jobs.GPU_RESOURCE, 0)
+            assert int(limits) == gpus(container), "GPU requests and limits must be equal"
+
+
+def test_two_runs_share_the_quota_in_order():
+    values = value_set("two-runs")
+    docs = [d for d in yaml.safe_load_all(render_text(values)) if d]
+    templates = gpu_jobs(docs)
+    quota = values["kueue"]["clusterQueue"]["quota"]["gpus"]
+    a, b = (k8s_jobs.build_job(templates, "extract", run) for run in RUNS)
+    assert a["metadata"]["generateName"] != b["metadata"]["generateName"]
+    assert a["metadata"]["labels"][k8s_jobs.RUN_LABEL] != b["metadata"]["labels"][k8s_jobs.RUN_LABEL]
+    assert k8s_jobs.gpus_of(a) + k8s_jobs.gpus_of(b) <= quota  # both admitted at once
+    third = k8s_jobs.build_job(templates, "verify", RUNS[0])
+    assert k8s_jobs.gpus_of(a) + k8s_jobs.gpus_of(b) + k8s_jobs.gpus_of(third) > quota  # waits for one
+
+
+def test_generators_scale_on_rqs_generate_queue(rendered):
+    name, values, _, docs = rendered
+    deployment = one(docs, "Deployment", "-generator")
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= values.get("generator", {}).get("requestTimeoutSeconds", 1800), "no room for a warm shutdown"
+    autoscaling = values.get("generator", {}).get("autoscaling", {}).get("enabled", True)
+    if not autoscaling:
+        assert not [d for d in docs if d["apiVersion"].startswith("keda.sh/")]
+        return
+    scaled = one(docs, "ScaledObject")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    assert scaled["spec"]["minReplicaCount"] == 0
+    trigger = scaled["spec"]["triggers"][0]
+    rq_key = queue(redis.Redis(), "generate").key  # no connection needed for the key
+    assert trigger["type"] == "redis" and trigger["metadata"]["listName"] == rq_key == "rq:queue:eyrie-generate"
+    auth = one(docs, "TriggerAuthentication")
+    assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
+    ref = auth["spec"]["secretTargetRef"][0]
+    assert (ref["parameter"], ref["key"]) == ("password", "redis-password")
+    host, port = trigger["metadata"]["address"].rsplit(":", 1)
+    if values.get("redis", {}).get("enabled", True):
+        assert one(docs, "Service", "-redis")["metadata"]["name"] == host and port == "6379"
+
+
+def test_servicemonitor_scrapes_the_api(rendered):
+    _, values, _, docs = rendered
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    if not values.get("metrics", {}).get("serviceMonitor", {}).get("enabled", True):
+        assert monitors == []
+        return
+    (monitor,) = monitors
+    api = one(docs, "Service", "-api")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= api["metadata"]["labels"].items()
+    assert [s for s in docs if s["kind"] == "Service" and selector.items() <= s["metadata"]["labels"].items()] == [api]
+    endpoint = monitor["spec"]["endpoints"][0]
+    assert endpoint["path"] == "/metrics" and endpoint["port"] in {p["name"] for p in api["spec"]["ports"]}
+
+
+def test_the_environment_is_eyries_own_settings(rendered, monkeypatch):
+    """Every EYRIE_* variable the chart sets is a setting, and the literal values validate."""
+    _, _, _, docs = rendered
+    fields = {f"EYRIE_{name.upper()}" for name in Settings.model_fields}
+    extra = {"EYRIE_REDIS_PASSWORD", "EYRIE_JOB_RUN"}  # used inside the pod (URL, downward API)
+    templates = gpu_jobs(docs)
+    pods = [pod for _, pod in pod_specs(docs)]
+    pods += [k8s_jobs.build_job(templates, s, RUNS[0])["spec"]["template"]["spec"] for s in templates["stages"]]
+    for pod in pods:
+        for container in pod["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            unknown = {n for n in env if n.startswith("EYRIE_")} - fields - extra
+            assert not unknown, f"{container['name']}: not eyrie settings: {unknown}"
+            for key in list(os.environ):
+                if key.startswith("EYRIE_"):
+                    monkeypatch.delenv(key)
+            for key, value in env.items():
+                if key.startswith("EYRIE_") and value is not None and key not in extra:
+                    monkeypatch.setenv(key, value.replace("$(EYRIE_REDIS_PASSWORD)", "pw"))
+            Settings()  # raises on any value eyrie would refuse at start
+
+
+@pytest.mark.parametrize("values, problem", [
+    ({"store": {"credentials": {"accessKey": "a", "secretKey": "b" * 12}}}, "auth.redisPassword is required"),
+    ({"auth": {"redisPassword": "short", "apiToken": "t" * 16}}, "12+ characters"),
+    ({"auth": {"existingSecret": "s"}, "store": {"credentials": {"existingSecret": "s"}}, "redis": {"enabled": False}},
+     "redis.external.host is required"),
+    ({"auth": {"existingSecret": "s"}, "store": {"credentials": {"existingSecret": "s"}},
+      "gpuJobs": {"train": {"gpus": 0}}}, "/gpuJobs/train/gpus"),
+    ({"auth": {"existingSecret": "s"}, "store": {"credentials": {"existingSecret": "s"}}, "gpuJobs": {"bogus": {}}},
+     "'bogus' not allowed"),
+])
+def test_bad_values_are_refused_with_the_fix(values, problem):
+    with pytest.raises(helm.HelmError) as err:
+        render_text(values)
+    assert problem in str(err.value)
+
+
+def test_every_value_is_documented_in_the_schema():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def leaves(node, value, path):
+        if isinstance(value, dict) and value:
+            assert node.get("additionalProperties") is False, f"{path}: unknown keys must be refused"
+            for key, sub in value.items():
+                assert key in node["properties"], f"{path}.{key} is not in values.schema.json"
+                yield from leaves(node["properties"][key], sub, f"{path}.{key}")
+        else:
+            yield path, node
+
+    for path, node in leaves(schema, defaults, "values"):
+        assert node.get("description"), f"{path} has no description"
