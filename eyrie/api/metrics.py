@@ -59,6 +59,7 @@ class EyrieCollector:
                 families["state"].add_metric([run, value], 1 if state == value else 0)
             for stage, s in status["stages"].items():
                 _stage_metrics(families, run, stage, s)
+            _acceptance(families["acceptance"], run, status)
         yield from families.values()
 
 
@@ -74,7 +75,17 @@ def _run_families() -> dict[str, GaugeMetricFamily]:
         "bytes": GaugeMetricFamily("eyrie_bytes_stored", "Bytes a stage has stored.", labels=rs),
         "eta": GaugeMetricFamily("eyrie_eta_seconds", "Estimated seconds left in a stage.", labels=rs),
         "failures": GaugeMetricFamily("eyrie_task_failures", "A stage's tasks that failed for good.", labels=rs),
+        "acceptance": GaugeMetricFamily("eyrie_acceptance_length", "The exported drafter's acceptance length "
+                                        "(tokens per target forward): eyrie's simulation or vLLM's.",
+                                        labels=["run", "source"]),
     }
+
+
+def _acceptance(family: GaugeMetricFamily, run: str, status: dict) -> None:
+    drafter = (status["stages"].get("train") or {}).get("drafter") or {}
+    for source, key in (("eyrie", "tau"), ("vllm", "vllm_acceptance_length")):
+        if isinstance(drafter.get(key), (int, float)):
+            family.add_metric([run, source], drafter[key])
 
 
 def _stage_metrics(families: dict, run: str, stage: str, s: dict) -> None:
