@@ -79,6 +79,12 @@ def test_golden_render(rendered):
     assert text == golden.read_text(), f"{name} renders differently from {golden}: review, then EYRIE_UPDATE_GOLDEN=1"
 
 
+def test_helm_lint_strict(rendered):
+    name, values, _, _ = rendered
+    result = helm.lint(str(CHART), values=values, strict=True, kube_version=KUBERNETES, quiet=True)
+    assert result["errors"] == [] and [m for m in result["messages"] if m["severity"] > 1] == [], f"{name}: {result}"
+
+
 def test_core_objects_meet_the_kubernetes_schemas(rendered):
     name, _, _, docs = rendered
     templates = gpu_jobs(docs)
