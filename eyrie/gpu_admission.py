@@ -113,6 +113,20 @@ def drain(conn, stage: str, poll_s: float = 5.0) -> None:
         time.sleep(poll_s)
 
 
+def resume_waiting(conn) -> list[str]:
+    """Once a GPU Job's work is done: the Jobs of every run whose tasks still wait in a queue (a
+    server admitted while another run's later stages waited hands its GPUs back at once, and is
+    created again here)."""
+    from eyrie.queue import queue
+
+    names = []
+    for queue_stage in k8s_jobs.JOBS_FOR_QUEUE:
+        runs = {job.args[0].get("run") for job in queue(conn, queue_stage).get_jobs() if job and job.args}
+        for run in sorted(r for r in runs if isinstance(r, str) and r):
+            names += dispatch(conn, queue_stage, run)
+    return names
+
+
 def stop_extract_server(settings: Settings) -> list[str]:
     """Once extraction has drained, the run's vLLM extraction server Job goes, and its GPUs with it."""
     run = os.environ.get("EYRIE_JOB_RUN")
@@ -145,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.stage == "extract":
                 for name in stop_extract_server(settings):
                     print(f"eyrie: extraction drained: stopped {name}", flush=True)
+            for name in resume_waiting(conn):
+                print(f"eyrie: tasks still wait: {name} queued for admission", flush=True)
             return 0
         admission = KueueAdmission(settings)
         name = admission.dispatch(conn, args.stage, args.run)

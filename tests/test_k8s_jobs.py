@@ -216,3 +216,18 @@ def test_missing_templates_or_cluster_are_clear_errors(tmp_path, monkeypatch):
         gpu_admission.KueueAdmission(load_settings(kueue_jobs_file=str(tmp_path / "t.json")))
     with pytest.raises(EyrieError, match="EYRIE_GPU_SCHEDULER"):
         load_settings(gpu_scheduler="slurm")
+
+
+def test_a_finished_gpu_job_queues_the_jobs_of_tasks_still_waiting(redis_url, kube, monkeypatch):
+    """A server admitted while another run extracted handed its GPUs back at once: when the next
+    GPU Job has drained its queue (a real burst worker here), the waiting run's server is queued again."""
+    monkeypatch.setenv("EYRIE_REDIS_URL", redis_url)
+    conn = redis.Redis.from_url(redis_url)
+    enqueue_task(conn, "generate", "eyrie_generator.shard.run_generate_shard", {"run": "r2", "shard": 0}, "gen-r2-0")
+    (first,) = kube.jobs
+    kube.finish(first)  # `eyrie serve` exited 0 without serving
+    assert gpu_admission.main(["drain", "train"]) == 0  # the train queue is empty: the Job ends
+    waiting = [n for n, j in kube.jobs.items() if k8s_jobs.job_state(j) == "waiting"]
+    assert len(waiting) == 1 and kube.jobs[waiting[0]]["metadata"]["labels"][k8s_jobs.STAGE_LABEL] == "serve"
+    assert kube.jobs[waiting[0]]["metadata"]["annotations"][k8s_jobs.RUN_ANNOTATION] == "r2"
+    assert conn.llen("rq:queue:eyrie-generate") == 1  # the task still waits for the server

@@ -63,6 +63,10 @@ class Server:
         """Start, wait for readiness, then supervise until the server exits or we are stopped."""
         cmd = command(self.settings, self.model)
         if self.settings.server == "vllm":  # vLLM owns the GPUs while it runs: hold the lease
+            if self.settings.gpu_scheduler == "kueue" and self._drained():
+                # admitted while another run's later stages wait: its quota goes back at once
+                # (the next GPU Job to finish queues this server again: gpu_admission.resume_waiting)
+                return 0
             while self._drained():  # restarted while a drained pipeline's later stages need the GPUs
                 time.sleep(self.POLL_S)
             self.gpu = gpu_lease(self.settings, self.conn, f"inference@{socket.gethostname()}")
