@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_UPDATE_CHECK := 1
 REQS := requirements/base.txt requirements/generator.txt requirements/inference.txt \
         requirements/speculators.txt requirements/api.txt requirements/dev.txt pyproject.toml
 
-.PHONY: setup test faults demo redis chromium api bench compose-check up down ps logs status run clean tiny-target
+.PHONY: setup test faults demo redis chromium api bench compose-check helm-check up down ps logs status run clean tiny-target
 
 setup: $(VENV)/.installed redis chromium
 
@@ -57,6 +57,11 @@ tiny-target: setup
 
 compose-check: setup
 	$(BIN)/pytest -q tests/test_compose.py
+
+# The Helm chart rendered, linted and validated offline (docs/kubernetes.md); GOLDEN=1 rewrites
+# tests/golden/helm/ after a reviewed chart change.
+helm-check: setup
+	$(if $(GOLDEN),EYRIE_UPDATE_GOLDEN=1) $(BIN)/pytest -q tests/test_helm.py tests/test_k8s_jobs.py tests/test_fleet.py
 
 # The Compose stack on a GPU host (needs a Docker engine; not available on our CI machines).
 up:

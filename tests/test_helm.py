@@ -25,8 +25,8 @@ GOLDEN = ROOT / "tests" / "golden" / "helm"
 KUBERNETES = "1.33.0"  # the Kubernetes version whose schemas every core object must meet
 VALUE_SETS = sorted(p.stem for p in (CHART / "ci").glob("*.yaml"))
 CUSTOM = {
-    ("kueue.x-k8s.io/v1beta1", "LocalQueue"), ("kueue.x-k8s.io/v1beta1", "ClusterQueue"),
-    ("kueue.x-k8s.io/v1beta1", "ResourceFlavor"), ("keda.sh/v1alpha1", "ScaledObject"),
+    *((f"kueue.x-k8s.io/{v}", kind) for v in ("v1beta1", "v1beta2") for kind in ("LocalQueue", "ClusterQueue", "ResourceFlavor")),
+    ("keda.sh/v1alpha1", "ScaledObject"),
     ("keda.sh/v1alpha1", "TriggerAuthentication"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
 }
 RUNS = ("kimi-k2.5-r1", "Team_B.run-with-a-rather-long-name-that-goes-on-and-on-and-on-64ch")
@@ -109,6 +109,10 @@ def test_custom_resources_are_the_ones_eyrie_targets(rendered):
     assert local["spec"]["clusterQueue"] == cluster_queue_name(values)
     if values["kueue"].get("clusterQueue", {}).get("create"):
         cq = one(docs, "ClusterQueue")
+        api = values["kueue"].get("apiVersion", "kueue.x-k8s.io/v1beta1")
+        assert {d["apiVersion"] for d in docs if d["apiVersion"].startswith("kueue.")} == {api}
+        if values["kueue"]["clusterQueue"].get("cohort"):  # renamed in v1beta2
+            assert cq["spec"]["cohortName" if api.endswith("v1beta2") else "cohort"] == values["kueue"]["clusterQueue"]["cohort"]
         flavor = cq["spec"]["resourceGroups"][0]["flavors"][0]
         assert {r["name"] for r in flavor["resources"]} == set(cq["spec"]["resourceGroups"][0]["coveredResources"])
         if values["kueue"].get("resourceFlavor", {}).get("create"):
