@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import signal
@@ -20,6 +19,7 @@ from eyrie.config import Settings
 from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease
 from eyrie.target import describe
+from eyrie.vllm import serve_argv, serve_env
 
 PROGRESS = re.compile(r"(\d{1,3})%\|")  # tqdm bars, e.g. vLLM's "Loading safetensors ... 37%|"
 
@@ -27,7 +27,7 @@ PROGRESS = re.compile(r"(\d{1,3})%\|")  # tqdm bars, e.g. vLLM's "Loading safete
 def command(settings: Settings, model: str) -> list[str]:
     """The real command line of the server."""
     if settings.server == "vllm":
-        cmd = ["vllm", "serve", model, "--host", settings.host, "--port", str(settings.port),
+        cmd = [*serve_argv(settings.vllm_command, model), "--host", settings.host, "--port", str(settings.port),
                "--tensor-parallel-size", str(settings.tensor_parallel_size)]
         if settings.reasoning_parser:
             cmd += ["--reasoning-parser", settings.reasoning_parser]
@@ -69,7 +69,7 @@ class Server:
             self.gpu.acquire()
             threading.Thread(target=self._renew_gpu_lease, daemon=True).start()
         print(f"eyrie serve: {shlex.join(cmd)}", flush=True)
-        env = {**os.environ, "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+        env = serve_env()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                      text=True, bufsize=1)
         threading.Thread(target=self._follow_output, daemon=True).start()
