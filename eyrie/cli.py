@@ -229,7 +229,8 @@ def evaluate(run: str = typer.Option(..., "--run", help="Run name (trained)."),
     eval_dir = Path(settings.cache_dir) / "runs" / run / "data" / "heldout"
     materialize(store, run, eval_dir, lambda s: s["sample_id"] in held)
     result = run_evaluation(store, run, eval_dir, device, lambda m: None)
-    typer.echo(f"run {run}: tau with K={result['k']} on {manifest.train.heldout_samples} held-out samples")
+    typer.echo(f"run {run}: tau (mean acceptance length, counted as vLLM does) with K={result['k']} on "
+               f"{manifest.train.heldout_samples} held-out samples")
     typer.echo(f"  untrained        {result['baseline']['tau']:.3f}")
     for c in result["checkpoints"]:
         typer.echo(f"  checkpoint {c['label']:<5} {c['tau']:.3f}" + ("  best" if c["label"] == result["best"] else ""))
