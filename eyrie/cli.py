@@ -254,6 +254,28 @@ def export(run: str = typer.Option(..., "--run", help="Run name (trained)."),
 
 @app.command()
 @command
+def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
+           as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object.")):
+    """Serve the target with the exported drafter in vLLM (EYRIE_VLLM_COMMAND) on the held-out prompts:
+    vLLM's own acceptance length beside eyrie's, identical outputs, tokens/s with and without."""
+    from eyrie_inference.verify import verify as run_verify
+
+    settings, _, store = _context()
+    result = run_verify(settings, store, run, log=(lambda m: None) if as_json else typer.echo)
+    if as_json:
+        typer.echo(orjson.dumps(result).decode())
+        return
+    typer.echo(f"run {run}: acceptance length (K={result['k']}, {result['prompts']} held-out prompts): "
+               f"vLLM {result['vllm_acceptance_length']:.3f}, eyrie {result['eyrie_acceptance_length']:.3f} "
+               f"({100 * result['relative_difference']:.1f}% apart)")
+    typer.echo("  vLLM per position: " + ", ".join(f"{p:.2f}" for p in result["vllm_per_position_acceptance"]))
+    typer.echo(f"  identical outputs with and without the drafter: {result['identical_outputs']}; "
+               f"tok/s {result['tokens_per_s_target']:.1f} alone, {result['tokens_per_s_drafter']:.1f} with it "
+               f"(speedup {result['speedup']:.2f})")
+
+
+@app.command()
+@command
 def materialize(run: str = typer.Argument(..., help="Run name."),
                 out: Path = typer.Argument(..., help="Directory to write (speculators' training layout).")):
     """Copy a run's hidden states from the store into the directory speculators trains from."""

