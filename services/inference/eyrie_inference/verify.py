@@ -43,8 +43,8 @@ def heldout_prompts(store, run: str, cache_dir: Path) -> list[list[int]]:
     materialize(store, run, eval_dir, lambda s: s["sample_id"] in held)
     prompts = []
     for row in datasets.load_from_disk(str(eval_dir)):
-        mask = list(row["loss_mask"])
-        prompts.append(list(row["input_ids"][: mask.index(1) if 1 in mask else len(mask)]))
+        mask, ids = [int(m) for m in row["loss_mask"]], [int(t) for t in row["input_ids"]]
+        prompts.append(ids[: mask.index(1) if 1 in mask else len(mask)])
     return prompts
 
 
