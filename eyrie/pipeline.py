@@ -146,7 +146,8 @@ def _open_sections(store, run: str) -> set[str]:
     if not store.exists(Layout(run).manifest):
         return set(RunConfig.model_fields)
     manifest = load_run_manifest(store, run)
-    return {name for name, planned in (("extract", manifest.extract), ("train", manifest.train)) if planned is None}
+    return {name for name, planned in (("extract", manifest.extract), ("train", manifest.train),
+                                       ("verify", manifest.verify)) if planned is None}
 
 
 ACTIVE = "eyrie:pipelines:active"

@@ -13,6 +13,7 @@ import redis
 import yaml
 
 from conftest import BIN, OFFLINE, ROOT, TRAIN_PROMPTS, eyrie, tiny_run_config, wait_for
+from vllm_real import SMALL, vllm_env
 
 SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
 
@@ -37,8 +38,14 @@ def test_a_bad_config_names_the_field(tmp_path):
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
 def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, tmp_path, workers):
+    """generate -> extract -> train (evaluate, export) -> verify: the exported drafter served by
+    real vLLM (CPU build) with EAGLE-3, greedy outputs identical to the target's alone, and vLLM's
+    own acceptance length close to eyrie's (the same bookkeeping)."""
+    env = vllm_env(tmp_path / "vllm-cache", {**env, "EYRIE_VLLM_ARGS": " ".join(SMALL[2:]),
+                                             "EYRIE_MAX_MODEL_LEN": SMALL[1]})
+    workers.env = env
     workers.start("generate", "extract", "train")
-    path = tiny_run_config(tmp_path, "chain")
+    path = tiny_run_config(tmp_path, "chain", verify={"enabled": True})
     out = eyrie("run", "--config", path, "--wait", env=env, timeout=900).stdout
     assert "4 generate tasks enqueued now" in out
     status = json.loads(eyrie("status", "chain", "--json", env=env).stdout)
@@ -46,9 +53,20 @@ def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, t
     train = status["stages"]["train"]
     assert train["evaluation"]["checkpoints"][-1]["tau"] > train["evaluation"]["baseline"]["tau"] + 0.2
     assert status["pipeline"]["blocked"] is None
+
+    verify = wait_for(lambda: json.loads(eyrie("status", "chain", "--json", env=env).stdout)["stages"]["train"]
+                      ["verify"], "the verify stage (two vLLM starts)", timeout=900, every=5)
+    print(f"verify: {verify}")
+    assert verify["identical_outputs"] is True and verify["prompts"] == 30 and verify["k"] == 3
+    assert verify["vllm_drafts"] > 0 and len(verify["vllm_per_position_acceptance"]) == 3
+    assert verify["eyrie_acceptance_length"] == train["drafter"]["tau"]
+    assert verify["relative_difference"] <= 0.05, verify
+    assert verify["tokens_per_s_target"] > 0 and verify["speedup"] > 0
+
     again = eyrie("run", "--config", path, env=env).stdout
     assert "0 generate tasks enqueued now" in again and "stages follow by themselves" in again
-    changed = eyrie("run", "--config", tiny_run_config(tmp_path, "chain", train={"epochs": 4}), env=env, check=False)
+    changed = eyrie("run", "--config", tiny_run_config(tmp_path, "chain", train={"epochs": 4}, verify={"enabled": True}),
+                    env=env, check=False)
     assert changed.returncode == 1 and "differs in: train, of stages already planned" in changed.stderr
 
 
