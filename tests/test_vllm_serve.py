@@ -21,7 +21,7 @@ from conftest import BIN, TINY, eyrie, free_port, tiny_run_config, wait_for
 from eyrie import inference
 from eyrie.gpu import GpuLease, holder
 from eyrie.manifest import Layout
-from vllm_real import SMALL, START_S, vllm_env
+from vllm_real import SMALL, START_S, VLLM_PYTHON, vllm_env
 
 PROMPTS = [{"conversations": [{"from": "human", "value": text}]} for text in
            ("Add 3 and 4.", "What color is the Zib?", "Say hello to Alice.", "Repeat the word river.")]
@@ -126,3 +126,15 @@ def _no_server_on(port: int) -> bool:
 
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_the_vllm_command_setting_names_an_executable_or_a_python(tmp_path):
+    """No process: EYRIE_VLLM_COMMAND as the real server's command line starts."""
+    from eyrie.config import load_settings
+    from eyrie.vllm import available
+    from eyrie_inference.server import command
+
+    python = load_settings(server="vllm", vllm_command=str(VLLM_PYTHON), port=8123)
+    assert command(python, "m")[:5] == [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
+    assert command(load_settings(server="vllm"), "m")[:3] == ["vllm", "serve", "m"]
+    assert available(str(VLLM_PYTHON)) and not available(str(tmp_path / "python")) and not available("no-such-vllm")

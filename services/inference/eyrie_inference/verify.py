@@ -201,8 +201,12 @@ def run_verify_task(payload: dict) -> dict:
     conn, store = connect(settings.redis_url), open_store(settings)
     lease, done = GpuLease(conn, f"verify@{_socket.gethostname()}"), threading.Event()
     lease.acquire()  # vLLM takes the GPUs: as `eyrie serve --server vllm`, never beside another owner
-    renewing = threading.Thread(target=lambda: [lease.renew() for _ in iter(lambda: done.wait(10), True)],
-                                daemon=True)
+
+    def renew() -> None:
+        while not done.wait(10):
+            lease.renew()
+
+    renewing = threading.Thread(target=renew, daemon=True)
     renewing.start()
     try:
         result = verify(settings, store, run)
