@@ -36,6 +36,7 @@ def test_a_bad_config_names_the_field(tmp_path):
     assert "extract.dtype" in result.stderr
 
 
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
 def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, tmp_path, workers):
     """generate -> extract -> train (evaluate, export) -> verify: the exported drafter served by
