@@ -4,7 +4,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 VLLM_VENV := .venv-vllm
-export EYRIE_VLLM_COMMAND ?= $(abspath $(VLLM_VENV))/bin/python
+# the demo's vLLM (tests that start vLLM name it themselves: tests/vllm_real.py)
+VLLM_COMMAND ?= $(abspath $(VLLM_VENV))/bin/python
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_UPDATE_CHECK := 1
 REQS := requirements/base.txt requirements/generator.txt requirements/inference.txt \
@@ -54,7 +55,7 @@ demo: setup
 	@$(BIN)/python -c "import redis; redis.Redis.from_url('$${EYRIE_REDIS_URL:-redis://127.0.0.1:6379/0}').ping()" 2>/dev/null \
 	  || { mkdir -p .eyrie/redis && redis-server --daemonize yes --port 6379 --bind 127.0.0.1 \
 	       --dir $$PWD/.eyrie/redis --appendonly yes --logfile $$PWD/.eyrie/redis/redis.log && sleep 1; }
-	$(BIN)/eyrie demo
+	EYRIE_VLLM_COMMAND=$${EYRIE_VLLM_COMMAND:-$(VLLM_COMMAND)} $(BIN)/eyrie demo
 
 # The control API and dashboard on http://127.0.0.1:8080/ (EYRIE_API_TOKEN for mutating calls)
 api: setup
