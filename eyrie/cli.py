@@ -229,7 +229,8 @@ def evaluate(run: str = typer.Option(..., "--run", help="Run name (trained)."),
     eval_dir = Path(settings.cache_dir) / "runs" / run / "data" / "heldout"
     materialize(store, run, eval_dir, lambda s: s["sample_id"] in held)
     result = run_evaluation(store, run, eval_dir, device, lambda m: None)
-    typer.echo(f"run {run}: tau with K={result['k']} on {manifest.train.heldout_samples} held-out samples")
+    typer.echo(f"run {run}: tau (mean acceptance length, counted as vLLM does) with K={result['k']} on "
+               f"{manifest.train.heldout_samples} held-out samples")
     typer.echo(f"  untrained        {result['baseline']['tau']:.3f}")
     for c in result["checkpoints"]:
         typer.echo(f"  checkpoint {c['label']:<5} {c['tau']:.3f}" + ("  best" if c["label"] == result["best"] else ""))
@@ -249,6 +250,28 @@ def export(run: str = typer.Option(..., "--run", help="Run name (trained)."),
     typer.echo(f"run {run}: drafter (checkpoint {record['checkpoint']}, tau {record['tau']:.2f} with K={record['k']}, "
                f"untrained {record['baseline_tau']:.2f}) in {out}")
     typer.echo(vllm_command(target, str(out.resolve()), record["k"]))
+
+
+@app.command()
+@command
+def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
+           as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object.")):
+    """Serve the target with the exported drafter in vLLM (EYRIE_VLLM_COMMAND) on the held-out prompts:
+    vLLM's own acceptance length beside eyrie's, identical outputs, tokens/s with and without."""
+    from eyrie_inference.verify import verify as run_verify
+
+    settings, _, store = _context()
+    result = run_verify(settings, store, run, log=(lambda m: None) if as_json else typer.echo)
+    if as_json:
+        typer.echo(orjson.dumps(result).decode())
+        return
+    typer.echo(f"run {run}: acceptance length (K={result['k']}, {result['prompts']} held-out prompts): "
+               f"vLLM {result['vllm_acceptance_length']:.3f}, eyrie {result['eyrie_acceptance_length']:.3f} "
+               f"({100 * result['relative_difference']:.1f}% apart)")
+    typer.echo("  vLLM per position: " + ", ".join(f"{p:.2f}" for p in result["vllm_per_position_acceptance"]))
+    typer.echo(f"  identical outputs with and without the drafter: {result['identical_outputs']}; "
+               f"tok/s {result['tokens_per_s_target']:.1f} alone, {result['tokens_per_s_drafter']:.1f} with it "
+               f"(speedup {result['speedup']:.2f})")
 
 
 @app.command()

@@ -38,6 +38,8 @@ class Settings(BaseSettings):
     reasoning_parser: str | None = None
     max_model_len: int | None = Field(None, ge=16)
     vllm_args: str = Field("", description="Extra vLLM flags, shell-quoted.")
+    vllm_command: str = Field("vllm", description="The vLLM executable, or a Python that has vLLM "
+                                                  "(e.g. .venv-vllm/bin/python, which `make setup` installs).")
     advertise_url: str | None = Field(None, description="URL workers use to reach this server.")
     endpoint_name: str = Field("default", pattern=r"^[A-Za-z0-9._-]{1,64}$",
                                description="Name this server is published under (one per replica).")

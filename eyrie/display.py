@@ -105,6 +105,16 @@ def render_train(s: dict) -> None:
         taus = ", ".join(f"{c['label']}: {c['tau']:.2f}" + (" (best)" if c["label"] == evaluation["best"] else "")
                          for c in evaluation["checkpoints"])
         console.print(f"evaluate: tau (K={evaluation['k']}) untrained {evaluation['baseline']['tau']:.2f}; {taus}")
+        best = next(c for c in evaluation["checkpoints"] if c["label"] == evaluation["best"])
+        if best.get("per_position_acceptance"):
+            console.print("evaluate: acceptance per draft position (best) "
+                          + " ".join(f"{p:.2f}" for p in best["per_position_acceptance"] if p is not None))
+    verify = s.get("verify")
+    if verify and verify.get("vllm_acceptance_length"):
+        console.print(f"verify: vLLM acceptance length {verify['vllm_acceptance_length']:.3f} "
+                      f"(eyrie {verify['eyrie_acceptance_length']:.3f}), per position "
+                      + " ".join(f"{p:.2f}" for p in verify["vllm_per_position_acceptance"] if p is not None)
+                      + f"; identical outputs {verify['identical_outputs']}, speedup {verify['speedup']}")
     if s.get("drafter"):
         console.print(f"export: {s['drafter']['files']['model.safetensors']['key'].rsplit('/', 1)[0]}/ "
                       f"(`eyrie export --run RUN --out DIR`)")

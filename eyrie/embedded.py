@@ -14,6 +14,7 @@ from eyrie.config import load_settings, safe_url
 from eyrie.display import console
 from eyrie.queue import connect
 from eyrie.store import open_store
+from eyrie.vllm import available
 
 LOGS = Path(".eyrie/logs")
 DRAFTERS = Path(".eyrie/drafters")
@@ -66,7 +67,11 @@ def run_demo(run: str, dataset: str) -> int:
                     "--draft-vocab", "500", "--wait"], env)
         if code:
             return code
-        return cli(["export", "--run", run, "--out", str(DRAFTERS / run)], env)
+        code = cli(["export", "--run", run, "--out", str(DRAFTERS / run)], env)
+        if code or not available(settings.vllm_command):
+            return code
+        # the drafter served by vLLM (EYRIE_VLLM_COMMAND): its acceptance length beside ours
+        return cli(["verify", "--run", run], {**env, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
     finally:
         for proc in reversed(procs):
             stop(proc)

@@ -191,6 +191,7 @@ class RunManifest(BaseModel):
     extract: ExtractParams | None = None
     train: TrainParams | None = None
     drafter: dict | None = Field(None, description="The exported drafter: objects, sha256, τ, path taken.")
+    verify: dict | None = Field(None, description="The drafter served by vLLM: its acceptance, identical outputs.")
 
 
 class Counts(BaseModel):

@@ -81,6 +81,13 @@ class TrainSection(_Section):
     heldout: int | None = Field(None, ge=1)
 
 
+class VerifySection(_Section):
+    """The exported drafter served by vLLM (`eyrie verify`) after export; None: wherever vLLM can
+    run (EYRIE_VLLM_COMMAND names an executable or Python that exists)."""
+
+    enabled: bool | None = None
+
+
 class RunConfig(_Section):
     """What `eyrie run --config run.yaml` runs: every stage, from prompts to an exported drafter."""
 
@@ -90,6 +97,7 @@ class RunConfig(_Section):
     generate: GenerateSection = Field(default_factory=GenerateSection)
     extract: ExtractSection = Field(default_factory=ExtractSection)
     train: TrainSection = Field(default_factory=TrainSection)
+    verify: VerifySection = Field(default_factory=VerifySection)
 
 
 def load_config(path: Path) -> RunConfig:
@@ -138,7 +146,8 @@ def _open_sections(store, run: str) -> set[str]:
     if not store.exists(Layout(run).manifest):
         return set(RunConfig.model_fields)
     manifest = load_run_manifest(store, run)
-    return {name for name, planned in (("extract", manifest.extract), ("train", manifest.train)) if planned is None}
+    return {name for name, planned in (("extract", manifest.extract), ("train", manifest.train),
+                                       ("verify", manifest.verify)) if planned is None}
 
 
 ACTIVE = "eyrie:pipelines:active"
@@ -177,8 +186,23 @@ def _next_stage(conn, store, config: RunConfig) -> str | None:
         enqueue_task(conn, "train", TASK_FUNC, {"run": config.run, "request": config.train.model_dump()},
                      train_task_id(config.run), timeout_s=TRAIN_TIMEOUT_S)
         return "train"
-    conn.srem(ACTIVE, config.run)  # exported: the pipeline is done
+    if manifest.verify is None and verify_wanted(config):
+        from eyrie_inference.verify import TASK_FUNC as VERIFY_FUNC
+
+        # on the train queue: the trainer has the held-out samples in its cache
+        enqueue_task(conn, "train", VERIFY_FUNC, {"run": config.run}, f"verify-{config.run}-00000", timeout_s=7200)
+        return "verify"
+    conn.srem(ACTIVE, config.run)  # exported (and verified): the pipeline is done
     return None
+
+
+def verify_wanted(config: RunConfig) -> bool:
+    if config.verify.enabled is not None:
+        return config.verify.enabled
+    from eyrie.config import load_settings
+    from eyrie.vllm import available
+
+    return available(load_settings().vllm_command)
 
 
 def drained_run(conn, store) -> str | None:
@@ -198,7 +222,7 @@ def drained_run(conn, store) -> str | None:
             continue
         layout = Layout(run)
         generated = all(store.exists(layout.generate_shard_manifest(p.index)) for p in manifest.generate_shards)
-        if generated and manifest.drafter is None:
+        if generated and (manifest.drafter is None or manifest.verify is None):
             return run
     return None
 

@@ -25,7 +25,7 @@ LEASE_TTL_S = 15  # a dead worker's task is taken over within this time
 TASK_FUNCS = frozenset({
     "eyrie_generator.shard.run_generate_shard", "eyrie_extractor.shard.run_extract_shard",
     "eyrie.pipeline.run_plan_extract_task", "eyrie_trainer.runner.run_train_task",
-    "eyrie_trainer.plan.run_fetch_task"})
+    "eyrie_trainer.plan.run_fetch_task", "eyrie_inference.verify.run_verify_task"})
 CALLBACKS = frozenset({"eyrie.pipeline.on_task_done"})
 
 

@@ -150,6 +150,7 @@ def train_status(conn, store, manifest: RunManifest) -> dict:
         "epochs": manifest.train.epochs, "loss": live.get("loss"), "val_loss": live.get("val_loss"),
         "acc": live.get("acc"), "path": live.get("path"), "notes": live.get("notes", []),
         "checkpoints": live.get("checkpoints", []), "evaluation": evaluation, "drafter": manifest.drafter,
+        "verify": manifest.verify,
         "waiting_for": [live["waiting_for"]] if live.get("waiting_for") and live.get("phase") == "waiting" else [],
         "workers": workers_on(conn, "train"), "errors": job_errors(conn, [job]), "active": [], "jobs": {state: 1},
         "params": manifest.train.model_dump(),

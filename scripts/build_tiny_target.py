@@ -24,7 +24,7 @@ What it produces
   rendered as is). Content may be a string or a list of ``{"type": "text", "text": ...}`` parts. The assistant
   part (after ``<|assistant|>``, through ``<|eos|>``) is wrapped in ``{% generation %}`` so
   ``apply_chat_template(..., return_assistant_tokens_mask=True)`` works (used below for the loss mask).
-* A ``LlamaForCausalLM`` (8 layers, hidden 64, 4 heads, 2 kv heads, intermediate 192, 512 positions, untied
+* A ``LlamaForCausalLM`` (8 layers, hidden 64, 2 heads of 32, 1 kv head, intermediate 192, 512 positions, untied
   embeddings, fp32 safetensors) trained with AdamW on assistant tokens only, plus ``generation_config.json``
   (bos/eos/pad ids, greedy).
 * ``tests/data/tiny_prompts.jsonl``: 40 single-turn ShareGPT rows, each an exact training prompt (8 with a system
@@ -411,9 +411,9 @@ def main(argv=None) -> int:
         hidden_size=64,
         intermediate_size=192,
         num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_attention_heads=2,  # head_dim 32: the smallest head size vLLM's CPU attention serves
+        num_key_value_heads=1,
+        head_dim=32,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,

@@ -61,7 +61,8 @@ def tiny_run_config(tmp_path: Path, run: str, *overrides: dict, **sections: dict
     updates sections of it key by key."""
     body = {"run": run, "target": {"model": str(TINY)}, "dataset": {"source": str(TRAIN_PROMPTS)},
             "generate": {"concurrency": 8, "max_tokens": 64, "shard_size": 80}, "extract": {"layers": [2, 4, 5]},
-            "train": {"epochs": 3, "seq_len": 256, "lr": 0.003, "draft_vocab": 500}}
+            "train": {"epochs": 3, "seq_len": 256, "lr": 0.003, "draft_vocab": 500},
+            "verify": {"enabled": False}}  # vLLM starts twice: on only where a test asks for it
     for layer in (*overrides, sections):
         for name, value in layer.items():
             body[name] = {**body.get(name, {}), **value}

@@ -90,6 +90,10 @@ def test_the_dashboard_follows_a_real_run(env, tiny_server, browser, tmp_path):
         assert attrs(browser, "#runs tr[data-run]", "data-run") == ["dash"]
         taus = attrs(browser, "#tau tr", "data-checkpoint")
         assert taus[0] == "untrained" and len(taus) == 3, taus  # the baseline and one row per epoch
+        # the charts: acceptance length per checkpoint (a point each), acceptance per draft position (K bars)
+        assert attrs(browser, "#tau-chart circle.eyrie", "data-checkpoint") == taus
+        assert len(attrs(browser, "#tau-chart polyline.eyrie", "points")[0].split()) == len(taus)
+        assert attrs(browser, "#position-chart rect.eyrie", "data-position") == ["0", "1", "2"]
         assert '"run": "dash"' in text(browser, "#manifest") and "GPU lease" in text(browser, "#lease")
         browser.save_screenshot(str(tmp_path / "dashboard.png"))
         if os.environ.get("EYRIE_DOCS_SCREENSHOT") == "1":

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from eyrie_trainer.evaluate import accepted_lengths, simulate, untrained_like
+from eyrie_trainer.evaluate import accepted_lengths, simulate, summarize_walk, untrained_like, walk
 from hs_fixture import TINY, build_hs_dir
 
 K = 3
@@ -55,6 +55,36 @@ def test_prompt_positions_are_excluded_and_a_non_assistant_token_stops_a_draft()
 def test_shape_mismatch_is_refused():
     with pytest.raises(ValueError):
         accepted_lengths(torch.zeros(K, 7, dtype=torch.long), X, MASK)
+
+
+# The walk (vLLM's bookkeeping): greedy[p] is the target's token after x[p]; here the answer is greedy.
+GREEDY = t([11, 12, 13, 14, 15, 16, 3])  # greedy[6]: the target's token after the end (3)
+
+
+def test_walk_advances_by_accepted_plus_one_from_the_first_answer_token():
+    # prefill produced x2; the step at j=1 drafts x3..x5, all right: 3 accepted + the target's x6,
+    # the last token: done. Steps: [3].
+    drafts = oracle(X, K)
+    assert walk(drafts, GREEDY, MASK, K) == [3]
+    # x4 wrong at j=1: 1 accepted, advance 2 -> j=3 drafts x5, x6 and one past the end, which is
+    # compared with greedy[6] (the target's token there) as vLLM does: [1, 2], or [1, 3] when it matches.
+    drafts[1, 1] = 99
+    assert walk(drafts, GREEDY, MASK, K) == [1, 2]
+    drafts[2, 3] = 3
+    assert walk(drafts, GREEDY, MASK, K) == [1, 3]
+    assert walk(drafts, GREEDY, torch.zeros(7, dtype=torch.long), K) == []
+
+
+def test_walk_compares_with_the_greedy_token_not_the_stored_one():
+    greedy = GREEDY.clone()
+    greedy[2] = 77  # the target would not have produced x3 after x2: a draft of x3 is rejected
+    assert walk(oracle(X, K), greedy, MASK, K)[0] == 0
+
+
+def test_summarize_walk_is_vllms_mean_acceptance_length_and_per_position_rate():
+    report = summarize_walk([3, 1, 0, 2], K, 1)
+    assert report["tau"] == report["acceptance_length"] == 1 + 6 / 4 and report["drafts"] == 4
+    assert report["per_position_acceptance"] == [3 / 4, 2 / 4, 1 / 4]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,6 +138,18 @@ def exact_oracle_tau(samples, k: int) -> float:
     return 1 + total / count
 
 
+def exact_oracle_walk(samples, k: int) -> float:
+    """Every draft right up to the last token, none past it: from j = first - 1, each step accepts
+    min(k, L - 2 - j) and advances by that + 1."""
+    accepted = []
+    for s in samples:
+        length, j = int(s["seq_len"]), int(s["loss_mask"].argmax()) - 1
+        while j <= length - 3:
+            accepted.append(min(k, length - 2 - j))
+            j += accepted[-1] + 1
+    return 1 + sum(accepted) / len(accepted)
+
+
 def test_oracle_drafter_gets_one_plus_k_less_the_end_effects(samples):
     got = torch.cat([accepted_lengths(oracle(s["input_ids"], K), s["input_ids"], s["loss_mask"]) for s in samples])
     assert 1 + got.float().mean().item() == pytest.approx(exact_oracle_tau(samples, K))
@@ -117,16 +159,20 @@ def test_oracle_drafter_gets_one_plus_k_less_the_end_effects(samples):
 def test_untrained_drafter_has_tau_near_one(drafter, hs_dir, samples):
     report = simulate(drafter, hs_dir, None, K)
     assert report["samples"] == len(samples) and report["k"] == K
-    assert report["positions"] == sum(int(s["loss_mask"].sum()) for s in samples)
-    assert sum(report["histogram"]) == report["positions"] and len(report["histogram"]) == K + 1
-    assert 1.0 <= report["tau"] < 1.3
-    accepted = sum(n * count for n, count in enumerate(report["histogram"]))
-    assert report["tau"] == pytest.approx(1 + accepted / report["positions"])
-    assert len(report["step_acceptance"]) == K
+    assert 1.0 <= report["tau"] < 1.3 and report["greedy_from"].startswith("target lm_head")
+    assert report["tau"] == pytest.approx(1 + report["accepted_tokens"] / report["drafts"])
+    assert len(report["per_position_acceptance"]) == K
+    every = report["every_position"]
+    assert every["positions"] == sum(int(s["loss_mask"].sum()) for s in samples)
+    assert sum(every["histogram"]) == every["positions"] and len(every["histogram"]) == K + 1
+    accepted = sum(n * count for n, count in enumerate(every["histogram"]))
+    assert 1.0 <= every["tau"] < 1.3 and every["tau"] == pytest.approx(1 + accepted / every["positions"])
+    assert len(every["step_acceptance"]) == K
     assert drafter.training  # simulate leaves the train/eval mode as it found it
     assert drafter.config.transformer_layer_config._attn_implementation == "simple_flex_attention"
     part = simulate(drafter, hs_dir, [0, 3], K)
-    assert part["samples"] == 2 and part["positions"] == sum(int(samples[i]["loss_mask"].sum()) for i in (0, 3))
+    assert part["samples"] == 2
+    assert part["every_position"]["positions"] == sum(int(samples[i]["loss_mask"].sum()) for i in (0, 3))
 
 
 def test_draft_ids_are_mapped_to_target_ids(drafter, hs_dir, samples, monkeypatch):
@@ -146,8 +192,11 @@ def test_draft_ids_are_mapped_to_target_ids(drafter, hs_dir, samples, monkeypatc
 
     monkeypatch.setattr(drafter, "forward", forward)
     report = simulate(drafter, hs_dir, None, K)
-    assert report["tau"] == pytest.approx(exact_oracle_tau(samples, K))
-    assert report["step_acceptance"][0] == 1.0
+    assert report["every_position"]["tau"] == pytest.approx(exact_oracle_tau(samples, K))
+    assert report["every_position"]["step_acceptance"][0] == 1.0
+    # the tiny target's answers are its greedy ones: the walk accepts every draft up to the end
+    assert report["tau"] == pytest.approx(exact_oracle_walk(samples, K))
+    assert report["per_position_acceptance"][0] == 1.0
 
 
 def test_untrained_like_is_a_fresh_drafter_with_the_same_vocabulary(drafter):

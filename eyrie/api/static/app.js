@@ -111,6 +111,54 @@ function renderTau(train) {
   document.querySelector("#tau tbody").replaceChildren(...rows.map(([label, tau]) =>
     el("tr", { "data-checkpoint": label }, el("td", {}, label + (label === evaluation.best ? " (best)" : "")),
        el("td", {}, tau.toFixed(3)))));
+  const verify = train.verify && train.verify.vllm_acceptance_length ? train.verify : null;
+  const labels = rows.map(([label]) => label);
+  const vllmAt = verify ? labels.indexOf(verify.checkpoint) : -1;
+  document.getElementById("tau-chart").replaceChildren(...lineChart(
+    rows.map(([, tau]) => tau), evaluation.k + 1, labels, vllmAt >= 0 ? [vllmAt, verify.vllm_acceptance_length] : null));
+  const best = evaluation.checkpoints.find((c) => c.label === evaluation.best);
+  document.getElementById("position-chart").replaceChildren(...barChart(
+    (best && best.per_position_acceptance) || [], verify ? verify.vllm_per_position_acceptance : []));
+}
+
+// Plain SVG charts (no build step): acceptance length per checkpoint, acceptance per draft position.
+const SVG_NS = "http://www.w3.org/2000/svg";
+const W = 360, H = 120, PAD = 24;
+
+function svg(tag, attrs = {}, text = "") {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+  if (tag === "text" || tag === "title") {
+    node.textContent = text;
+  } else if (text) {
+    node.append(svg("title", {}, text));  // the value on hover
+  }
+  return node;
+}
+
+function lineChart(values, yMax, labels, vllm) {
+  const x = (i) => PAD + (values.length > 1 ? i * (W - 2 * PAD) / (values.length - 1) : 0);
+  const y = (v) => H - PAD - (v - 1) * (H - 2 * PAD) / (yMax - 1);
+  const nodes = [svg("line", { x1: PAD, y1: y(1), x2: W - PAD, y2: y(1), class: "axis" }),
+    svg("text", { x: 2, y: y(yMax) + 4, class: "dim" }, String(yMax)),
+    svg("polyline", { points: values.map((v, i) => `${x(i)},${y(v)}`).join(" "), class: "eyrie" })];
+  values.forEach((v, i) => nodes.push(svg("circle", { cx: x(i), cy: y(v), r: 3, class: "eyrie",
+    "data-checkpoint": labels[i] }, `${labels[i]}: eyrie ${v.toFixed(3)}`)));
+  if (vllm) nodes.push(svg("circle", { cx: x(vllm[0]), cy: y(vllm[1]), r: 5, class: "vllm",
+    "data-checkpoint": labels[vllm[0]] }, `${labels[vllm[0]]}: vLLM ${vllm[1].toFixed(3)}`));
+  return nodes;
+}
+
+function barChart(ours, theirs) {
+  const slot = (W - 2 * PAD) / Math.max(1, ours.length), bar = slot / 3;
+  const nodes = [svg("line", { x1: PAD, y1: H - PAD, x2: W - PAD, y2: H - PAD, class: "axis" })];
+  [[ours, "eyrie", 0], [theirs, "vllm", 1]].forEach(([rates, cls, offset]) => rates.forEach((rate, p) => {
+    const h = (rate || 0) * (H - 2 * PAD);
+    nodes.push(svg("rect", { x: PAD + p * slot + offset * bar, y: H - PAD - h, width: bar - 2, height: h,
+      class: cls, "data-position": p }, `position ${p + 1}: ${cls} ${(rate || 0).toFixed(2)}`));
+  }));
+  ours.forEach((_, p) => nodes.push(svg("text", { x: PAD + p * slot, y: H - 6, class: "dim" }, `+${p + 1}`)));
+  return nodes;
 }
 
 async function refresh() {

@@ -28,6 +28,9 @@ from pathlib import Path
 import torch
 
 CONNECTOR = "ExampleHiddenStatesConnector"
+CPU_CONNECTOR = "CpuHiddenStatesConnector"  # ours, for vLLM's CPU build (eyrie_extractor.vllm_cpu_connector)
+CPU_CONNECTOR_MODULE = "eyrie_extractor.vllm_cpu_connector"
+CPU_CONNECTOR_PATH = str(Path(__file__).resolve().parent.parent)  # on vLLM's PYTHONPATH where it is used
 
 
 class VllmCaptureError(RuntimeError):
@@ -47,9 +50,13 @@ def speculative_config(aux_layers: Sequence[int], num_layers: int) -> dict:
                 "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(aux_layers, num_layers)}}}
 
 
-def kv_transfer_config(shared_dir: str | Path) -> dict:
+def kv_transfer_config(shared_dir: str | Path, cpu: bool = False) -> dict:
     """hs-connectors' `file` backend, as speculators' launcher takes it from the registry; the
-    launcher's own inline copy where hs-connectors is not installed (e.g. the vLLM image)."""
+    launcher's own inline copy where hs-connectors is not installed (e.g. the vLLM image).
+    `cpu`: our subclass of the connector, for vLLM's CPU build, where the stock one fails."""
+    if cpu:
+        return {"kv_connector": CPU_CONNECTOR, "kv_connector_module_path": CPU_CONNECTOR_MODULE,
+                "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(shared_dir)}}
     try:
         from argparse import Namespace
 
@@ -64,14 +71,15 @@ def kv_transfer_config(shared_dir: str | Path) -> dict:
 def extract_command(model: str, aux_layers: Sequence[int], shared_dir: str | Path,
                     tensor_parallel_size: int = 1, port: int = 8000,
                     extra_args: str | Sequence[str] = (), *, num_layers: int | None = None,
-                    host: str = "127.0.0.1") -> list[str]:
+                    host: str = "127.0.0.1", vllm_command: str = "vllm", cpu: bool = False) -> list[str]:
     """The real `vllm serve` command line of an extraction server.
 
     Mirrors speculators' scripts/launch_vllm.py (vllm-project/speculators; its `file` backend is
     hs_connectors/transfer.py FileBackend.build_kv_transfer_config): `--speculative-config` with
     method `extract_hidden_states` and the aux layer ids plus the last layer (its
     `--include-last-layer` default), `--kv-transfer-config` with ExampleHiddenStatesConnector
-    writing to `shared_dir`. Its front-end defaults (`--api-server-count 4
+    writing to `shared_dir` (with `cpu`, our CpuHiddenStatesConnector: its process then needs
+    CPU_CONNECTOR_PATH on PYTHONPATH). `vllm_command`: as EYRIE_VLLM_COMMAND (eyrie.vllm). Its front-end defaults (`--api-server-count 4
     --renderer-num-workers 2`) are left out: they serve chat-template rendering, and eyrie sends
     token ids. `num_layers` is read from the model's config when not given (as the launcher does).
     """
@@ -83,10 +91,21 @@ def extract_command(model: str, aux_layers: Sequence[int], shared_dir: str | Pat
         num_layers, _ = target_shape(model)
     aux = resolve_aux_layers(list(aux_layers), num_layers)  # distinct, within [0, num_layers]
     extra = shlex.split(extra_args) if isinstance(extra_args, str) else list(extra_args)
-    return ["vllm", "serve", model, "--host", host, "--port", str(port),
+    from eyrie.vllm import serve_argv
+
+    return [*serve_argv(vllm_command, model), "--host", host, "--port", str(port),
             "--tensor-parallel-size", str(tensor_parallel_size),
             "--speculative-config", json.dumps(speculative_config(aux, num_layers)),
-            "--kv-transfer-config", json.dumps(kv_transfer_config(shared_dir)), *extra]
+            "--kv-transfer-config", json.dumps(kv_transfer_config(shared_dir, cpu)), *extra]
+
+
+def connector_env(env: dict | None = None) -> dict:
+    """The environment of a vLLM that loads CpuHiddenStatesConnector: this package on its path."""
+    import os
+
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [CPU_CONNECTOR_PATH, env.get("PYTHONPATH")]))
+    return env
 
 
 def _mismatch(sent: list[int], got: list[int]) -> str:
@@ -192,9 +211,23 @@ class VllmCapture:
             except FileNotFoundError:  # released and removed in between
                 pass
         if not Path(handle).exists():
+            if not self._server_alive():
+                raise VllmCaptureError(
+                    f"{where}: the server answered with {handle}, then stopped answering before the file "
+                    "appeared: its engine died after answering. Read the server's log (its last error) "
+                    "and restart it; on vLLM's CPU build start it with extract_command(..., cpu=True).")
             raise VllmCaptureError(f"{where}: the server wrote {handle}, which this host cannot read; "
                                    "mount the server's shared_dir at the same path here.")
         return load_file(handle)
+
+    def _server_alive(self) -> bool:
+        """vLLM's /health answers 200 while its engine runs (503 or nothing once it has died)."""
+        import requests
+
+        try:
+            return requests.get(f"{self.endpoint_url.removesuffix('/v1')}/health", timeout=10).status_code == 200
+        except requests.RequestException:
+            return False
 
     def _check(self, data: dict[str, torch.Tensor], ids: list[int], handle: str, where: str) -> torch.Tensor:
         missing = {"hidden_states", "token_ids"} - data.keys()
@@ -228,15 +261,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--vllm-command", default=os.environ.get("EYRIE_VLLM_COMMAND", "vllm"),
+                        help="the vllm executable or a Python with vLLM (default: $EYRIE_VLLM_COMMAND or vllm)")
+    parser.add_argument("--cpu", action="store_true", help="vLLM's CPU build: use eyrie's CPU-safe connector")
     parser.add_argument("--exec", action="store_true", help="run it instead of printing it")
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
     cmd = extract_command(args.model, [int(x) for x in args.layers.split(",")], args.shared_dir,
                           args.tensor_parallel_size, args.port, extra, num_layers=args.num_layers,
-                          host=args.host)
+                          host=args.host, vllm_command=args.vllm_command, cpu=args.cpu)
     if args.exec:
         Path(args.shared_dir).mkdir(parents=True, exist_ok=True)
-        os.execvp(cmd[0], cmd)
+        os.execvpe(cmd[0], cmd, connector_env() if args.cpu else dict(os.environ))
     print(shlex.join(cmd))
     return 0
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import signal
@@ -21,6 +20,7 @@ from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease
 from eyrie.gpu_admission import gpu_lease
 from eyrie.target import describe
+from eyrie.vllm import serve_argv, serve_env
 
 PROGRESS = re.compile(r"(\d{1,3})%\|")  # tqdm bars, e.g. vLLM's "Loading safetensors ... 37%|"
 
@@ -28,7 +28,7 @@ PROGRESS = re.compile(r"(\d{1,3})%\|")  # tqdm bars, e.g. vLLM's "Loading safete
 def command(settings: Settings, model: str) -> list[str]:
     """The real command line of the server."""
     if settings.server == "vllm":
-        cmd = ["vllm", "serve", model, "--host", settings.host, "--port", str(settings.port),
+        cmd = [*serve_argv(settings.vllm_command, model), "--host", settings.host, "--port", str(settings.port),
                "--tensor-parallel-size", str(settings.tensor_parallel_size)]
         if settings.reasoning_parser:
             cmd += ["--reasoning-parser", settings.reasoning_parser]
@@ -74,7 +74,7 @@ class Server:
             self.gpu.acquire()
             threading.Thread(target=self._renew_gpu_lease, daemon=True).start()
         print(f"eyrie serve: {shlex.join(cmd)}", flush=True)
-        env = {**os.environ, "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+        env = serve_env()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                      text=True, bufsize=1)
         threading.Thread(target=self._follow_output, daemon=True).start()
@@ -133,8 +133,10 @@ class Server:
 
     def _renew_gpu_lease(self) -> None:
         """Renewed through the whole load (vLLM may load for tens of minutes) and serving."""
-        while self.gpu is not None and self.endpoint.state in ("starting", "ready"):
+        while True:
             time.sleep(10)
+            if self.gpu is None or self.endpoint.state not in ("starting", "ready"):
+                return  # stopped: the lease is (being) returned
             self.gpu.renew()
 
     def _follow_output(self) -> None:

@@ -6,8 +6,21 @@ x[j+1] with g[j], and TTT step k at position j predicts x[j+2+k]; steps k > 0 ar
 tokens, which is what inference sees while every earlier draft was accepted. So a draft that
 starts at j (the target has just produced x[j+1]) is accepted for its first n steps when
 draft[k, j] == x[j+2+k] for all k < n (greedy verification), and one verification step yields
-1 + n tokens: tau = 1 + mean n. Starts count only where x[j+2] is an assistant token; a draft
-stops at the end of the sequence and at the first non-assistant token.
+1 + n tokens.
+
+`tau` (the mean acceptance length) is measured as vLLM measures it (`walk`): each held-out
+answer is decoded as the server would, from its first token (the prefill's): draft K tokens at
+the current position, accept while each draft equals the TARGET'S GREEDY token (the argmax of the
+target's final norm and lm_head applied to the stored last, pre-norm, hidden state), advance by
+accepted + 1; tau = 1 + accepted drafts / verification steps, and the per-position rate is the
+share of steps whose first p + 1 drafts were accepted (vLLM's `/metrics` counters). Like vLLM, a
+draft past the end token is still compared with the target's prediction there, as far as the
+stored states reach (one token past the end; vLLM may accept a few more, which shows as its
+figure running slightly above ours).
+
+`every_position` keeps the older, teacher-forced statistic: a draft started at EVERY answer
+position, compared with the stored tokens, stopping at the sequence end; it weighs positions, not
+verification steps, so it is not what a server sees.
 """
 
 from __future__ import annotations
@@ -76,14 +89,16 @@ def _dense_attention(model, impl: str = "sdpa"):
 
 
 def simulate(model, data_dir: Path, indices: list[int] | None = None, k: int = 3, device="cpu",
-             transfer=None) -> dict:
+             transfer=None, target: str | None = None) -> dict:
     """tau of `model` (an Eagle3DraftModel) with k draft steps over the samples of a
     speculators-layout directory (all of them, or `indices`). `transfer`: a hs_connectors
-    transfer for the stored files (FP8Transfer for fp8); default: plain files.
+    transfer for the stored files (FP8Transfer for fp8); default: plain files. `target`: where
+    the target's weights are (default: the drafter's verifier).
 
-    Returns tau, k, samples, positions (counted starts), mean_accepted, histogram (starts
-    with 0..k accepted tokens), step_acceptance (step s accepted among starts whose first s
-    were accepted and that have a step s to predict; None where there are none)."""
+    Returns tau (= acceptance_length, see `walk`), per_position_acceptance, drafts (verification
+    steps), accepted_tokens, k, samples, greedy_from, and every_position: the teacher-forced
+    statistic (tau, positions: counted starts, mean_accepted, histogram: starts with 0..k
+    accepted, step_acceptance: step s accepted among starts whose first s were)."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset
     from speculators.train.recovery import SampleUnavailable
@@ -94,7 +109,7 @@ def simulate(model, data_dir: Path, indices: list[int] | None = None, k: int = 3
     device = torch.device(device)
     model.to(device)
     dtype = next(model.parameters()).dtype
-    accepted, horizon = [], []
+    accepted, horizon, steps, head = [], [], [], TargetHead(model, target)
     with _dense_attention(model), torch.no_grad():
         for index in indices:
             sample = dataset[index]
@@ -115,19 +130,99 @@ def simulate(model, data_dir: Path, indices: list[int] | None = None, k: int = 3
             got, most = _acceptance(target_ids, sample["input_ids"], sample["loss_mask"])
             accepted.append(got)
             horizon.append(most)
-    return summarize(torch.cat(accepted or [torch.zeros(0, dtype=torch.long)]),
-                     torch.cat(horizon or [torch.zeros(0, dtype=torch.long)]), k, len(indices))
+            greedy = head.greedy(sample["verifier_last_hidden_states"])
+            steps += walk(target_ids, greedy, sample["loss_mask"], k)
+    report = summarize_walk(steps, k, len(indices))
+    report["greedy_from"] = head.source
+    report["every_position"] = summarize(torch.cat(accepted or [torch.zeros(0, dtype=torch.long)]),
+                                         torch.cat(horizon or [torch.zeros(0, dtype=torch.long)]), k)
+    return report
 
 
-def summarize(accepted: torch.Tensor, horizon: torch.Tensor, k: int, samples: int) -> dict:
-    """The report of `simulate` from per-start accepted counts and horizons."""
+def walk(drafts: torch.Tensor, greedy: torch.Tensor, loss_mask: torch.Tensor, k: int) -> list[int]:
+    """Accepted drafts per verification step, decoding one answer as a server would.
+    drafts [K, L-1] (target ids; column j: drafted after x[j+1] was produced, row s predicting
+    x[j+2+s]); greedy [L]: the target's greedy token after each position (greedy[p] follows x[p])."""
+    length = greedy.shape[0]
+    answer = torch.nonzero(loss_mask.to(torch.bool)).flatten()
+    if answer.numel() == 0:
+        return []
+    steps, j = [], int(answer[0]) - 1  # the prefill produced x[answer[0]]: the first draft follows it
+    while j <= length - 3:  # x[j+1] is not the last token: the server verifies another draft
+        n = 0
+        while n < k and j + 1 + n < length and int(drafts[n, j]) == int(greedy[j + 1 + n]):
+            n += 1
+        steps.append(n)
+        j += n + 1
+    return steps
+
+
+def summarize_walk(steps: list[int], k: int, samples: int) -> dict:
+    """vLLM's figures from accepted drafts per step: mean acceptance length and per position."""
+    drafts = len(steps)
+    accepted = torch.tensor(steps, dtype=torch.long)
+    per_position = [int((accepted > p).sum()) / drafts if drafts else None for p in range(k)]
+    length = 1.0 + float(accepted.double().mean()) if drafts else 1.0
+    return {"tau": length, "acceptance_length": length, "per_position_acceptance": per_position,
+            "drafts": drafts, "accepted_tokens": int(accepted.sum()), "k": k, "samples": samples}
+
+
+class TargetHead:
+    """The target's final norm and lm_head: its greedy token from a stored last (pre-norm) hidden
+    state. Read from the target's safetensors where they are on this host; else the drafter's
+    frozen copies (`verifier_norm`, `verifier_lm_head`: the draft vocabulary only, mapped to
+    target ids), which can miss a greedy token outside the draft vocabulary."""
+
+    def __init__(self, model, target: str | None):
+        self.drafter = model
+        self.norm_weight, self.lm_head, self.eps = None, None, None
+        target = target or model.config.speculators_config.verifier.name_or_path
+        try:
+            self._read(Path(target))
+            self.source = f"target lm_head ({target})"
+        except (OSError, KeyError, ValueError):
+            self.source = "drafter's verifier head (draft vocabulary)"
+
+    def _read(self, folder: Path) -> None:
+        from safetensors import safe_open
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(folder)).get_text_config()
+        found = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as weights:
+                for name in weights.keys():
+                    if name.endswith(("lm_head.weight", "embed_tokens.weight")) or (
+                            name.endswith("norm.weight") and ".layers." not in name):
+                        found[name.rsplit(".", 2)[-2]] = weights.get_tensor(name).float()
+        head = found.get("lm_head")
+        if head is None and getattr(config, "tie_word_embeddings", False):
+            head = found.get("embed_tokens")
+        if head is None or "norm" not in found:
+            raise KeyError(f"no final norm / lm_head in {folder}")
+        self.norm_weight, self.lm_head, self.eps = found["norm"], head, config.rms_norm_eps
+
+    def greedy(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if self.lm_head is None:
+                model = self.drafter
+                param = next(model.verifier_lm_head.parameters())
+                logits = model.verifier_lm_head(model.verifier_norm(last_hidden.to(param.device, param.dtype)))
+                return to_target_ids(model, logits.argmax(-1)).cpu()
+            h = last_hidden.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
+            return (h @ self.lm_head.T).argmax(-1)
+
+
+def summarize(accepted: torch.Tensor, horizon: torch.Tensor, k: int) -> dict:
+    """The teacher-forced every-position statistic from per-start accepted counts and horizons."""
     positions = int(accepted.numel())
     mean = float(accepted.double().mean()) if positions else 0.0
     steps = []
     for s in range(k):
         reached = int(((accepted >= s) & (horizon > s)).sum())
         steps.append(int((accepted > s).sum()) / reached if reached else None)
-    return {"tau": 1.0 + mean, "k": k, "samples": samples, "positions": positions,
+    return {"tau": 1.0 + mean, "positions": positions,
             "mean_accepted": mean, "histogram": torch.bincount(accepted, minlength=k + 1).tolist(),
             "step_acceptance": steps}
 

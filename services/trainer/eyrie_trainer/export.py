@@ -1,4 +1,5 @@
-"""Evaluate every stored checkpoint on the held-out samples (τ, with an untrained drafter of the
+"""Evaluate every stored checkpoint on the held-out samples (τ: the mean acceptance length as vLLM
+counts it, see eyrie_trainer.evaluate; with an untrained drafter of the
 same shape as the baseline), mark the best, and export it: the directory vLLM loads with
 `--speculative-config '{"method": "eagle3", "model": DIR, ...}'`, stored under train/drafter/."""
 
@@ -47,9 +48,10 @@ def evaluate(store, run: str, eval_dir: Path, device: str, log) -> dict:
             baseline = simulate(untrained_like(model), eval_dir, k=k, device=device, transfer=transfer)
             log(f"untrained baseline: tau {baseline['tau']:.3f}")
         result = simulate(model, eval_dir, k=k, device=device, transfer=transfer)
-        log(f"checkpoint {entry['label']}: tau {result['tau']:.3f} (K={k})")
+        log(f"checkpoint {entry['label']}: tau {result['tau']:.3f} (K={k}, vLLM's bookkeeping; "
+            f"every-position statistic {result['every_position']['tau']:.3f})")
         results.append({"label": entry["label"], "epoch": entry["epoch"], **result})
-    best = max(results, key=lambda r: r["tau"])
+    best = max(results, key=lambda r: r["tau"])  # the acceptance length a server would see
     evaluation = {"k": k, "heldout_samples": manifest.train.heldout_samples, "baseline": baseline,
                   "checkpoints": results, "best": best["label"], "evaluated_at": now_iso()}
     store.put_json(layout.evaluation, evaluation)
@@ -72,6 +74,8 @@ def export(store, run: str, evaluation: dict, path: dict) -> dict:
             files[name] = {"key": info.key, "sha256": info.sha256, "bytes": info.size}
     best = next(c for c in evaluation["checkpoints"] if c["label"] == label)
     record = {"files": files, "checkpoint": label, "tau": best["tau"], "baseline_tau": evaluation["baseline"]["tau"],
+              "per_position_acceptance": best["per_position_acceptance"],
+              "tau_every_position": best["every_position"]["tau"],
               "k": evaluation["k"], "training_path": path, "exported_at": now_iso(),
               "vllm": vllm_command(manifest.target.model, "DIR", evaluation["k"])}
     manifest.drafter = record
