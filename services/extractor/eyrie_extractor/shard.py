@@ -25,7 +25,7 @@ from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease, pick_device
 from eyrie.manifest import Counts, Layout, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
-from eyrie.queue import LEASE_TTL_S, held_task
+from eyrie.queue import LEASE_TTL_S, Heartbeat, held_task
 from eyrie.status import task_id
 from eyrie_extractor.capture import HFCapture, token_budget_batches
 from eyrie_extractor.plan import generated_records, load_tokenizer
@@ -63,6 +63,11 @@ def loaded_capture(model: str, aux_layers: tuple[int, ...], device: str, params_
     return HFCapture(model, list(aux_layers), device)
 
 
+def extractor_gpu_lease(conn: redis.Redis, device: str) -> GpuLease:
+    """The extractor's GPU lease: its release drops the cached target from the device first."""
+    return GpuLease(conn, f"extractor@{socket.gethostname()}", device, caches=(loaded_capture,))
+
+
 class ExtractRunner:
     def __init__(self, settings: Settings, conn: redis.Redis, store, run: str, shard: int):
         self.settings, self.conn, self.store = settings, conn, store
@@ -84,7 +89,8 @@ class ExtractRunner:
                 return {"shard": self.shard, "status": "held_by_another_worker"}
             self.lease = lease
             try:
-                return self._on_device()
+                with Heartbeat(lease) as self.beat:  # through the GPU wait, tokenizing, the model load
+                    return self._on_device()
             except Cancelled:
                 self._report()
                 return {"shard": self.shard, "status": "cancelled", **self._counts().model_dump()}
@@ -94,13 +100,13 @@ class ExtractRunner:
         device = "cpu" if self.params.backend == "vllm" else pick_device(self.settings.device)
         if not device.startswith("cuda"):  # CPU-only runs need no GPU lease
             return self._run(device, None)
-        gpu = GpuLease(self.conn, f"extractor@{socket.gethostname()}", device)
+        gpu = self.beat.gpu = extractor_gpu_lease(self.conn, device)
         self._report(waiting_for="gpu_lease")
         gpu.acquire()
         try:
             return self._run(device, gpu)
         finally:
-            gpu.release()
+            gpu.release()  # drops the cached target first: the next holder needs its memory
 
     def _run(self, device: str, gpu) -> dict:
         started_at, t0 = now_iso(), time.monotonic()
