@@ -538,3 +538,23 @@ def test_only_the_api_and_inference_are_published_and_only_on_loopback_by_defaul
     assert {published(p) for p in services["inference"]["ports"]} == {("127.0.0.1", "8000")}, how
     values, _ = env_example()
     assert values["EYRIE_API_BIND"] == values["EYRIE_INFERENCE_BIND"] == "127.0.0.1"
+
+
+def test_the_inference_image_constrains_everything_its_base_holds(tmp_path):
+    """services/base/image_constraints.py, run by an interpreter with a stack installed (this venv
+    stands in for vLLM's image): every installed distribution is a constraint at its installed
+    version, our lines for those lose their pins (nothing of the image's moves), others keep them."""
+    reqs = tmp_path / "requirements.txt"
+    reqs.write_text(f"-r {ROOT / 'services/inference/requirements.txt'}\ntransformers[serving]==0.0.1\n"
+                    "not-installed-here==1.0  # kept as pinned\n")
+    out_reqs, out_constraints = tmp_path / "reqs.txt", tmp_path / "constraints.txt"
+    subprocess.run([sys.executable, str(ROOT / "services/base/image_constraints.py"), str(reqs), str(out_reqs),
+                    str(out_constraints)], check=True, timeout=60)
+    from importlib.metadata import version
+
+    lines = out_reqs.read_text().split()
+    constraints = dict(line.split("==") for line in out_constraints.read_text().split())
+    assert constraints["torch"] == version("torch") and constraints["redis"] == version("redis")
+    assert "redis" in lines and "requests" in lines and "orjson" in lines  # base.txt, followed, unpinned
+    assert "transformers[serving]" in lines and "not-installed-here==1.0" in lines
+    assert not [line for line in lines if "==" in line and line != "not-installed-here==1.0"]

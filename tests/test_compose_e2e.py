@@ -7,6 +7,7 @@ stack's network checked from inside (Redis needs its password; only api and infe
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import time
 
@@ -126,6 +127,10 @@ def test_the_run_and_its_objects_survive_down_and_up(stack):
     TIMINGS["up again"] = stack.up()
     assert (stack.api(f"/runs/{RUN}/audit"), stack.api(f"/runs/{RUN}/manifest")["drafter"]) == before
     assert stack.run_state()["state"] == "done"
+    files = " ".join(stack.files)  # `make status`: eyrie status inside the stack (Redis is not published)
+    status = subprocess.run(["make", "-s", "status", f"RUN={RUN}", f"COMPOSE_FILES={files}"], cwd=ROOT,
+                            env=stack.env, capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0 and RUN in status.stdout and "train" in status.stdout, status.stdout + status.stderr
 
 
 def test_redis_needs_its_password_and_only_api_and_inference_are_published(stack):
@@ -143,3 +148,31 @@ def test_redis_needs_its_password_and_only_api_and_inference_are_published(stack
                 published[container["Service"]] = ports
     assert published == {"api": {("127.0.0.1", stack.api_port)},
                          "inference": {("127.0.0.1", stack.inference_port)}}, published
+
+
+def test_behind_the_tls_proxy_the_base_builds_only_with_the_ca_secret_and_keeps_it_out(tmp_path):
+    """This machine's TLS-intercepting proxy: with no wheelhouse, eyrie-base builds from the index
+    only when given the host's CA bundle as the BuildKit secret `ca`, and no layer keeps it."""
+    context = tmp_path / "context"
+    for part in ("services/base", "requirements"):
+        shutil.copytree(ROOT / part, context / part)
+    (context / "wheelhouse").mkdir()
+    base = subprocess.run([str(ROOT / "scripts" / "base-image.sh")], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    build = ["docker", "build", "-q", "--no-cache", "--build-arg", f"BASE_IMAGE={base}",
+             "-f", str(context / "services/base/Dockerfile"), str(context)]
+    without = subprocess.run([*build, "-t", "eyrie-base-no-ca"], capture_output=True, text=True, timeout=600)
+    assert without.returncode != 0, "the index answered without the CA bundle: this check proves nothing here"
+    bundle = "/etc/ssl/certs/ca-certificates.crt"
+    with_ca = subprocess.run([*build, "--secret", f"id=ca,src={bundle}", "-t", "eyrie-base-ca"],
+                             capture_output=True, text=True, timeout=900)
+    assert with_ca.returncode == 0, with_ca.stderr[-3000:]
+    probe = subprocess.run(["docker", "run", "--rm", "eyrie-base-ca", "sh", "-c",
+                            "ls /run/secrets 2>/dev/null; env | grep -c PIP_CERT; "
+                            "python -c 'import redis, rq, datasets; print(\"deps ok\")'"],
+                           capture_output=True, text=True, timeout=120)
+    assert probe.stdout.split() == ["0", "deps", "ok"], probe.stdout + probe.stderr
+    history = subprocess.run(["docker", "history", "--no-trunc", "eyrie-base-ca"], capture_output=True,
+                             text=True).stdout
+    assert "BEGIN CERTIFICATE" not in history and bundle not in history
+    subprocess.run(["docker", "image", "rm", "eyrie-base-ca"], capture_output=True)
