@@ -64,7 +64,7 @@ compose-check: setup
 export COMPOSE_PROJECT_NAME ?= eyrie
 COMPOSE_FILES ?= -f docker-compose.yml -f compose.gpu.yml
 COMPOSE = docker compose $(COMPOSE_FILES)
-TRAINER_CACHE ?= trainer-cache
+TRAINER_CACHE ?= $(or $(shell sed -n "s/^EYRIE_TRAINER_CACHE_DIR=//p" .env 2>/dev/null),trainer-cache)
 # Docker engine, Compose v2 and buildx when none answers (Debian's docker.io, Debian 13's plugins)
 docker:
 	@scripts/docker-engine.sh

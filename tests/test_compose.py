@@ -132,13 +132,6 @@ def gpu_devices(service: dict) -> list[dict]:
             ).get("devices") or []
 
 
-def valid_count(count) -> bool:
-    """What Compose accepts for a device count: 'all' (-1 once parsed) or a positive number."""
-    if count in (-1, "all"):
-        return True
-    return bool(re.fullmatch(r"[1-9][0-9]*", str(count)))
-
-
 def dockerfile_lines(text: str) -> list[str]:
     """Instructions with their continuation lines joined, comments dropped."""
     lines, current = [], ""

@@ -108,7 +108,10 @@ def test_a_blocked_or_cancelled_run_does_not_keep_the_server_down(env, stub_serv
     from eyrie.config import load_settings
     from eyrie.control import cancelled_key
     from eyrie.pipeline import ACTIVE, blocked_key, drained_run
+    from eyrie.status import task_id
     from eyrie.store import open_store
+    from rq.job import Job, JobStatus
+    from rq.serializers import JSONSerializer
 
     env = workers.env = {**env, "EYRIE_INFERENCE_URL": stub_server()}
     eyrie("generate", "--dataset", str(TRAIN_PROMPTS), "--run", "stalled", "--limit", "8", "--max-tokens", "8",
@@ -121,6 +124,13 @@ def test_a_blocked_or_cancelled_run_does_not_keep_the_server_down(env, stub_serv
     assert drained_run(conn, store) is None
     conn.delete(blocked_key("stalled"))
     conn.set(cancelled_key("stalled"), "now")
+    assert drained_run(conn, store) is None
+    conn.delete(cancelled_key("stalled"))
+    assert drained_run(conn, store) == "stalled"
+    failed = Job.create("eyrie_trainer.plan.run_train_task", id=task_id("train", "stalled", 0), connection=conn,
+                        serializer=JSONSerializer)  # its train task failed for good (retries spent)
+    failed.set_status(JobStatus.FAILED)
+    failed.save()
     assert drained_run(conn, store) is None
 
 
