@@ -4,6 +4,8 @@
 # directory over). The host's pip settings apply (a CPU torch from a local find-links, a CA bundle).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pip's notes about this host's extra index locations are noise here
+exec 2> >(grep -v "^WARNING: Location" >&2)
 PY=${PY:-python3}
 stamp=wheelhouse/.complete
 sum=$(cat requirements/*.txt services/*/requirements.txt | sha256sum | cut -c1-16)
