@@ -11,7 +11,8 @@ export HF_HUB_DISABLE_UPDATE_CHECK := 1
 REQS := requirements/base.txt requirements/generator.txt requirements/inference.txt \
         requirements/speculators.txt requirements/api.txt requirements/dev.txt pyproject.toml
 
-.PHONY: setup test faults demo redis chromium api bench compose-check helm-check up down ps logs status run clean tiny-target
+.PHONY: setup test faults demo redis chromium api bench compose-check helm-check up down ps logs status run clean tiny-target \
+        docker wheelhouse images compose-stack compose-e2e
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed redis chromium
 
@@ -42,7 +43,7 @@ redis:
 chromium:
 	@{ command -v chromium && command -v chromedriver; } >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
-test: setup
+test: setup compose-stack
 	$(BIN)/pytest -q
 
 # The fault suite alone (it is also part of `make test`): writes docs/faults.md
@@ -75,24 +76,49 @@ compose-check: setup
 helm-check: setup
 	$(if $(GOLDEN),EYRIE_UPDATE_GOLDEN=1) $(BIN)/pytest -q tests/test_helm.py tests/test_k8s_jobs.py tests/test_fleet.py
 
-# The Compose stack on a GPU host (needs a Docker engine; not available on our CI machines).
-up:
-	docker compose -f docker-compose.yml -f compose.gpu.yml up -d --build
+# The Compose stack. GPU host: `make up` (docker-compose.yml + compose.gpu.yml, .env from .env.example).
+# The CPU stack (a laptop, CI): COMPOSE_FILES="-f docker-compose.yml -f compose.ci.yml" EYRIE_CPU_STACK=1.
+export COMPOSE_PROJECT_NAME ?= eyrie
+COMPOSE_FILES ?= -f docker-compose.yml -f compose.gpu.yml
+COMPOSE = docker compose $(COMPOSE_FILES)
+TRAINER_CACHE ?= $(or $(shell sed -n "s/^EYRIE_TRAINER_CACHE_DIR=//p" .env 2>/dev/null),trainer-cache)
+# Docker engine, Compose v2 and buildx when none answers (Debian's docker.io, Debian 13's plugins)
+docker:
+	@scripts/docker-engine.sh
+# wheelhouse/: every wheel the images install, fetched on the host (then no network in the builds)
+wheelhouse:
+	@scripts/wheelhouse.sh
+# eyrie-base, then every service image (EYRIE_BASE_IMAGE, EYRIE_CA_BUNDLE: scripts/compose-images.sh)
+images:
+	scripts/compose-images.sh
+up: images
+	install -d -o 10001 -g 10001 $(TRAINER_CACHE)
+	$(COMPOSE) up -d
 down:
-	docker compose -f docker-compose.yml -f compose.gpu.yml down
+	$(COMPOSE) down
 ps:
-	docker compose -f docker-compose.yml -f compose.gpu.yml ps
+	$(COMPOSE) ps
 logs:
-	docker compose -f docker-compose.yml -f compose.gpu.yml logs -f --tail=100
+	$(COMPOSE) logs -f --tail=100
+# status from inside the stack (Redis is not published): the api container has eyrie and the settings
 status:
-	$(BIN)/eyrie status $(RUN)
+	$(COMPOSE) exec api eyrie status $(RUN)
 
 # One pipeline from a config file, on the stack: `make run CONFIG=examples/run.kimi-k2.5.yaml`
-# (the generator image runs `eyrie run`; the stages then follow by themselves). PLAN=1: projection only.
+# (the generator image runs `eyrie run` in /opt/eyrie, with the repository's assets/ and tests/data/
+# mounted there, so examples/run.tiny.yaml's paths resolve; the stages then follow by themselves).
+# PLAN=1: projection only.
 CONFIG ?= examples/run.tiny.yaml
 run:
-	docker compose -f docker-compose.yml -f compose.gpu.yml run --rm --no-deps \
-	  -v $(abspath $(CONFIG)):/home/eyrie/run.yaml:ro generator run --config /home/eyrie/run.yaml $(if $(PLAN),--plan)
+	$(COMPOSE) run --rm --no-deps -w /opt/eyrie -v $(abspath $(CONFIG)):/opt/eyrie/run.yaml:ro \
+	  -v $(CURDIR)/assets:/opt/eyrie/assets:ro -v $(CURDIR)/tests/data:/opt/eyrie/tests/data:ro \
+	  generator run --config /opt/eyrie/run.yaml $(if $(PLAN),--plan)
+
+# The CPU stack built and brought up here, then a pipeline through it (tests/test_compose_e2e.py)
+compose-stack: docker wheelhouse
+	EYRIE_CPU_STACK=1 scripts/compose-images.sh
+compose-e2e: setup compose-stack
+	$(BIN)/pytest -q tests/test_compose_e2e.py
 
 clean:
 	rm -rf .eyrie

@@ -5,8 +5,10 @@ Never two owners: acquisition is an atomic SET NX with a TTL."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import sys
 import time
 
 import orjson
@@ -20,8 +22,12 @@ TTL_S = 30
 
 
 class GpuLease:
-    def __init__(self, conn: redis.Redis, owner: str, devices: str = "all", ttl_s: float = TTL_S):
+    """`caches`: functools caches holding models on the device, emptied before the lease goes."""
+
+    def __init__(self, conn: redis.Redis, owner: str, devices: str = "all", ttl_s: float = TTL_S,
+                 caches: tuple = ()):
         self.conn, self.owner, self.devices, self.ttl_s = conn, owner, devices, ttl_s
+        self.caches = caches
         self.lock = Lock(conn, KEY, timeout=ttl_s, thread_local=False)
 
     def acquire(self, wait_s: float | None = None, poll_s: float = 1.0) -> bool:
@@ -38,11 +44,15 @@ class GpuLease:
         self._publish()
         return True
 
+    def held(self) -> bool:
+        return self.lock.owned()
+
     def renew(self) -> None:
         self.lock.extend(self.ttl_s, replace_ttl=True)
         self._publish()
 
     def release(self) -> None:
+        free_device_memory(*self.caches)  # the next holder (vLLM) checks free memory at its start
         try:
             self.lock.release()
         except redis.exceptions.LockError:
@@ -53,6 +63,17 @@ class GpuLease:
         info = {"owner": self.owner, "devices": self.devices, "host": socket.gethostname(),
                 "pid": os.getpid(), "since": time.time()}
         self.conn.set(INFO, orjson.dumps(info), px=int(self.ttl_s * 1000))
+
+
+def free_device_memory(*caches) -> None:
+    """Drop our cached models, collect them, and hand the allocator's cached blocks back to the
+    driver: the lease says who computes, the memory must follow it."""
+    for cache in caches:
+        cache.cache_clear()
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def holder(conn: redis.Redis) -> dict | None:

@@ -33,24 +33,28 @@ SCHEDULERS = ("redis", "kueue")
 class Admitted:
     """The lease of a pod Kueue admitted: its GPUs are its own for as long as it runs."""
 
-    def __init__(self, owner: str, devices: str = "all"):
-        self.owner, self.devices = owner, devices
+    def __init__(self, owner: str, devices: str = "all", caches: tuple = ()):
+        self.owner, self.devices, self.caches = owner, devices, caches
 
     def acquire(self, wait_s: float | None = None, poll_s: float = 1.0) -> bool:
+        return True
+
+    def held(self) -> bool:
         return True
 
     def renew(self) -> None:
         pass
 
     def release(self) -> None:
-        pass
+        gpu.free_device_memory(*self.caches)  # the pod may go on to another stage's task
 
 
-def gpu_lease(settings: Settings, conn, owner: str, devices: str = "all"):
-    """The lease a stage holds while it uses the GPUs."""
+def gpu_lease(settings: Settings, conn, owner: str, devices: str = "all", caches: tuple = ()):
+    """The lease a stage holds while it uses the GPUs; `caches` (models on the device) are
+    emptied before it goes."""
     if settings.gpu_scheduler == "kueue":
-        return Admitted(owner, devices)
-    return gpu.GpuLease(conn, owner, devices)
+        return Admitted(owner, devices, caches)
+    return gpu.GpuLease(conn, owner, devices, caches=caches)
 
 
 class KueueAdmission:

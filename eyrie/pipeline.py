@@ -222,9 +222,21 @@ def drained_run(conn, store) -> str | None:
             continue
         layout = Layout(run)
         generated = all(store.exists(layout.generate_shard_manifest(p.index)) for p in manifest.generate_shards)
-        if generated and (manifest.drafter is None or manifest.verify is None):
+        if generated and (manifest.drafter is None or manifest.verify is None) and not _stalled(conn, store, run):
             return run
     return None
+
+
+def _stalled(conn, store, run: str) -> bool:
+    """Blocked, cancelled or with a task failed for good: its later stages wait for a person, not
+    for the GPUs (a restarted inference service must not stay down for it)."""
+    from eyrie.control import cancelled_key, run_job_ids
+    from eyrie.queue import job_state
+
+    if conn.exists(blocked_key(run), cancelled_key(run)):
+        return True
+    ids = run_job_ids(store, run)
+    return any(job_state(conn, job_id) == "failed" for job_id in ids["extract"] + ids["train"])
 
 
 PLAN_EXTRACT_FUNC = "eyrie.pipeline.run_plan_extract_task"

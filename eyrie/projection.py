@@ -58,6 +58,7 @@ def project(config: RunConfig, default_max_tokens: int) -> dict:
             "num_layers": num_layers, "vocab_size": vocab, "aux_layers": aux, "samples": n,
             "max_tokens": max_tokens, "tokens_upper_bound": tokens, "hidden_states_bytes": sizes,
             "records_bytes": n * max_tokens * RECORD_BYTES_PER_TOKEN, "dtype": config.extract.dtype,
+            "trainer_local_bytes": chosen,  # the trainer copies every stored hidden-state file to its disk
             "budget_bytes": budget, "fits": None if budget is None else chosen <= budget}
 
 
@@ -73,7 +74,9 @@ def render(p: dict) -> list[str]:
              f"{human(p['hidden_states_bytes']['bf16'])} in bf16, {human(p['hidden_states_bytes']['fp8'])} in fp8",
              f"  (each 1,000 tokens of mean sample length: {human(p['per_1k_tokens_per_sample']['bf16'])} bf16, "
              f"{human(p['per_1k_tokens_per_sample']['fp8'])} fp8)",
-             f"  generated records: at most {human(p['records_bytes'])}"]
+             f"  generated records: at most {human(p['records_bytes'])}",
+             f"  trainer's local copy of the hidden states ({p['dtype']}, on the trainer's host: EYRIE_CACHE_DIR, "
+             f"EYRIE_TRAINER_CACHE_DIR in the stack): at most {human(p['trainer_local_bytes'])}"]
     if p["budget_bytes"] is not None:
         per_1k = p["per_1k_tokens_per_sample"][p["dtype"]]
         mean_fits = int(1000 * p["budget_bytes"] / per_1k)

@@ -203,6 +203,36 @@ def held_task(conn: redis.Redis, task_id: str) -> Iterator[Lock | None]:
             pass
 
 
+class Heartbeat(threading.Thread):
+    """Renews a task lease, and the GPU lease once it is set, in the background: through the wait
+    for the GPU, tokenizing, a slow model load and the work itself. `lost`: another worker took
+    the task over."""
+
+    def __init__(self, task_lease: Lock, gpu=None, every_s: float = LEASE_TTL_S / 3):
+        super().__init__(daemon=True, name="eyrie-heartbeat")
+        self.task_lease, self.gpu, self.every_s = task_lease, gpu, every_s
+        self.lost, self.done = False, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.every_s):
+            try:
+                self.task_lease.extend(LEASE_TTL_S, replace_ttl=True)
+                if self.gpu is not None and self.gpu.held():
+                    self.gpu.renew()
+            except redis.exceptions.LockError:
+                self.lost = True
+                return
+            except redis.exceptions.ConnectionError:
+                continue  # Redis away for a moment: the lease lasts LEASE_TTL_S
+
+    def __enter__(self) -> "Heartbeat":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+
+
 def worker_name(stage: str) -> str:
     return f"{stage}-{socket.gethostname()}-{os.getpid()}"
 

@@ -132,13 +132,6 @@ def gpu_devices(service: dict) -> list[dict]:
             ).get("devices") or []
 
 
-def valid_count(count) -> bool:
-    """What Compose accepts for a device count: 'all' (-1 once parsed) or a positive number."""
-    if count in (-1, "all"):
-        return True
-    return bool(re.fullmatch(r"[1-9][0-9]*", str(count)))
-
-
 def dockerfile_lines(text: str) -> list[str]:
     """Instructions with their continuation lines joined, comments dropped."""
     lines, current = [], ""
@@ -231,7 +224,8 @@ def test_gpu_merge_reserves_devices_for_gpu_services(capsys):
         devices = gpu_devices(services[name])
         assert len(devices) == 1, f"{name}: {devices} ({how})"
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"], how
-        assert valid_count(devices[0]["count"]), f"{name}: count {devices[0]['count']!r} ({how})"
+        assert "count" not in devices[0], f"{name}: a count means GPUs 0..N-1 ({how})"
+        assert all(re.fullmatch(r"\d+(,\d+)*", i) for i in devices[0]["device_ids"]), how
         # the merge kept the base file's definition (it did not replace the service)
         assert services[name]["build"]["dockerfile"] == f"services/{name}/Dockerfile", how
         assert COMMON_ENV <= set(services[name]["environment"]), how
@@ -239,25 +233,28 @@ def test_gpu_merge_reserves_devices_for_gpu_services(capsys):
         assert not gpu_devices(services[name]), f"{name} must not reserve GPUs ({how})"
 
 
-def test_gpu_counts_from_env_are_numbers_or_all(tmp_path):
-    """Defaults and .env.example values of every GPU count are what Compose accepts, and a bad
-    value is caught (by the Compose CLI, or by this check when there is none)."""
+def gpu_ids(config: dict, name: str) -> set[str]:
+    return {i for ids in gpu_devices(config["services"][name])[0]["device_ids"] for i in ids.split(",")}
+
+
+def test_gpu_services_get_disjoint_device_ids_from_env(tmp_path):
+    """Each GPU service takes its own ids (.env.example: an 8-GPU split); Compose stops when one is
+    unset; overlapping ids (two services on one GPU) are what this check catches."""
     raw = GPU.read_text()
-    refs = {m[1]: m[3] for m in VAR_REF.finditer(raw)}
-    assert set(refs) == {"EYRIE_INFERENCE_GPUS", "EYRIE_EXTRACTOR_GPUS", "EYRIE_TRAINER_GPUS"}
+    assert {m[1] for m in VAR_REF.finditer(raw)} == {"EYRIE_INFERENCE_GPU_IDS", "EYRIE_EXTRACTOR_GPU_IDS",
+                                                     "EYRIE_TRAINER_GPU_IDS"}
+    assert "count:" not in raw
+    config, how = merged_config()
+    ids = {name: gpu_ids(config, name) for name in GPU_SERVICES}
+    assert set.union(*ids.values()) == {str(i) for i in range(8)}, how
+    assert sum(map(len, ids.values())) == 8, f"overlapping GPU ids: {ids} ({how})"
     values, _ = env_example()
-    for name, default in refs.items():
-        assert valid_count(default), f"default of {name}: {default!r}"
-        assert valid_count(values[name]), f".env.example {name}={values[name]!r}"
-    bad = tmp_path / "bad.env"
-    bad.write_text(ENV_EXAMPLE.read_text() + "\nEYRIE_TRAINER_GPUS=one\n")
-    try:
-        config, how = merged_config(bad)
-    except AssertionError as exc:  # Compose v2 refuses it itself
-        assert "one" in str(exc)
-        return
-    count = gpu_devices(config["services"]["trainer"])[0]["count"]
-    assert not valid_count(count), how
+    assert int(values["EYRIE_TENSOR_PARALLEL_SIZE"]) == len(ids["inference"]) or \
+        "EYRIE_TENSOR_PARALLEL_SIZE=4" in ENV_EXAMPLE.read_text()
+    overlapping = tmp_path / "overlap.env"
+    overlapping.write_text(ENV_EXAMPLE.read_text() + "\nEYRIE_TRAINER_GPU_IDS=3\n")
+    config, how = merged_config(overlapping)
+    assert gpu_ids(config, "trainer") & gpu_ids(config, "inference") == {"3"}, how
 
 
 def test_merge_fallback_agrees_with_the_files():
@@ -266,7 +263,7 @@ def test_merge_fallback_agrees_with_the_files():
     base, gpu = (interpolate_tree(load(p), env) for p in (COMPOSE, GPU))
     merged = deep_merge(base, gpu)
     assert merged["services"]["inference"]["ports"] == base["services"]["inference"]["ports"]
-    assert str(gpu_devices(merged["services"]["trainer"])[0]["count"]) == env["EYRIE_TRAINER_GPUS"]
+    assert gpu_devices(merged["services"]["trainer"])[0]["device_ids"] == [env["EYRIE_TRAINER_GPU_IDS"]]
     assert merged["services"]["inference"]["environment"]["EYRIE_REDIS_URL"] == (
         f"redis://:{env['EYRIE_REDIS_PASSWORD']}@redis:6379/0")
     with pytest.raises(ValueError, match="EYRIE_REDIS_PASSWORD"):
@@ -289,8 +286,14 @@ def test_services_are_wired_as_the_stack_needs():
             assert re.fullmatch(r"[\w./-]+:[\w.-]+", image) and not image.endswith(":latest"), image
     assert "--appendonly yes" in " ".join(services["redis"]["command"])
     assert "ports" not in services["redis"] and "ports" not in services["minio"]
-    assert re.search(r":RELEASE\.\d{4}-", services["minio"]["image"])
-    assert re.search(r":RELEASE\.\d{4}-", services["minio-init"]["image"])
+    # Docker Hub stopped serving minio/minio and minio/mc (2026-09); quay.io has the same tags
+    assert re.fullmatch(r"quay\.io/minio/minio:RELEASE\.\d{4}-.*", services["minio"]["image"])
+    assert re.fullmatch(r"quay\.io/minio/mc:RELEASE\.\d{4}-.*", services["minio-init"]["image"])
+    for name in BUILT:  # an init as PID 1: signals reach eyrie, dead children are reaped
+        assert services[name].get("init") is True, name
+    # the trainer's local copy of the hidden states: a host path the user sizes, not a named volume
+    assert "${EYRIE_TRAINER_CACHE_DIR:-./trainer-cache}:/home/eyrie/.cache/eyrie" in services["trainer"]["volumes"]
+    assert all(not v.startswith("trainer-cache:") for v in services["trainer"]["volumes"])
     assert "${EYRIE_DATA_DIR:-./data}:/data" in services["minio"]["volumes"]
     assert "mc mb --ignore-existing" in " ".join(services["minio-init"]["command"])
     gen = services["generator"]
@@ -372,16 +375,17 @@ def test_build_context_dockerfile_and_requirements(service):
                 assert not dockerignored(src, patterns), f"{service}: COPY {src} is .dockerignored"
     reqs = ROOT / "services" / service / "requirements.txt"
     assert reqs.is_file()
-    assert any(f"-r services/{service}/requirements.txt" in line for line in lines), \
+    assert any(f"-r services/{service}/requirements.txt" in line for line in lines) or \
+        f"ARG REQUIREMENTS=services/{service}/requirements.txt" in lines, \
         f"{service}: the Dockerfile must install its requirements.txt"
     for line in reqs.read_text().splitlines():  # nested -r resolve as pip resolves them
         if line.startswith("-r "):
             assert (reqs.parent / line.split(None, 1)[1]).resolve().is_file(), line
     # dependencies before code: the first pip install precedes the COPY of the packages
-    first_pip = next(i for i, line in enumerate(lines) if "pip install" in line)
+    first_pip = next(i for i, line in enumerate(lines) if "eyrie-pip -" in line)
     first_code = next(i for i, line in enumerate(lines) if line.startswith("COPY eyrie/"))
     assert first_pip < first_code
-    assert any("pip install --no-deps ." in line for line in lines)
+    assert any("eyrie-pip --no-deps --no-build-isolation ." in line for line in lines)
     # `pip install .` builds every package pyproject.toml maps: each directory must be in the image
     package_dirs = re.findall(r'^\w+ = "(services/[^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
     copied = {line.split()[1].rstrip("/") for line in lines if line.startswith("COPY services/")}
@@ -394,16 +398,18 @@ def test_dockerfile_pinned_non_root_without_secrets(service):
     text = path.read_text()
     lines = dockerfile_lines(text)
     args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, re.M))
-    bases = [re.sub(r"\$\{(\w+)\}", lambda m: args[m[1]], line.split()[1])
-             for line in lines if line.upper().startswith("FROM ")]
-    assert bases and all(re.fullmatch(r"[\w./-]+:[\w.-]+", b) and not b.endswith(":latest")
-                         for b in bases), bases
-    expected = {"generator": "python:3.11-slim-bookworm", "api": "python:3.11-slim-bookworm",
-                "inference": "vllm/vllm-openai:v0.33.0"}
-    if service in expected:
-        assert bases[-1] == expected[service]
-    else:
-        assert re.fullmatch(r"pytorch/pytorch:2\.\d+\.\d+-cuda\d+\.\d+-cudnn9-runtime", bases[-1])
+    # the base image is a build argument (a local mirror, an air-gapped host); its default is
+    # the official image (inference) or eyrie-base, which defaults to the official Python one
+    assert [line for line in lines if line.upper().startswith("FROM ")] == ["FROM ${BASE_IMAGE}"]
+    assert args["BASE_IMAGE"] == ("vllm/vllm-openai:v0.33.0" if service == "inference" else "eyrie-base")
+    base_args = dict(re.findall(r"^ARG (\w+)=(\S+)", (ROOT / "services/base/Dockerfile").read_text(), re.M))
+    assert base_args["BASE_IMAGE"] == "python:3.11-slim-bookworm"
+    # every pip install goes through eyrie-pip with the wheelhouse and the CA secret mounted
+    for line in lines:
+        if "eyrie-pip" in line and line.startswith("RUN") and "--no-deps --no-build-isolation ." not in line:
+            assert "--mount=type=bind,source=wheelhouse,target=/wheels" in line, line
+            assert "--mount=type=secret,id=ca" in line, line
+    assert "pip install" not in text.replace("python3 -m pip install --no-deps", ""), "pip outside eyrie-pip"
     user = final_user(lines)
     assert user and user.split(":")[0] not in ("root", "0"), f"{service} runs as {user!r}"
     assert secrets_in(text) == [], f"{service}: {secrets_in(text)}"
@@ -525,3 +531,23 @@ def test_only_the_api_and_inference_are_published_and_only_on_loopback_by_defaul
     assert {published(p) for p in services["inference"]["ports"]} == {("127.0.0.1", "8000")}, how
     values, _ = env_example()
     assert values["EYRIE_API_BIND"] == values["EYRIE_INFERENCE_BIND"] == "127.0.0.1"
+
+
+def test_the_inference_image_constrains_everything_its_base_holds(tmp_path):
+    """services/base/image_constraints.py, run by an interpreter with a stack installed (this venv
+    stands in for vLLM's image): every installed distribution is a constraint at its installed
+    version, our lines for those lose their pins (nothing of the image's moves), others keep them."""
+    reqs = tmp_path / "requirements.txt"
+    reqs.write_text(f"-r {ROOT / 'services/inference/requirements.txt'}\ntransformers[serving]==0.0.1\n"
+                    "not-installed-here==1.0  # kept as pinned\n")
+    out_reqs, out_constraints = tmp_path / "reqs.txt", tmp_path / "constraints.txt"
+    subprocess.run([sys.executable, str(ROOT / "services/base/image_constraints.py"), str(reqs), str(out_reqs),
+                    str(out_constraints)], check=True, timeout=60)
+    from importlib.metadata import version
+
+    lines = out_reqs.read_text().split()
+    constraints = dict(line.split("==") for line in out_constraints.read_text().split())
+    assert constraints["torch"] == version("torch") and constraints["redis"] == version("redis")
+    assert "redis" in lines and "requests" in lines and "orjson" in lines  # base.txt, followed, unpinned
+    assert "transformers[serving]" in lines and "not-installed-here==1.0" in lines
+    assert not [line for line in lines if "==" in line and line != "not-installed-here==1.0"]

@@ -26,7 +26,7 @@ from eyrie.gpu import pick_device
 from eyrie.gpu_admission import gpu_lease
 from eyrie.manifest import Counts, Layout, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
-from eyrie.queue import LEASE_TTL_S, held_task
+from eyrie.queue import LEASE_TTL_S, Heartbeat, held_task
 from eyrie.status import task_id
 from eyrie_extractor.capture import HFCapture, token_budget_batches
 from eyrie_extractor.plan import generated_records, load_tokenizer
@@ -64,6 +64,11 @@ def loaded_capture(model: str, aux_layers: tuple[int, ...], device: str, params_
     return HFCapture(model, list(aux_layers), device)
 
 
+def extractor_gpu_lease(settings: Settings, conn: redis.Redis, device: str):
+    """The extractor's GPU lease: its release drops the cached target from the device first."""
+    return gpu_lease(settings, conn, f"extractor@{socket.gethostname()}", device, caches=(loaded_capture,))
+
+
 class ExtractRunner:
     def __init__(self, settings: Settings, conn: redis.Redis, store, run: str, shard: int):
         self.settings, self.conn, self.store = settings, conn, store
@@ -85,7 +90,8 @@ class ExtractRunner:
                 return {"shard": self.shard, "status": "held_by_another_worker"}
             self.lease = lease
             try:
-                return self._on_device()
+                with Heartbeat(lease) as self.beat:  # through the GPU wait, tokenizing, the model load
+                    return self._on_device()
             except Cancelled:
                 self._report()
                 return {"shard": self.shard, "status": "cancelled", **self._counts().model_dump()}
@@ -95,13 +101,13 @@ class ExtractRunner:
         device = "cpu" if self.params.backend == "vllm" else pick_device(self.settings.device)
         if not device.startswith("cuda"):  # CPU-only runs need no GPU lease
             return self._run(device, None)
-        gpu = gpu_lease(self.settings, self.conn, f"extractor@{socket.gethostname()}", device)
+        gpu = self.beat.gpu = extractor_gpu_lease(self.settings, self.conn, device)
         self._report(waiting_for="gpu_lease")
         gpu.acquire()
         try:
             return self._run(device, gpu)
         finally:
-            gpu.release()
+            gpu.release()  # drops the cached target first: the next holder needs its memory
 
     def _run(self, device: str, gpu) -> dict:
         started_at, t0 = now_iso(), time.monotonic()

@@ -58,6 +58,7 @@ class Server:
             chat_template_sha256=info.chat_template_sha256)
         self.proc: subprocess.Popen | None = None
         self.gpu: GpuLease | None = None
+        self._stopping = False
 
     def run(self) -> int:
         """Start, wait for readiness, then supervise until the server exits or we are stopped."""
@@ -89,11 +90,24 @@ class Server:
                 self._publish("ready")
                 if self._drained():
                     break
+            else:
+                self._crashed()
         except KeyboardInterrupt:
             pass
         finally:
             self.stop()
         return 0
+
+    def _crashed(self) -> None:
+        """The server exited by itself after it was ready: fail, so that a supervisor (Compose's
+        `restart: on-failure`) starts it again."""
+        if self._stopping:
+            return
+        self._publish("failed")
+        raise EyrieError(f"the {self.settings.server} server exited with code {self.proc.returncode} "
+                         "after it was ready (its output is above).",
+                         "read the server's last lines (out of GPU memory, a crashed worker); "
+                         "the service restarts it by itself under `restart: on-failure`.")
 
     POLL_S = 5
 
@@ -152,6 +166,7 @@ class Server:
         inference.publish(self.conn, self.endpoint)
 
     def stop(self) -> None:
+        self._stopping = True
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:

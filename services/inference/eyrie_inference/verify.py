@@ -191,7 +191,7 @@ def run_verify_task(payload: dict) -> dict:
     import socket as _socket
 
     from eyrie.config import load_settings
-    from eyrie.gpu import GpuLease
+    from eyrie.gpu_admission import gpu_lease
     from eyrie.manifest import check_run_name
     from eyrie.queue import connect
     from eyrie.store import open_store
@@ -199,7 +199,7 @@ def run_verify_task(payload: dict) -> dict:
     run = check_run_name(str(payload.get("run")))
     settings = load_settings()
     conn, store = connect(settings.redis_url), open_store(settings)
-    lease, done = GpuLease(conn, f"verify@{_socket.gethostname()}"), threading.Event()
+    lease, done = gpu_lease(settings, conn, f"verify@{_socket.gethostname()}"), threading.Event()
     lease.acquire()  # vLLM takes the GPUs: as `eyrie serve --server vllm`, never beside another owner
 
     def renew() -> None:

@@ -18,10 +18,10 @@ from eyrie import progress
 from eyrie.config import Settings
 from eyrie.control import CancelWatch
 from eyrie.errors import EyrieError
-from eyrie.gpu import GpuLease, pick_device
+from eyrie.gpu import pick_device
 from eyrie.gpu_admission import gpu_lease
 from eyrie.manifest import Layout, load_run_manifest
-from eyrie.queue import LEASE_TTL_S, enqueue_task, held_task
+from eyrie.queue import Heartbeat, enqueue_task, held_task
 from eyrie.status import task_id
 from eyrie.store import CorruptObject
 from eyrie_trainer import checkpoints, engine
@@ -37,27 +37,6 @@ class TaskLost(RuntimeError):
 
 class Interrupted(RuntimeError):
     """SIGTERM: the checkpoint was saved; the task is retried from it."""
-
-
-class Heartbeat(threading.Thread):
-    """Renews the task lease (and the GPU lease) while speculators trains in this thread."""
-
-    def __init__(self, task_lease, gpu: GpuLease | None, every_s: float = LEASE_TTL_S / 3):
-        super().__init__(daemon=True, name="eyrie-heartbeat")
-        self.task_lease, self.gpu, self.every_s = task_lease, gpu, every_s
-        self.lost, self.done = False, threading.Event()
-
-    def run(self) -> None:
-        while not self.done.wait(self.every_s):
-            try:
-                self.task_lease.extend(LEASE_TTL_S, replace_ttl=True)
-                if self.gpu:
-                    self.gpu.renew()
-            except redis.exceptions.LockError:
-                self.lost = True
-                return
-            except redis.exceptions.ConnectionError:
-                continue  # Redis away for a moment: the lease lasts LEASE_TTL_S
 
 
 class TrainRunner:
@@ -81,17 +60,15 @@ class TrainRunner:
                 return {"status": "held_by_another_worker"}
             device = pick_device(self.settings.device)
             gpu = gpu_lease(self.settings, self.conn, f"trainer@{socket.gethostname()}", device) if device.startswith("cuda") else None
-            if gpu:
-                self._report(phase="waiting", waiting_for="gpu_lease", force=True)
-                gpu.acquire()
-            beat = Heartbeat(lease, gpu)
-            beat.start()
-            try:
-                return self._run(device, beat)
-            finally:
-                beat.done.set()
+            with Heartbeat(lease, gpu) as beat:  # the task lease lives through the wait for the GPU
                 if gpu:
-                    gpu.release()
+                    self._report(phase="waiting", waiting_for="gpu_lease", force=True)
+                    gpu.acquire()
+                try:
+                    return self._run(device, beat)
+                finally:
+                    if gpu:  # frees the device memory first
+                        gpu.release()
 
     def _run(self, device: str, beat: Heartbeat) -> dict:
         from eyrie_trainer.export import evaluate_and_export

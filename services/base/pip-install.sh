@@ -1,0 +1,13 @@
+#!/bin/sh
+# `pip install ARGS` inside an image build. With wheels in /wheels (the host's wheelhouse, bind-mounted
+# by the Dockerfile: `make wheelhouse`) it installs from them alone, with no network. Behind a
+# TLS-intercepting proxy, a CA bundle given as the BuildKit secret `ca` (`--secret id=ca,src=FILE`)
+# is trusted for this command only: a secret mount never lands in a layer.
+set -eu
+if [ -s /run/secrets/ca ]; then
+    export PIP_CERT=/run/secrets/ca
+fi
+if ls /wheels/*.whl >/dev/null 2>&1; then
+    set -- --no-index --find-links /wheels "$@"
+fi
+exec python3 -m pip install "$@"

@@ -1,0 +1,178 @@
+"""The Compose stack for real: our images, built from our Dockerfiles (`make compose-e2e` builds
+them first), brought up from docker-compose.yml + compose.ci.yml (the CPU stand-ins, see that file)
+on a Docker engine of this machine; `make run CONFIG=examples/run.tiny.yaml` through it to an
+exported drafter, a generator SIGKILLed mid-run then scaled to 2, `down` then `up` again, and the
+stack's network checked from inside (Redis needs its password; only api and inference are published)."""
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import time
+
+import pytest
+import requests
+
+from conftest import ROOT, free_port, wait_for
+
+PROJECT = "eyrie-e2e"
+RUN = "tiny-pipeline"  # examples/run.tiny.yaml
+IMAGES = ["eyrie-generator:local", "eyrie-api:local", "eyrie-extractor:local", "eyrie-trainer:local",
+          "eyrie-inference:local", "eyrie-ci-redis:local", "eyrie-ci-s3:local"]
+TIMINGS: dict[str, float] = {}
+
+
+class Stack:
+    def __init__(self, work):
+        self.work, self.token = work, secrets.token_hex(16)
+        self.api_port, self.inference_port = free_port(), free_port()
+        self.redis_password = secrets.token_hex(16)
+        for name in ("data", "models"):
+            (work / name).mkdir()
+        cache = work / "trainer-cache"
+        cache.mkdir()
+        os.chown(cache, 10001, 10001)  # the trainer runs as uid 10001
+        self.env_file = work / "stack.env"
+        self.env_file.write_text("\n".join([
+            f"EYRIE_REDIS_PASSWORD={self.redis_password}", f"EYRIE_S3_ACCESS_KEY=eyrie-{secrets.token_hex(4)}",
+            f"EYRIE_S3_SECRET_KEY={secrets.token_hex(16)}", f"EYRIE_API_TOKEN={self.token}",
+            "EYRIE_BUCKET=eyrie", f"EYRIE_DATA_DIR={work / 'data'}", f"EYRIE_MODELS_DIR={work / 'models'}",
+            f"EYRIE_TRAINER_CACHE_DIR={cache}", "EYRIE_MODEL=/opt/eyrie/assets/tiny-target",
+            f"EYRIE_API_PORT={self.api_port}", f"EYRIE_INFERENCE_PORT={self.inference_port}", ""]))
+        self.files = ["--env-file", str(self.env_file), "-f", "docker-compose.yml", "-f", "compose.ci.yml"]
+        self.env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT}
+
+    def compose(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+        proc = subprocess.run(["docker", "compose", *self.files, *args], cwd=ROOT, env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"docker compose {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def api(self, path: str):
+        response = requests.get(f"http://127.0.0.1:{self.api_port}{path}", timeout=30,
+                                headers={"Authorization": f"Bearer {self.token}"})
+        response.raise_for_status()
+        return response.json()
+
+    def up(self) -> float:
+        started = time.monotonic()
+        self.compose("up", "-d")
+        wait_for(lambda: self._answers(f"http://127.0.0.1:{self.api_port}/healthz"), "the api", timeout=300, every=1)
+        wait_for(lambda: self._answers(f"http://127.0.0.1:{self.inference_port}/health"), "inference",
+                 timeout=300, every=1)
+        return time.monotonic() - started
+
+    @staticmethod
+    def _answers(url: str) -> bool:
+        try:
+            return requests.get(url, timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def run_state(self) -> dict:
+        return next((r for r in self.api("/runs") if r["run"] == RUN), {})
+
+    def make_run(self, config: str) -> subprocess.CompletedProcess:
+        files = " ".join(self.files)
+        return subprocess.run(["make", "-s", "run", f"CONFIG={config}", f"COMPOSE_FILES={files}"], cwd=ROOT,
+                              env=self.env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    missing = [i for i in IMAGES if subprocess.run(["docker", "image", "inspect", i],
+                                                   capture_output=True).returncode != 0]
+    assert not missing, f"images {missing} are not built: run `make compose-e2e` (it builds them first)"
+    s = Stack(tmp_path_factory.mktemp("stack"))
+    s.compose("down", "--volumes", "--remove-orphans", check=False)  # an earlier, interrupted run
+    TIMINGS["up"] = s.up()
+    yield s
+    logs = s.compose("logs", "--no-color", "--tail=200", check=False).stdout
+    (tmp_path_factory.getbasetemp() / "stack.log").write_text(logs)
+    s.compose("down", "--volumes", "--remove-orphans", check=False)
+
+
+def test_make_run_through_the_stack_survives_a_killed_generator_and_scales(stack, capsys):
+    started = time.monotonic()
+    result = stack.make_run("examples/run.tiny.yaml")
+    assert result.returncode == 0 and f"run {RUN}:" in result.stdout, result.stdout + result.stderr
+    generate = lambda: stack.run_state().get("stages", {}).get("generate", {})  # noqa: E731
+    wait_for(lambda: generate().get("done", 0) >= 1, "a first generated sample", timeout=300, every=1)
+    assert generate()["done"] < generate()["total"], "generation ended before the kill: grow the run"
+    stack.compose("kill", "-s", "SIGKILL", "generator")  # mid-run
+    stack.compose("up", "-d", "--no-deps", "--scale", "generator=2", "generator")  # back, and a second one
+    assert len(stack.compose("ps", "-q", "generator").stdout.split()) == 2
+    final = wait_for(lambda: (r := stack.run_state()).get("state") in ("done", "failed", "cancelled") and r,
+                     "the run to end", timeout=900, every=3)
+    TIMINGS["make run to an exported drafter"] = time.monotonic() - started
+    assert final["state"] == "done", json.dumps(final, indent=1)
+    assert stack.api(f"/runs/{RUN}/manifest")["drafter"], "no drafter exported"
+    audit = stack.api(f"/runs/{RUN}/audit")
+    assert {f["stage"] for f in audit} >= {"generate", "extract", "train"}, audit
+    for figure in audit:
+        accounted = figure["done"] + figure["skipped"] + figure["failed"]
+        assert figure["lost"] == figure["duplicated"] == figure["pending"] == 0, figure
+        assert figure["samples_in"] > 0 and accounted == figure["samples_in"], figure
+    assert audit[0]["samples_in"] == 306  # every prompt of tests/data/tiny_train_prompts.jsonl
+    with capsys.disabled():
+        print(f"\n[compose-e2e] {', '.join(f'{k}: {v:.0f} s' for k, v in TIMINGS.items())}")
+
+
+def test_the_run_and_its_objects_survive_down_and_up(stack):
+    before = stack.api(f"/runs/{RUN}/audit"), stack.api(f"/runs/{RUN}/manifest")["drafter"]
+    stack.compose("down")  # the containers go; the Redis AOF volume and the bucket's /data stay
+    assert not stack.compose("ps", "-q").stdout.strip()
+    TIMINGS["up again"] = stack.up()
+    assert (stack.api(f"/runs/{RUN}/audit"), stack.api(f"/runs/{RUN}/manifest")["drafter"]) == before
+    assert stack.run_state()["state"] == "done"
+    files = " ".join(stack.files)  # `make status`: eyrie status inside the stack (Redis is not published)
+    status = subprocess.run(["make", "-s", "status", f"RUN={RUN}", f"COMPOSE_FILES={files}"], cwd=ROOT,
+                            env=stack.env, capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0 and RUN in status.stdout and "train" in status.stdout, status.stdout + status.stderr
+
+
+def test_redis_needs_its_password_and_only_api_and_inference_are_published(stack):
+    probe = ("import os, redis\n"
+             "try:\n    redis.Redis(host='redis').ping(); print('open')\n"
+             "except redis.exceptions.AuthenticationError as exc: print('refused', exc)\n"
+             "print('with password', redis.Redis.from_url(os.environ['EYRIE_REDIS_URL']).ping())")
+    out = stack.compose("exec", "-T", "api", "python", "-c", probe).stdout
+    assert "refused" in out and "open" not in out and "with password True" in out, out
+    published = {}
+    for line in stack.compose("ps", "--format", "json").stdout.splitlines():
+        for container in (json.loads(line) if line.startswith("[") else [json.loads(line)]):
+            ports = {(p["URL"], p["PublishedPort"]) for p in container.get("Publishers") or [] if p["PublishedPort"]}
+            if ports:
+                published[container["Service"]] = ports
+    assert published == {"api": {("127.0.0.1", stack.api_port)},
+                         "inference": {("127.0.0.1", stack.inference_port)}}, published
+
+
+def test_behind_the_tls_proxy_the_base_builds_only_with_the_ca_secret_and_keeps_it_out(tmp_path):
+    """This machine's TLS-intercepting proxy: with no wheelhouse, eyrie-base builds from the index
+    only when given the host's CA bundle as the BuildKit secret `ca`, and no layer keeps it."""
+    context = tmp_path / "context"
+    for part in ("services/base", "requirements"):
+        shutil.copytree(ROOT / part, context / part)
+    (context / "wheelhouse").mkdir()
+    base = subprocess.run([str(ROOT / "scripts" / "base-image.sh")], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    build = ["docker", "build", "-q", "--no-cache", "--build-arg", f"BASE_IMAGE={base}",
+             "-f", str(context / "services/base/Dockerfile"), str(context)]
+    without = subprocess.run([*build, "-t", "eyrie-base-no-ca"], capture_output=True, text=True, timeout=600)
+    assert without.returncode != 0, "the index answered without the CA bundle: this check proves nothing here"
+    bundle = "/etc/ssl/certs/ca-certificates.crt"
+    with_ca = subprocess.run([*build, "--secret", f"id=ca,src={bundle}", "-t", "eyrie-base-ca"],
+                             capture_output=True, text=True, timeout=900)
+    assert with_ca.returncode == 0, with_ca.stderr[-3000:]
+    probe = subprocess.run(["docker", "run", "--rm", "eyrie-base-ca", "sh", "-c",
+                            "ls /run/secrets 2>/dev/null; env | grep -c PIP_CERT; "
+                            "python -c 'import redis, rq, datasets; print(\"deps ok\")'"],
+                           capture_output=True, text=True, timeout=120)
+    assert probe.stdout.split() == ["0", "deps", "ok"], probe.stdout + probe.stderr
+    history = subprocess.run(["docker", "history", "--no-trunc", "eyrie-base-ca"], capture_output=True,
+                             text=True).stdout
+    assert "BEGIN CERTIFICATE" not in history and bundle not in history
+    subprocess.run(["docker", "image", "rm", "eyrie-base-ca"], capture_output=True)

@@ -1,0 +1,146 @@
+"""Defects of the Compose stack found by review (issue 12), each checked on the real parts: a GPU
+stage frees the device memory before it gives the GPU lease back; the task and GPU leases live
+through a wait for the GPU and a slow load; `eyrie serve` fails when vLLM dies after it was ready;
+a blocked or cancelled run does not keep the inference server down."""
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+import weakref
+
+import psutil
+import pytest
+import redis
+
+from conftest import BIN, OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, free_port, stop, wait_for
+from eyrie import inference
+from eyrie.gpu import GpuLease, holder
+from eyrie.queue import LEASE_TTL_S, Heartbeat, held_task, lease_key
+
+
+def own_db(redis_url: str, db: int) -> redis.Redis:
+    conn = redis.Redis.from_url(redis_url.rsplit("/", 1)[0] + f"/{db}")
+    conn.flushdb()
+    return conn
+
+
+def test_the_extractor_drops_the_target_before_the_gpu_lease_goes(redis_url):
+    """The lease says who computes; the memory must follow it: when the lease is free, nothing
+    of ours still holds the model (the next vLLM start checks free device memory)."""
+    from eyrie.config import load_settings
+    from eyrie_extractor.shard import extractor_gpu_lease, loaded_capture
+
+    conn = own_db(redis_url, 7)
+    lease = extractor_gpu_lease(load_settings(), conn, "cpu")
+    assert lease.acquire(wait_s=5)
+    model = weakref.ref(loaded_capture(str(TINY), (2, 4, 5), "cpu").model)
+    assert model() is not None and loaded_capture.cache_info().currsize == 1
+    seen_when_free = []
+
+    def watch():  # what a waiting stage would find the moment the lease is free
+        while conn.exists("eyrie:gpu:lease"):
+            time.sleep(0.001)
+        seen_when_free.append(model())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    lease.release()
+    watcher.join(10)
+    assert seen_when_free == [None], "the model was still alive when the GPU lease was free"
+    assert loaded_capture.cache_info().currsize == 0 and holder(conn) is None
+
+
+def test_leases_live_through_a_gpu_wait_and_a_load_longer_than_their_ttl(redis_url):
+    """A task that waits for the GPU (another stage holds it past LEASE_TTL_S) and then loads
+    slowly keeps its task lease and its GPU lease: no second worker takes the task over."""
+    conn = own_db(redis_url, 8)
+    other = GpuLease(conn, "inference@elsewhere", ttl_s=3)
+    assert other.acquire(wait_s=5)
+
+    def hold_then_release():  # the inference service, renewing its lease past LEASE_TTL_S
+        for _ in range(LEASE_TTL_S + 3):
+            other.renew()
+            time.sleep(1)
+        other.release()
+
+    threading.Thread(target=hold_then_release, daemon=True).start()
+    with held_task(conn, "extract-slow-00000") as lease:
+        gpu = GpuLease(conn, "extractor@here", ttl_s=3)
+        with Heartbeat(lease, gpu, every_s=1) as beat:
+            started = time.monotonic()
+            assert gpu.acquire(wait_s=LEASE_TTL_S + 30, poll_s=0.2)
+            assert time.monotonic() - started > LEASE_TTL_S  # waited past the task lease's TTL
+            time.sleep(6)  # a slow model load: twice the GPU lease's TTL
+            assert lease.owned() and conn.exists(lease_key("extract-slow-00000"))
+            assert holder(conn)["holder"]["owner"] == "extractor@here" and not beat.lost
+            with held_task(conn, "extract-slow-00000") as second:  # another worker, meanwhile
+                assert second is None
+            gpu.release()
+
+
+def test_serve_fails_when_vllm_dies_after_it_was_ready(redis_url, tmp_path):
+    """Exit non-zero (so that `restart: on-failure` starts it again) and publish `failed`."""
+    conn = own_db(redis_url, 9)
+    env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_url.rsplit("/", 1)[0] + "/9",
+           "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}",
+           "PATH": f"{ROOT / 'tests' / 'fake_vllm'}:{BIN}:{os.environ['PATH']}",
+           "EYRIE_SERVER": "vllm", "EYRIE_PORT": str(free_port()), "EYRIE_MODEL": str(TINY)}
+    log = tmp_path / "serve.log"
+    server = subprocess.Popen([str(BIN / "eyrie"), "serve"], env=env, stdout=log.open("w"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: (e := inference.read(conn)) and e.state == "ready", "the server ready", timeout=60)
+        (vllm,) = psutil.Process(server.pid).children()
+        vllm.send_signal(signal.SIGKILL)  # vLLM crashes (an OOM kill, a dead engine core)
+        assert server.wait(60) == 1, log.read_text()
+        assert "after it was ready" in log.read_text() and inference.read(conn).state == "failed"
+        assert holder(conn) is None  # the GPU lease went with it
+    finally:
+        stop(server)
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_a_blocked_or_cancelled_run_does_not_keep_the_server_down(env, stub_server, workers):
+    """A generated run whose later stages wait would stop the inference server ("drained"): a
+    blocked or cancelled run waits for a person, not for the GPUs."""
+    from eyrie.config import load_settings
+    from eyrie.control import cancelled_key
+    from eyrie.pipeline import ACTIVE, blocked_key, drained_run
+    from eyrie.status import task_id
+    from eyrie.store import open_store
+    from rq.job import Job, JobStatus
+    from rq.serializers import JSONSerializer
+
+    env = workers.env = {**env, "EYRIE_INFERENCE_URL": stub_server()}
+    eyrie("generate", "--dataset", str(TRAIN_PROMPTS), "--run", "stalled", "--limit", "8", "--max-tokens", "8",
+          env=env)
+    workers.start("generate")
+    conn, store = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(load_settings())
+    conn.sadd(ACTIVE, "stalled")
+    assert wait_for(lambda: drained_run(conn, store), "generation drained", timeout=120) == "stalled"
+    conn.set(blocked_key("stalled"), "over its storage budget")
+    assert drained_run(conn, store) is None
+    conn.delete(blocked_key("stalled"))
+    conn.set(cancelled_key("stalled"), "now")
+    assert drained_run(conn, store) is None
+    conn.delete(cancelled_key("stalled"))
+    assert drained_run(conn, store) == "stalled"
+    failed = Job.create("eyrie_trainer.plan.run_train_task", id=task_id("train", "stalled", 0), connection=conn,
+                        serializer=JSONSerializer)  # its train task failed for good (retries spent)
+    failed.set_status(JobStatus.FAILED)
+    failed.save()
+    assert drained_run(conn, store) is None
+
+
+def test_the_projection_counts_the_trainers_local_copy():
+    """The seed's run: the trainer copies every hidden-state file to its own disk (the stack's
+    EYRIE_TRAINER_CACHE_DIR): as many bytes as the extract stage stores, said by `--plan`."""
+    out = eyrie("run", "--config", str(ROOT / "examples" / "run.kimi-k2.5.yaml"), "--plan",
+                env={**os.environ, **OFFLINE}).stdout
+    stored = re.search(r"at most (\S+ \w+) in bf16, (\S+ \w+) in fp8", out)
+    local = re.search(r"trainer's local copy of the hidden states \((\w+), .*\): at most (\S+ \w+)", out)
+    assert stored and local, out
+    assert local[2] == stored[1 if local[1] == "bf16" else 2] and "EYRIE_TRAINER_CACHE_DIR" in out
