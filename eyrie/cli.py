@@ -72,17 +72,42 @@ def _context():
 def serve(model: Optional[str] = typer.Option(None, help="Model directory or HF id (EYRIE_MODEL)."),
           port: Optional[int] = typer.Option(None, help="Port (EYRIE_PORT)."),
           server: Optional[str] = typer.Option(None, help="transformers | vllm (EYRIE_SERVER)."),
-          host: Optional[str] = typer.Option(None, help="Bind address (EYRIE_HOST).")):
+          host: Optional[str] = typer.Option(None, help="Bind address (EYRIE_HOST)."),
+          config: Optional[Path] = typer.Option(None, "--config", help="Serve this run config's target "
+                                                "with its serve section."),
+          run: Optional[str] = typer.Option(None, "--run", help="Serve the target of this stored run "
+                                            "(its config's serve section).")):
     """Start the target's OpenAI server, wait until it answers, publish it in Redis."""
     from eyrie.config import load_settings
     from eyrie.queue import connect
     from eyrie_inference.server import Server
 
-    settings = load_settings(model=model, port=port, server=server, host=host)
+    cfg = _serve_config(config, run)
+    if cfg is not None and model is not None and model != cfg.target.model:
+        raise EyrieError(f"--model {model} is not the run's target {cfg.target.model}.",
+                         "drop --model: the run config names the target.")
+    settings = load_settings(model=cfg.target.model if cfg else model, port=port, server=server, host=host)
     if not Path(settings.model).exists() and settings.model.startswith((".", "/")):
         raise EyrieError(f"model directory {settings.model} does not exist.",
                          "pass --model with a model directory or a Hugging Face id.")
-    raise typer.Exit(Server(settings, connect(settings.redis_url), settings.model).run())
+    conn = connect(settings.redis_url)
+    raise typer.Exit(Server(settings, conn, settings.model, cfg.serve if cfg else None).run())
+
+
+def _serve_config(config: Optional[Path], run: Optional[str]):
+    from eyrie.pipeline import load_config, stored_config
+
+    if config is not None:
+        return load_config(config)
+    if run is None:
+        return None
+    from eyrie.config import load_settings
+    from eyrie.store import open_store
+
+    cfg = stored_config(open_store(load_settings()), run)
+    if cfg is None:
+        raise EyrieError(f"no stored run config for run {run}.", "start it with `eyrie run --config RUN.yaml` first.")
+    return cfg
 
 
 @app.command()

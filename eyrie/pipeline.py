@@ -42,6 +42,34 @@ class TargetSection(_Section):
     shape: TargetShape | None = None
 
 
+class ServeSection(_Section):
+    """How the target is served (vLLM flags): part of the run, not of the host's .env."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    reasoning_parser: str | None = Field(None, min_length=1, description="e.g. kimi_k2, deepseek_r1, qwen3.")
+    trust_remote_code: bool = False
+    max_model_len: int | None = Field(None, ge=16)
+    extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` flags, one per item.")
+    tokens_per_s: float | None = Field(None, gt=0, description="For --plan only: the server's measured output tok/s.")
+
+    def vllm_flags(self) -> list[str]:
+        flags = ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.pipeline_parallel_size > 1:
+            flags += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
+        if self.reasoning_parser:
+            flags += ["--reasoning-parser", self.reasoning_parser]
+        if self.max_model_len:
+            flags += ["--max-model-len", str(self.max_model_len)]
+        if self.trust_remote_code:
+            flags.append("--trust-remote-code")
+        return flags + list(self.extra_args)
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
 class DatasetSection(_Section):
     source: str = Field(min_length=1, description="Local .jsonl/.parquet/dataset directory, or HF id.")
     split: str = Field("train", min_length=1)
@@ -87,6 +115,7 @@ class RunConfig(_Section):
     run: str = Field(pattern=RUN_NAME.pattern, description="1-64 letters, digits, '.', '_' or '-'.")
     target: TargetSection
     dataset: DatasetSection
+    serve: ServeSection = Field(default_factory=ServeSection)
     generate: GenerateSection = Field(default_factory=GenerateSection)
     extract: ExtractSection = Field(default_factory=ExtractSection)
     train: TrainSection = Field(default_factory=TrainSection)
@@ -138,7 +167,9 @@ def _open_sections(store, run: str) -> set[str]:
     if not store.exists(Layout(run).manifest):
         return set(RunConfig.model_fields)
     manifest = load_run_manifest(store, run)
-    return {name for name, planned in (("extract", manifest.extract), ("train", manifest.train)) if planned is None}
+    # how the target is served changes nothing the run records (a restart with more GPUs, say)
+    return {"serve"} | {name for name, planned in (("extract", manifest.extract), ("train", manifest.train))
+                        if planned is None}
 
 
 ACTIVE = "eyrie:pipelines:active"

@@ -23,6 +23,7 @@ from eyrie.partlog import PartLog
 from eyrie.queue import LEASE_TTL_S, held_task
 from eyrie.status import task_id
 from eyrie.store import Store
+from eyrie.target import check_served
 from eyrie_generator.client import ChatClient, Completion
 from eyrie_generator.prompt_budget import PromptBudget
 from eyrie_generator.prompts import Skip, to_prompt
@@ -139,7 +140,10 @@ class ShardRunner:
                                        max_model_len=self.settings.max_model_len)
                     for url, weight in parse_endpoints(self.settings.inference_url)]
         self._report(waiting_for="inference")  # visible in `eyrie status` while the server loads
-        return inference.wait_all_ready(self.conn, self.settings.serve_deadline_s)
+        endpoints = inference.wait_all_ready(self.conn, self.settings.serve_deadline_s)
+        for endpoint in endpoints:  # another model may have been served since the run was planned
+            check_served(self.manifest.target, endpoint)
+        return endpoints
 
     def _add(self, row: dict, result: Completion) -> None:
         record = {"sample_id": row["sample_id"], "row": row["row"], "messages": row.get("messages"),

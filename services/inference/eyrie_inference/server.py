@@ -24,11 +24,14 @@ from eyrie.target import describe
 PROGRESS = re.compile(r"(\d{1,3})%\|")  # tqdm bars, e.g. vLLM's "Loading safetensors ... 37%|"
 
 
-def command(settings: Settings, model: str) -> list[str]:
-    """The real command line of the server."""
+def command(settings: Settings, model: str, serve=None) -> list[str]:
+    """The real command line of the server. `serve`: the run config's serve section, which
+    replaces the EYRIE_* vLLM flags (kept for `eyrie serve` without a run config)."""
     if settings.server == "vllm":
-        cmd = ["vllm", "serve", model, "--host", settings.host, "--port", str(settings.port),
-               "--tensor-parallel-size", str(settings.tensor_parallel_size)]
+        cmd = ["vllm", "serve", model, "--host", settings.host, "--port", str(settings.port)]
+        if serve is not None:
+            return cmd + serve.vllm_flags()
+        cmd += ["--tensor-parallel-size", str(settings.tensor_parallel_size)]
         if settings.reasoning_parser:
             cmd += ["--reasoning-parser", settings.reasoning_parser]
         if settings.max_model_len:
@@ -45,22 +48,22 @@ def health_path(server: str) -> str:
 
 
 class Server:
-    def __init__(self, settings: Settings, conn, model: str):
-        self.settings, self.conn = settings, conn
+    def __init__(self, settings: Settings, conn, model: str, serve=None):
+        self.settings, self.conn, self.serve = settings, conn, serve
         info = describe(model)
         self.model = info.model if Path(model).is_dir() else model
         host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.gethostname()
         self.endpoint = inference.Endpoint(
             name=settings.endpoint_name, weight=settings.endpoint_weight, url=settings.advertise_url or f"http://{host}:{settings.port}", model=self.model,
             server=settings.server, state="starting", host=socket.gethostname(),
-            max_model_len=settings.max_model_len or info.max_model_len, revision=info.revision,
+            max_model_len=(serve.max_model_len if serve else None) or settings.max_model_len or info.max_model_len, revision=info.revision,
             chat_template_sha256=info.chat_template_sha256)
         self.proc: subprocess.Popen | None = None
         self.gpu: GpuLease | None = None
 
     def run(self) -> int:
         """Start, wait for readiness, then supervise until the server exits or we are stopped."""
-        cmd = command(self.settings, self.model)
+        cmd = command(self.settings, self.model, self.serve)
         if self.settings.server == "vllm":  # vLLM owns the GPUs while it runs: hold the lease
             while self._drained():  # restarted while a drained pipeline's later stages need the GPUs
                 time.sleep(self.POLL_S)
