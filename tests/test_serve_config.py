@@ -58,7 +58,7 @@ def test_a_served_model_that_is_not_the_target_is_refused_naming_both(conn, tmp_
     with pytest.raises(EyrieError) as err:
         _start(conn, tmp_path, str(TINY))
     assert str(other) in str(err.value) and str(TINY) in str(err.value) and "not the run's target" in str(err.value)
-    assert not (tmp_path / "store" / "runs" / "r1" / "manifest.json").exists()
+    assert not (tmp_path / "store" / "runs" / "r1" / "manifest.json").exists()  # refused before any write
 
 
 def test_the_same_content_elsewhere_is_the_same_target(conn, tmp_path):
