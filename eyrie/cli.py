@@ -329,18 +329,27 @@ def status(run: str = typer.Argument(..., help="Run name."),
 def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline: run.yaml (examples/)."),
                  plan: bool = typer.Option(False, "--plan", help="Print the storage projection only "
                                                                   "(no server, no GPU, no download)."),
-                 wait: bool = typer.Option(False, "--wait", help="Follow every stage until the drafter is exported.")):
+                 wait: bool = typer.Option(False, "--wait", help="Follow every stage until the drafter is exported."),
+                 as_json: bool = typer.Option(False, "--json", help="With --plan: the plan as one JSON object.")):
     """Start (or continue) a whole pipeline: generate -> extract -> train -> evaluate -> export,
     each stage starting by itself when the one before is done."""
     from eyrie.config import load_settings
     from eyrie.pipeline import load_config
+    from eyrie.support import refuse_unsupported
 
     cfg = load_config(config)
     if plan:
         from eyrie.projection import project, render
 
-        typer.echo("\n".join(render(project(cfg, load_settings().max_tokens))))
+        projection = project(cfg, load_settings())
+        typer.echo(orjson.dumps(projection, option=orjson.OPT_INDENT_2).decode() if as_json
+                   else "\n".join(render(projection)))
+        refuse_unsupported(projection["support"])  # before any GPU work
         return
+    from eyrie.projection import architecture
+    from eyrie.support import check
+
+    refuse_unsupported(check(architecture(cfg), cfg.extract.backend))
     from eyrie.control import start_pipeline
     from eyrie.queue import connect
     from eyrie.store import open_store

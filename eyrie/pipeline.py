@@ -35,6 +35,7 @@ class TargetShape(_Section):
     hidden_size: int = Field(ge=1)
     num_hidden_layers: int = Field(ge=1)
     vocab_size: int = Field(ge=2)
+    architecture: str | None = Field(None, min_length=1, description="config.json's architectures[0].")
 
 
 class TargetSection(_Section):
@@ -51,7 +52,6 @@ class ServeSection(_Section):
     trust_remote_code: bool = False
     max_model_len: int | None = Field(None, ge=16)
     extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` flags, one per item.")
-    tokens_per_s: float | None = Field(None, gt=0, description="For --plan only: the server's measured output tok/s.")
 
     def vllm_flags(self) -> list[str]:
         flags = ["--tensor-parallel-size", str(self.tensor_parallel_size)]
@@ -109,6 +109,17 @@ class TrainSection(_Section):
     heldout: int | None = Field(None, ge=1)
 
 
+class PlanSection(_Section):
+    """Figures only `--plan` reads: what to expect, where it is not known before the run."""
+
+    mean_tokens: int | None = Field(None, ge=1, description="Expected mean sample length, prompt + completion.")
+    generate_tokens_per_s: float | None = Field(None, gt=0, description="The server's output tok/s at C.")
+    extract_tokens_per_s: float | None = Field(None, gt=0, description="Else our benchmark's figure for the shape.")
+    train_tokens_per_s: float | None = Field(None, gt=0, description="Else our benchmark's figure for the shape.")
+    store_path: str | None = Field(None, description="Local directory behind the bucket (MinIO's data dir).")
+    trainer_cache_path: str | None = Field(None, description="Where the trainer keeps its copy (EYRIE_CACHE_DIR).")
+
+
 class RunConfig(_Section):
     """What `eyrie run --config run.yaml` runs: every stage, from prompts to an exported drafter."""
 
@@ -119,6 +130,7 @@ class RunConfig(_Section):
     generate: GenerateSection = Field(default_factory=GenerateSection)
     extract: ExtractSection = Field(default_factory=ExtractSection)
     train: TrainSection = Field(default_factory=TrainSection)
+    plan: PlanSection = Field(default_factory=PlanSection)
 
 
 def load_config(path: Path) -> RunConfig:
@@ -168,7 +180,7 @@ def _open_sections(store, run: str) -> set[str]:
         return set(RunConfig.model_fields)
     manifest = load_run_manifest(store, run)
     # how the target is served changes nothing the run records (a restart with more GPUs, say)
-    return {"serve"} | {name for name, planned in (("extract", manifest.extract), ("train", manifest.train))
+    return {"serve", "plan"} | {name for name, planned in (("extract", manifest.extract), ("train", manifest.train))
                         if planned is None}
 
 
