@@ -52,6 +52,10 @@ api: setup
 bench: setup
 	$(BIN)/python bench/generate_throughput.py
 
+# Every GPU check in one command (< 8 min on one H200); --dry-run says what it would measure
+gpu-checks: setup
+	$(BIN)/python bench/gpu_checks.py
+
 tiny-target: setup
 	$(BIN)/python scripts/build_tiny_target.py --out assets/tiny-target
 
