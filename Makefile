@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_UPDATE_CHECK := 1
 REQS := requirements/base.txt requirements/generator.txt requirements/inference.txt \
         requirements/speculators.txt requirements/api.txt requirements/dev.txt pyproject.toml
 
-.PHONY: setup test faults demo redis chromium api bench compose-check up down ps logs status run clean tiny-target
+.PHONY: setup test faults demo redis chromium api bench gpu-checks compose-check up down ps logs status run clean tiny-target
 
 setup: $(VENV)/.installed redis chromium
 
