@@ -80,9 +80,9 @@ def serve(model: Optional[str] = typer.Option(None, help="Model directory or HF 
     """Start the target's OpenAI server, wait until it answers, publish it in Redis."""
     from eyrie.config import load_settings
     from eyrie.queue import connect
-    from eyrie_inference.server import Server
+    from eyrie_inference.server import Server, run_config
 
-    cfg = _serve_config(config, run)
+    cfg = run_config(config, run)
     if cfg is not None and model is not None and model != cfg.target.model:
         raise EyrieError(f"--model {model} is not the run's target {cfg.target.model}.",
                          "drop --model: the run config names the target.")
@@ -94,20 +94,20 @@ def serve(model: Optional[str] = typer.Option(None, help="Model directory or HF 
     raise typer.Exit(Server(settings, conn, settings.model, cfg.serve if cfg else None).run())
 
 
-def _serve_config(config: Optional[Path], run: Optional[str]):
-    from eyrie.pipeline import load_config, stored_config
-
-    if config is not None:
-        return load_config(config)
-    if run is None:
-        return None
+@app.command("serve-extract")
+@command
+def serve_extract(port: Optional[int] = typer.Option(None, help="Port (EYRIE_PORT)."),
+                  host: Optional[str] = typer.Option(None, help="Bind address (EYRIE_HOST)."),
+                  once: bool = typer.Option(False, "--once", help="Serve one run's extraction, then exit.")):
+    """The stack's vLLM extraction server: for each run extracting on the vLLM backend, take the
+    GPU lease, serve its target with extract_hidden_states until every shard is extracted."""
     from eyrie.config import load_settings
+    from eyrie.queue import connect
     from eyrie.store import open_store
+    from eyrie_inference.extract_server import serve_extract as serve_runs
 
-    cfg = stored_config(open_store(load_settings()), run)
-    if cfg is None:
-        raise EyrieError(f"no stored run config for run {run}.", "start it with `eyrie run --config RUN.yaml` first.")
-    return cfg
+    settings = load_settings(port=port, host=host, server="vllm")
+    raise typer.Exit(serve_runs(settings, connect(settings.redis_url), open_store(settings), once=once))
 
 
 @app.command()

@@ -58,7 +58,10 @@ class Settings(BaseSettings):
                                             "cuda:0,cuda:1,... (the HF backend spreads the target over them; "
                                             "with cuda it does so over every GPU when one cannot hold it).")
     extract_batch_tokens: int = Field(16384, ge=1, description="Padded tokens per forward batch.")
-    extract_vllm_url: str | None = Field(None, description="vLLM extraction server (extract --backend vllm).")
+    extract_vllm_url: str | None = Field(None, description="vLLM extraction server (extract --backend vllm); "
+                                                           "unset: the one `eyrie serve-extract` published.")
+    extract_shared_dir: str = Field(".eyrie/hs-shared", description="Where the vLLM extraction server writes "
+                                                                   "hidden states; the extractor reads the same path.")
     extract_write_threads: int = Field(4, ge=1, description="Uploads running beside the forward.")
 
     cache_dir: str = Field(".eyrie/cache", description="Local cache: training data, checkpoints, base drafters.")

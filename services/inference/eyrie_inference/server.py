@@ -42,6 +42,23 @@ def command(settings: Settings, model: str, serve=None) -> list[str]:
             "--port", str(settings.port), "--device", "cpu"]
 
 
+def run_config(config: Path | None, run: str | None):
+    """`eyrie serve --config RUN.yaml` or `--run NAME` (the stored config): the run to serve."""
+    from eyrie.pipeline import load_config, stored_config
+
+    if config is not None:
+        return load_config(config)
+    if run is None:
+        return None
+    from eyrie.config import load_settings
+    from eyrie.store import open_store
+
+    cfg = stored_config(open_store(load_settings()), run)
+    if cfg is None:
+        raise EyrieError(f"no stored run config for run {run}.", "start it with `eyrie run --config RUN.yaml` first.")
+    return cfg
+
+
 def health_path(server: str) -> str:
     # transformers serve lists only the hub cache in /v1/models: /health is its readiness probe
     return "/v1/models" if server == "vllm" else "/health"
@@ -63,11 +80,10 @@ class Server:
 
     def run(self) -> int:
         """Start, wait for readiness, then supervise until the server exits or we are stopped."""
-        cmd = command(self.settings, self.model, self.serve)
+        cmd = self.command()
         if self.settings.server == "vllm":  # vLLM owns the GPUs while it runs: hold the lease
-            while self._drained():  # restarted while a drained pipeline's later stages need the GPUs
-                time.sleep(self.POLL_S)
-            self.gpu = GpuLease(self.conn, f"inference@{socket.gethostname()}")
+            self._wait_turn()
+            self.gpu = GpuLease(self.conn, f"{self.OWNER}@{socket.gethostname()}")
             print("eyrie serve: waiting for the GPU lease", flush=True)
             self.gpu.acquire()
             threading.Thread(target=self._renew_gpu_lease, daemon=True).start()
@@ -94,6 +110,14 @@ class Server:
         return 0
 
     POLL_S = 5
+    OWNER = "inference"
+
+    def command(self) -> list[str]:
+        return command(self.settings, self.model, self.serve)
+
+    def _wait_turn(self) -> None:
+        while self._drained():  # restarted while a drained pipeline's later stages need the GPUs
+            time.sleep(self.POLL_S)
 
     def _drained(self) -> bool:
         stop = self.settings.serve_stop_when_drained
