@@ -94,3 +94,43 @@ def test_the_seed_example_says_how_kimi_is_served():
     cfg = load_config(ROOT / "examples" / "run.kimi-k2.5.yaml")
     assert cfg.serve.tensor_parallel_size == 8 and cfg.serve.reasoning_parser == "kimi_k2"
     assert cfg.serve.trust_remote_code
+
+
+def test_the_stacks_inference_serves_the_active_runs_target_with_its_serve_section(conn, tmp_path):
+    """`eyrie serve --run active` (the inference service's command in Compose): nothing in .env says
+    which model or how; it waits for a pipeline to generate and serves that run's target. vLLM
+    cannot run here: tests/fake_vllm stands in for the `vllm` command."""
+    import os
+    import subprocess
+    import time
+
+    from conftest import BIN, free_port, stop
+    from eyrie.pipeline import ACTIVE, config_key
+    from eyrie_inference.server import generating_run
+
+    url = conn.connection_pool.connection_kwargs
+    redis_url = f"redis://{url['host']}:{url['port']}/7"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "EYRIE_REDIS_URL": redis_url,
+           "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}", "EYRIE_SERVE_STOP_WHEN_DRAINED": "false",
+           "PATH": f"{ROOT / 'tests' / 'fake_vllm'}:{BIN}:{os.environ['PATH']}"}
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([str(BIN / "eyrie"), "serve", "--server", "vllm", "--run", "active",
+                             "--port", str(free_port())], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        time.sleep(3)
+        assert proc.poll() is None and inference.read(conn) is None  # waiting for a run, serving nothing
+        cfg = load_config(tiny_run_config(tmp_path, "act", serve={"tensor_parallel_size": 2, "max_model_len": 512}))
+        store = open_store(load_settings(store_url=env["EYRIE_STORE_URL"]))
+        store.put_json(config_key("act"), cfg.model_dump())
+        conn.sadd(ACTIVE, "act")
+        assert generating_run(conn, store) == "act"
+        deadline = time.monotonic() + 60
+        while not (inference.read(conn) and inference.read(conn).state == "ready"):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.3)
+        endpoint = inference.read(conn)
+        assert endpoint.model == str(TINY) and endpoint.max_model_len == 512
+        text = log.read_text()
+        assert "serving run act's target" in text and "--tensor-parallel-size 2 --max-model-len 512" in text
+    finally:
+        stop(proc)

@@ -43,7 +43,8 @@ def command(settings: Settings, model: str, serve=None) -> list[str]:
 
 
 def run_config(config: Path | None, run: str | None):
-    """`eyrie serve --config RUN.yaml` or `--run NAME` (the stored config): the run to serve."""
+    """`eyrie serve --config RUN.yaml`, `--run NAME` (the stored config) or `--run active` (the
+    first pipeline that is to generate, waited for): the run to serve."""
     from eyrie.pipeline import load_config, stored_config
 
     if config is not None:
@@ -51,12 +52,37 @@ def run_config(config: Path | None, run: str | None):
     if run is None:
         return None
     from eyrie.config import load_settings
+    from eyrie.queue import connect
     from eyrie.store import open_store
 
-    cfg = stored_config(open_store(load_settings()), run)
+    settings = load_settings()
+    store = open_store(settings)
+    if run == "active":
+        conn = connect(settings.redis_url)
+        print("eyrie serve: waiting for a pipeline to generate (`eyrie run --config RUN.yaml`)", flush=True)
+        while (run := generating_run(conn, store)) is None:
+            time.sleep(Server.POLL_S)
+        print(f"eyrie serve: serving run {run}'s target", flush=True)
+    cfg = stored_config(store, run)
     if cfg is None:
         raise EyrieError(f"no stored run config for run {run}.", "start it with `eyrie run --config RUN.yaml` first.")
     return cfg
+
+
+def generating_run(conn, store) -> str | None:
+    """An active pipeline whose generation is not done (its first shard not even planned, or a
+    shard without its manifest)."""
+    from eyrie.manifest import Layout, RunManifest
+    from eyrie.pipeline import ACTIVE
+
+    for run in sorted(m.decode() for m in conn.smembers(ACTIVE)):
+        layout = Layout(run)
+        if not store.exists(layout.manifest):
+            return run
+        manifest = RunManifest.model_validate(store.get_json(layout.manifest))
+        if not all(store.exists(layout.generate_shard_manifest(p.index)) for p in manifest.generate_shards):
+            return run
+    return None
 
 
 def health_path(server: str) -> str:
