@@ -141,10 +141,13 @@ def _existing(path: str | None) -> Path | None:
     """The directory, or its nearest existing parent (free space is the same device's)."""
     if not path:
         return None
-    current = Path(path).expanduser().resolve()
-    while not current.exists() and current != current.parent:
-        current = current.parent
-    return current
+    try:
+        current = Path(path).expanduser().resolve()
+        while not current.exists() and current != current.parent:
+            current = current.parent
+        return current
+    except (OSError, ValueError, RuntimeError):  # a path this host cannot even look at
+        return None
 
 
 def hours(config: RunConfig, p: dict) -> dict:

@@ -16,9 +16,11 @@ import aiohttp
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from eyrie.manifest import Layout
 from eyrie.queue import LEASE_TTL_S, enqueue_task, queue, task_lease
 from eyrie.status import task_id
 from eyrie_generator.client import ChatClient
+from eyrie_generator.shard import ShardRunner, split_lanes
 
 
 def claims_key(task: str) -> str:
@@ -28,8 +30,6 @@ def claims_key(task: str) -> str:
 def recover_claims(conn, store, manifest, task: str) -> int:
     """Requeue the shards an earlier attempt of `task` took on and did not finish (once their
     leases, renewed by that dead attempt, have lapsed)."""
-    from eyrie.manifest import Layout
-
     requeued = 0
     for raw in conn.smembers(claims_key(task)):
         shard = int(raw)
@@ -39,12 +39,11 @@ def recover_claims(conn, store, manifest, task: str) -> int:
         lease = task_lease(conn, claimed)
         if lease.acquire(blocking=True):  # waits out a dead holder's lease (LEASE_TTL_S)
             _release(lease)
+            from eyrie_generator.plan import TASK_FUNC
+
             requeued += enqueue_task(conn, "generate", TASK_FUNC, {"run": manifest.run, "shard": shard}, claimed)
     conn.delete(claims_key(task))
     return requeued
-
-
-TASK_FUNC = "eyrie_generator.shard.run_generate_shard"
 
 
 class Chain:
@@ -111,8 +110,6 @@ class Chain:
                         self._tick(-1)
                     self._answered(runner)
 
-            from eyrie_generator.shard import split_lanes
-
             shares = split_lanes(params.concurrency, [e.weight for e in endpoints])
             await asyncio.gather(*(lane(c) for c, n in zip(clients, shares) for _ in range(n)))
         if self.outstanding.get(self.current.shard) == 0 and self.current.shard in self.active:
@@ -141,8 +138,6 @@ class Chain:
     def _take_next(self):
         """Take on the next queued shard of the run (None when there is none): out of the queue,
         under its lease, listed under this task, marked started; then its rows to ask for."""
-        from eyrie_generator.shard import ShardRunner
-
         first, q = self.first, queue(self.conn, "generate")
         for plan in first.manifest.generate_shards:
             job_id = task_id("generate", first.run_name, plan.index)
@@ -189,7 +184,7 @@ class Chain:
         if runner is not self.first:
             job = Job.fetch(runner.task, connection=self.conn, serializer=JSONSerializer)
             job.set_status(JobStatus.FINISHED)
-            _release(self.leases[runner.shard])
+            _release(self.leases.pop(runner.shard))
 
     def _tick(self, delta: int) -> None:
         now = time.monotonic()
@@ -199,9 +194,8 @@ class Chain:
     async def _keep_leases(self) -> None:
         while True:
             await asyncio.sleep(LEASE_TTL_S / 3)
-            for shard in list(self.active):
-                # raises if a lease was lost: the task fails and is retried
-                self.leases[shard].extend(LEASE_TTL_S, replace_ttl=True)
+            for lease in list(self.leases.values()):  # every shard until it is written, its own too
+                lease.extend(LEASE_TTL_S, replace_ttl=True)
 
     async def _report_loop(self) -> None:
         while True:
