@@ -335,7 +335,7 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
     each stage starting by itself when the one before is done."""
     from eyrie.config import load_settings
     from eyrie.pipeline import load_config
-    from eyrie.support import refuse_unsupported
+    from eyrie.support import refuse_unsupported, refuse_unsupported_config
 
     cfg = load_config(config)
     if plan:
@@ -346,10 +346,7 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
                    else "\n".join(render(projection)))
         refuse_unsupported(projection["support"])  # before any GPU work
         return
-    from eyrie.projection import architecture
-    from eyrie.support import check
-
-    refuse_unsupported(check(architecture(cfg), cfg.extract.backend))
+    refuse_unsupported_config(cfg)  # before Redis is even reached
     from eyrie.control import start_pipeline
     from eyrie.queue import connect
     from eyrie.store import open_store

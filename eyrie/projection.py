@@ -92,11 +92,36 @@ def project(config: RunConfig, settings) -> dict:
          "mean_tokens": mean, "tokens_upper_bound": tokens, "hidden_states_bytes": sizes,
          "hidden_states_bytes_expected": expected, "records_bytes": n * max_tokens * RECORD_BYTES_PER_TOKEN,
          "dtype": config.extract.dtype, "budget_bytes": budget, "fits": None if budget is None else chosen <= budget}
+    p["generate_measured"] = measured_generation(config, settings)
     p["lengths"] = lengths(config, n, prompt + max_tokens)
     p["space"] = space(config, settings, p)
     p["hours"] = hours(config, p)
     p["support"] = check(architecture, config.extract.backend)
     return p
+
+
+def measured_generation(config: RunConfig, settings) -> tuple[float, str] | None:
+    """The server's output tok/s as this run measured it so far (its finished generate shards:
+    completion tokens / first start to last finish), where the store has the run."""
+    from datetime import datetime
+
+    from eyrie.manifest import Layout, ShardManifest, load_run_manifest
+    from eyrie.store import open_store
+
+    store, layout = open_store(settings), Layout(config.run)
+    if not store.exists(layout.manifest):
+        return None
+    shards = [ShardManifest.model_validate(store.get_json(layout.generate_shard_manifest(s.index)))
+              for s in load_run_manifest(store, config.run).generate_shards
+              if store.exists(layout.generate_shard_manifest(s.index))]
+    if not shards:
+        return None
+    tokens = sum(s.counts.completion_tokens for s in shards)
+    start = min(datetime.fromisoformat(s.started_at) for s in shards)
+    wall = (max(datetime.fromisoformat(s.finished_at) for s in shards) - start).total_seconds()
+    if wall <= 0 or tokens == 0:
+        return None
+    return tokens / wall, f"measured: this run's {len(shards)} generated shard(s)"
 
 
 def lengths(config: RunConfig, n: int, longest: int) -> dict:
@@ -160,7 +185,9 @@ def hours(config: RunConfig, p: dict) -> dict:
     stored = n * min(mean, p["lengths"]["extract_max_length"])
     epochs = config.train.epochs or DEFAULT_EPOCHS
     trained = n * min(mean, p["lengths"]["train_seq_len"]) * epochs
-    stages = {"generate": _stage(completion, config.plan.generate_tokens_per_s, None, "plan.generate_tokens_per_s"),
+    measured = p.get("generate_measured")  # once the run has generated, its own rate beats a guess
+    stages = {"generate": _stage(completion, None if measured else config.plan.generate_tokens_per_s, measured,
+                                 "plan.generate_tokens_per_s"),
               "extract": _stage(stored, config.plan.extract_tokens_per_s, EXTRACT_FIGURES.get(shape),
                                 "plan.extract_tokens_per_s"),
               "train": _stage(trained, config.plan.train_tokens_per_s, TRAIN_FIGURES.get(shape),

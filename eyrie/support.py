@@ -49,3 +49,11 @@ def check(architecture: str | None, backend: str) -> dict:
 def refuse_unsupported(support: dict) -> None:
     if support["refusal"]:
         raise EyrieError(*support["refusal"])
+
+
+def refuse_unsupported_config(config) -> None:
+    """`eyrie run` and POST /runs: before anything is enqueued (the architecture where it can be
+    read here: a local target's config.json, or target.shape.architecture)."""
+    from eyrie.projection import architecture
+
+    refuse_unsupported(check(architecture(config), config.extract.backend))

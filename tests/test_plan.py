@@ -106,3 +106,16 @@ def test_the_table_script_reads_classes_and_their_bases(tmp_path):
     assert rows == {"AForCausalLM": ["vllm/model_executor/models/a.py", "AForCausalLM", True],
                     "BForCausalLM": ["vllm/model_executor/models/b.py", "BForCausalLM", True],
                     "CModel": ["vllm/model_executor/models/b.py", "CModel", False]}
+
+
+def test_generation_rate_is_measured_once_the_run_has_generated(env, stub_server, tmp_path):
+    url = stub_server(latency=1.0, tokens=50)
+    env = {**env, "EYRIE_INFERENCE_URL": url, "EYRIE_SERVER": "vllm"}
+    eyrie("generate", "--dataset", str(TRAIN_PROMPTS), "--run", "pm", "--limit", "16", "--concurrency", "4",
+          "--max-tokens", "64", env=env)
+    eyrie("worker", "generate", "--burst", env=env)
+    path = tiny_run_config(tmp_path, "pm", dataset={"limit": 16}, plan={"generate_tokens_per_s": 1.0})
+    plan = json.loads(eyrie("run", "--config", path, "--plan", "--json", env=env).stdout)
+    rate = plan["hours"]["generate"]
+    assert rate["source"] == "measured: this run's 1 generated shard(s)"
+    assert 800 / 12 <= rate["tokens_per_s"] <= 800 / 2  # 16 x 50 tokens in 4 waves of 1 s (C=4), to the second
