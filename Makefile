@@ -11,8 +11,8 @@ export HF_HUB_DISABLE_UPDATE_CHECK := 1
 REQS := requirements/base.txt requirements/generator.txt requirements/inference.txt \
         requirements/speculators.txt requirements/api.txt requirements/dev.txt pyproject.toml
 
-.PHONY: setup test faults demo redis chromium api bench compose-check helm-check up down ps logs status run clean tiny-target \
-        docker wheelhouse images compose-stack compose-e2e
+.PHONY: setup test faults demo redis chromium api bench gpu-checks compose-check helm-check up down ps logs status run \
+        clean tiny-target docker wheelhouse images compose-stack compose-e2e
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed redis chromium
 
@@ -64,6 +64,10 @@ api: setup
 
 bench: setup
 	$(BIN)/python bench/generate_throughput.py
+
+# Every GPU check in one command (< 8 min on one H200); --dry-run says what it would measure
+gpu-checks: setup
+	$(BIN)/python bench/gpu_checks.py
 
 tiny-target: setup
 	$(BIN)/python scripts/build_tiny_target.py --out assets/tiny-target

@@ -197,7 +197,7 @@ def main() -> None:
                           ("--seq-len", 512), ("--total-seq-len", 2048), ("--draft-vocab", 2048), ("--epochs", 2),
                           ("--max-steps", 0), ("--heldout", 4), ("--workers", 2), ("--rounds", 3), ("--nice", 0),
                           ("--out-md", str(ROOT / "bench" / "RESULTS.md")), ("--child", ""), ("--work", ""),
-                          ("--out", ""), ("--argv", "")]:
+                          ("--out", ""), ("--argv", ""), ("--fast-path", "off")]:
         p.add_argument(flag, default=default, type=type(default))
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args()
@@ -214,7 +214,7 @@ def main() -> None:
     try:
         env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": f"redis://127.0.0.1:{port}/0", "EYRIE_DEVICE": a.device,
                "EYRIE_STORE_URL": f"file://{work / 'store'}", "EYRIE_CACHE_DIR": str(work / "cache"),
-               "EYRIE_TRAIN_FAST_PATH": "off", "EYRIE_TRAIN_LOADER_WORKERS": str(a.workers)}
+               "EYRIE_TRAIN_FAST_PATH": a.fast_path, "EYRIE_TRAIN_LOADER_WORKERS": str(a.workers)}
         os.environ.update(env)
         build(work, a)
         from eyrie.config import load_settings

@@ -72,17 +72,42 @@ def _context():
 def serve(model: Optional[str] = typer.Option(None, help="Model directory or HF id (EYRIE_MODEL)."),
           port: Optional[int] = typer.Option(None, help="Port (EYRIE_PORT)."),
           server: Optional[str] = typer.Option(None, help="transformers | vllm (EYRIE_SERVER)."),
-          host: Optional[str] = typer.Option(None, help="Bind address (EYRIE_HOST).")):
+          host: Optional[str] = typer.Option(None, help="Bind address (EYRIE_HOST)."),
+          config: Optional[Path] = typer.Option(None, "--config", help="Serve this run config's target "
+                                                "with its serve section."),
+          run: Optional[str] = typer.Option(None, "--run", help="Serve the target of this stored run "
+                                            "(its config's serve section).")):
     """Start the target's OpenAI server, wait until it answers, publish it in Redis."""
     from eyrie.config import load_settings
     from eyrie.queue import connect
-    from eyrie_inference.server import Server
+    from eyrie_inference.server import Server, run_config
 
-    settings = load_settings(model=model, port=port, server=server, host=host)
+    cfg = run_config(config, run)
+    if cfg is not None and model is not None and model != cfg.target.model:
+        raise EyrieError(f"--model {model} is not the run's target {cfg.target.model}.",
+                         "drop --model: the run config names the target.")
+    settings = load_settings(model=cfg.target.model if cfg else model, port=port, server=server, host=host)
     if not Path(settings.model).exists() and settings.model.startswith((".", "/")):
         raise EyrieError(f"model directory {settings.model} does not exist.",
                          "pass --model with a model directory or a Hugging Face id.")
-    raise typer.Exit(Server(settings, connect(settings.redis_url), settings.model).run())
+    conn = connect(settings.redis_url)
+    raise typer.Exit(Server(settings, conn, settings.model, cfg.serve if cfg else None).run())
+
+
+@app.command("serve-extract")
+@command
+def serve_extract(port: Optional[int] = typer.Option(None, help="Port (EYRIE_PORT)."),
+                  host: Optional[str] = typer.Option(None, help="Bind address (EYRIE_HOST)."),
+                  once: bool = typer.Option(False, "--once", help="Serve one run's extraction, then exit.")):
+    """The stack's vLLM extraction server: for each run extracting on the vLLM backend, take the
+    GPU lease, serve its target with extract_hidden_states until every shard is extracted."""
+    from eyrie.config import load_settings
+    from eyrie.queue import connect
+    from eyrie.store import open_store
+    from eyrie_inference.extract_server import serve_extract as serve_runs
+
+    settings = load_settings(port=port, host=host, server="vllm")
+    raise typer.Exit(serve_runs(settings, connect(settings.redis_url), open_store(settings), once=once))
 
 
 @app.command()
@@ -327,18 +352,24 @@ def status(run: str = typer.Argument(..., help="Run name."),
 def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline: run.yaml (examples/)."),
                  plan: bool = typer.Option(False, "--plan", help="Print the storage projection only "
                                                                   "(no server, no GPU, no download)."),
-                 wait: bool = typer.Option(False, "--wait", help="Follow every stage until the drafter is exported.")):
+                 wait: bool = typer.Option(False, "--wait", help="Follow every stage until the drafter is exported."),
+                 as_json: bool = typer.Option(False, "--json", help="With --plan: the plan as one JSON object.")):
     """Start (or continue) a whole pipeline: generate -> extract -> train -> evaluate -> export,
     each stage starting by itself when the one before is done."""
     from eyrie.config import load_settings
     from eyrie.pipeline import load_config
+    from eyrie.support import refuse_unsupported, refuse_unsupported_config
 
     cfg = load_config(config)
     if plan:
         from eyrie.projection import project, render
 
-        typer.echo("\n".join(render(project(cfg, load_settings().max_tokens))))
+        projection = project(cfg, load_settings())
+        typer.echo(orjson.dumps(projection, option=orjson.OPT_INDENT_2).decode() if as_json
+                   else "\n".join(render(projection)))
+        refuse_unsupported(projection["support"])  # before any GPU work
         return
+    refuse_unsupported_config(cfg)  # before Redis is even reached
     from eyrie.control import start_pipeline
     from eyrie.queue import connect
     from eyrie.store import open_store

@@ -56,9 +56,14 @@ class Settings(BaseSettings):
     retry_backoff_s: float = Field(2.0, ge=0, description="First retry delay; doubles, capped at 60 s.")
     shard_size: int = Field(1000, ge=1)
 
-    device: str = Field("auto", description="Extractor device: auto (cuda if present), cpu, cuda, cuda:N.")
+    device: str = Field("auto", description="Extractor device: auto (cuda if present), cpu, cuda, cuda:N, or "
+                                            "cuda:0,cuda:1,... (the HF backend spreads the target over them; "
+                                            "with cuda it does so over every GPU when one cannot hold it).")
     extract_batch_tokens: int = Field(16384, ge=1, description="Padded tokens per forward batch.")
-    extract_vllm_url: str | None = Field(None, description="vLLM extraction server (extract --backend vllm).")
+    extract_vllm_url: str | None = Field(None, description="vLLM extraction server (extract --backend vllm); "
+                                                           "unset: the one `eyrie serve-extract` published.")
+    extract_shared_dir: str = Field(".eyrie/hs-shared", description="Where the vLLM extraction server writes "
+                                                                   "hidden states; the extractor reads the same path.")
     extract_write_threads: int = Field(4, ge=1, description="Uploads running beside the forward.")
 
     cache_dir: str = Field(".eyrie/cache", description="Local cache: training data, checkpoints, base drafters.")

@@ -50,7 +50,9 @@ def start_pipeline(settings, conn, store, cfg) -> dict:
     """What `eyrie run` does (and POST /runs): keep the config, start generate (and the base
     drafter's fetch), then let `advance` start whatever stage is next. A rerun continues."""
     from eyrie.pipeline import advance_or_record, save_config
+    from eyrie.support import refuse_unsupported_config
 
+    refuse_unsupported_config(cfg)  # a run the pinned vLLM cannot carry: refused before anything starts
     save_config(conn, store, cfg)
     conn.delete(cancelled_key(cfg.run))
     try:

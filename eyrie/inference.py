@@ -63,3 +63,30 @@ def wait_all_ready(conn: redis.Redis, deadline_s: float, name: str = "default") 
                              "start it with `eyrie serve`, or set EYRIE_INFERENCE_URL to a running "
                              "OpenAI-compatible server.")
         time.sleep(1.0)
+
+
+EXTRACT_KEY = "eyrie:extract:endpoint"  # the vLLM extraction server: never one of the inference endpoints
+
+
+def publish_extract(conn: redis.Redis, endpoint: Endpoint) -> None:
+    endpoint.updated_at = time.time()
+    conn.set(EXTRACT_KEY, orjson.dumps(endpoint.model_dump()))
+
+
+def read_extract(conn: redis.Redis) -> Endpoint | None:
+    raw = conn.get(EXTRACT_KEY)
+    return Endpoint.model_validate(orjson.loads(raw)) if raw else None
+
+
+def wait_extract_ready(conn: redis.Redis, deadline_s: float) -> Endpoint:
+    limit = time.monotonic() + deadline_s
+    while True:
+        endpoint = read_extract(conn)
+        if endpoint and endpoint.state == "ready":
+            return endpoint
+        if time.monotonic() > limit:
+            state = endpoint.state if endpoint else "never published"
+            raise EyrieError(f"no ready vLLM extraction server after {deadline_s:g} s (state: {state}).",
+                             "start the extract-server service (`eyrie serve-extract`), or set "
+                             "EYRIE_EXTRACT_VLLM_URL to a running one (docs/vllm-extraction.md).")
+        time.sleep(1.0)

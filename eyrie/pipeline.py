@@ -35,11 +35,39 @@ class TargetShape(_Section):
     hidden_size: int = Field(ge=1)
     num_hidden_layers: int = Field(ge=1)
     vocab_size: int = Field(ge=2)
+    architecture: str | None = Field(None, min_length=1, description="config.json's architectures[0].")
 
 
 class TargetSection(_Section):
     model: str = Field(min_length=1, description="Local directory or HF id of the target.")
     shape: TargetShape | None = None
+
+
+class ServeSection(_Section):
+    """How the target is served (vLLM flags): part of the run, not of the host's .env."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    reasoning_parser: str | None = Field(None, min_length=1, description="e.g. kimi_k2, deepseek_r1, qwen3.")
+    trust_remote_code: bool = False
+    max_model_len: int | None = Field(None, ge=16)
+    extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` flags, one per item.")
+
+    def vllm_flags(self) -> list[str]:
+        flags = ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.pipeline_parallel_size > 1:
+            flags += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
+        if self.reasoning_parser:
+            flags += ["--reasoning-parser", self.reasoning_parser]
+        if self.max_model_len:
+            flags += ["--max-model-len", str(self.max_model_len)]
+        if self.trust_remote_code:
+            flags.append("--trust-remote-code")
+        return flags + list(self.extra_args)
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class DatasetSection(_Section):
@@ -88,16 +116,29 @@ class VerifySection(_Section):
     enabled: bool | None = None
 
 
+class PlanSection(_Section):
+    """Figures only `--plan` reads: what to expect, where it is not known before the run."""
+
+    mean_tokens: int | None = Field(None, ge=1, description="Expected mean sample length, prompt + completion.")
+    generate_tokens_per_s: float | None = Field(None, gt=0, description="The server's output tok/s at C.")
+    extract_tokens_per_s: float | None = Field(None, gt=0, description="Else our benchmark's figure for the shape.")
+    train_tokens_per_s: float | None = Field(None, gt=0, description="Else our benchmark's figure for the shape.")
+    store_path: str | None = Field(None, description="Local directory behind the bucket (MinIO's data dir).")
+    trainer_cache_path: str | None = Field(None, description="Where the trainer keeps its copy (EYRIE_CACHE_DIR).")
+
+
 class RunConfig(_Section):
     """What `eyrie run --config run.yaml` runs: every stage, from prompts to an exported drafter."""
 
     run: str = Field(pattern=RUN_NAME.pattern, description="1-64 letters, digits, '.', '_' or '-'.")
     target: TargetSection
     dataset: DatasetSection
+    serve: ServeSection = Field(default_factory=ServeSection)
     generate: GenerateSection = Field(default_factory=GenerateSection)
     extract: ExtractSection = Field(default_factory=ExtractSection)
     train: TrainSection = Field(default_factory=TrainSection)
     verify: VerifySection = Field(default_factory=VerifySection)
+    plan: PlanSection = Field(default_factory=PlanSection)
 
 
 def load_config(path: Path) -> RunConfig:
@@ -146,8 +187,9 @@ def _open_sections(store, run: str) -> set[str]:
     if not store.exists(Layout(run).manifest):
         return set(RunConfig.model_fields)
     manifest = load_run_manifest(store, run)
-    return {name for name, planned in (("extract", manifest.extract), ("train", manifest.train),
-                                       ("verify", manifest.verify)) if planned is None}
+    # how the target is served changes nothing the run records (a restart with more GPUs, say)
+    return {"serve", "plan"} | {name for name, planned in (("extract", manifest.extract), ("train", manifest.train),
+                                                           ("verify", manifest.verify)) if planned is None}
 
 
 ACTIVE = "eyrie:pipelines:active"

@@ -81,3 +81,34 @@ def text_config(model: str):
     except Exception as exc:
         raise EyrieError(f"cannot read the config of the target {model} ({type(exc).__name__}).",
                          "make the model directory (or HF cache) available to this host.") from None
+
+
+def check_served(target, served) -> None:
+    """Refuse a served model that is not the run's target (both have model, revision and
+    chat_template_sha256): the same content (revision) or the same name, and the same chat
+    template where both are known."""
+    if not same_target(target, served):
+        raise EyrieError(
+            f"the inference server serves {_identity(served)}, not the run's target {_identity(target)}.",
+            f"serve the run's target (`eyrie serve --model {target.model}`, or the run's config: "
+            "`eyrie serve --config RUN.yaml`), or name the served model as the run's target.model.")
+
+
+def same_target(a, b) -> bool:
+    templates = (a.chat_template_sha256, b.chat_template_sha256)
+    if None not in templates and templates[0] != templates[1]:
+        return False
+    resolved = [r for r in (a.revision, b.revision) if r and r != "unresolved"]
+    if len(resolved) == 2 and resolved[0].startswith("sha256:") == resolved[1].startswith("sha256:"):
+        return resolved[0] == resolved[1]  # same kind (both local contents, or both hub commits)
+    return _name(a.model) == _name(b.model)
+
+
+def _name(model: str) -> str:
+    path = Path(model)
+    return str(path.resolve()) if path.exists() else model
+
+
+def _identity(t) -> str:
+    template = (t.chat_template_sha256 or "none")[:12]
+    return f"{t.model} (revision {t.revision[:19]}, chat template {template})"

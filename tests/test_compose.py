@@ -23,9 +23,11 @@ ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERIGNORE = ROOT / ".dockerignore"
 CHECK_JSONSCHEMA = Path(sys.executable).with_name("check-jsonschema")
 
-SERVICES = {"preflight", "redis", "minio", "minio-init", "inference", "generator", "extractor", "trainer", "api"}
+SERVICES = {"preflight", "redis", "minio", "minio-init", "inference", "generator", "extractor", "trainer", "api",
+            "extract-server"}
 BUILT = {"inference", "generator", "extractor", "trainer", "api"}
-GPU_SERVICES = {"inference", "extractor", "trainer"}
+GPU_SERVICES = {"inference", "extractor", "trainer", "extract-server"}
+IMAGE_OF = {"extract-server": "inference"}  # the same image, another command
 ONE_SHOT = {"preflight", "minio-init"}
 WORKER_STAGE = {"generator": "generate", "extractor": "extract", "trainer": "train"}
 COMMON_ENV = {"EYRIE_REDIS_URL", "EYRIE_STORE_URL", "EYRIE_S3_ENDPOINT", "EYRIE_S3_ACCESS_KEY",
@@ -227,7 +229,7 @@ def test_gpu_merge_reserves_devices_for_gpu_services(capsys):
         assert "count" not in devices[0], f"{name}: a count means GPUs 0..N-1 ({how})"
         assert all(re.fullmatch(r"\d+(,\d+)*", i) for i in devices[0]["device_ids"]), how
         # the merge kept the base file's definition (it did not replace the service)
-        assert services[name]["build"]["dockerfile"] == f"services/{name}/Dockerfile", how
+        assert services[name]["build"]["dockerfile"] == f"services/{IMAGE_OF.get(name, name)}/Dockerfile", how
         assert COMMON_ENV <= set(services[name]["environment"]), how
     for name in SERVICES - GPU_SERVICES:
         assert not gpu_devices(services[name]), f"{name} must not reserve GPUs ({how})"

@@ -145,3 +145,70 @@ def test_several_endpoints_each_keep_their_share_in_flight(env, stub_server, tmp
     stats = [requests.get(f"{url}/stats", timeout=5).json() for url in (big, small)]
     assert [s["max_in_flight"] for s in stats] == [6, 3]  # 9 in flight, split 2:1
     assert stats[0]["total"] + stats[1]["total"] == 90 and stats[0]["total"] > stats[1]["total"]
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_lanes_move_on_to_the_next_shard_while_the_last_answers_arrive(env, stub_server, tmp_path):
+    """Shards of 12 at C=8: alone, each shard keeps at most 6 in flight on average (8, then 4);
+    taken on in turn by one task, the lanes never wait for a shard's end: 48 rows, 6 full waves."""
+    url = stub_server(latency=0.5, tokens=4)
+    env = {**env, "EYRIE_INFERENCE_URL": url, "EYRIE_SERVER": "vllm"}
+    data = write_prompts(tmp_path / "p.jsonl", 48)
+    eyrie("generate", "--dataset", str(data), "--run", "chain", "--concurrency", "8", "--shard-size", "12", env=env)
+    eyrie("worker", "generate", "--burst", env=env)
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
+    result = Job.fetch("generate-chain-00000", connection=conn, serializer=JSONSerializer).return_value()
+    assert result["chained_shards"] == [1, 2, 3] and result["chained_done"] == 36
+    assert result["mean_in_flight"] >= 7.0, result  # 8 at most; per shard alone at most 6
+    stats = requests.get(f"{url}/stats").json()
+    assert stats["total"] == 48 and max(stats["requests"].values()) == 1 and stats["max_in_flight"] == 8
+    recs = records("chain")
+    assert sorted(r["row"] for r in recs) == list(range(48))
+    store, layout = open_store(load_settings()), Layout("chain")
+    for shard in range(4):  # every sample's record in its own shard, each shard with its manifest
+        manifest = store.get_json(layout.generate_shard_manifest(shard))
+        rows = [orjson.loads(line)["row"] for line in store.get_bytes(manifest["object"]).splitlines()]
+        assert rows == list(range(12 * shard, 12 * shard + 12)) and manifest["counts"]["done"] == 12
+    assert not conn.exists("eyrie:generate:claims:generate-chain-00000")
+    status = json.loads(eyrie("status", "chain", "--json", env=env).stdout)["stages"]["generate"]
+    assert status["state"] == "done" and status["shards_done"] == 4
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+@pytest.mark.parametrize("recovery", ["rerun", "worker"])
+def test_a_worker_killed_while_on_a_shard_it_took_on_loses_and_duplicates_nothing(env, stub_server, tmp_path,
+                                                                                 recovery):
+    n = 60
+    url = stub_server(latency=0.3, tokens=4)
+    env = {**env, "EYRIE_INFERENCE_URL": url, "EYRIE_SERVER": "vllm"}
+    data = write_prompts(tmp_path / "p.jsonl", n)
+    args = ("generate", "--dataset", str(data), "--run", "took", "--concurrency", "8", "--shard-size", "20")
+    eyrie(*args, env=env)
+    conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
+    worker = start_worker(env, burst=True)
+    deadline = time.monotonic() + 120
+    while not conn.sismember("eyrie:generate:claims:generate-took-00000", 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert conn.sismember("eyrie:generate:claims:generate-took-00000", 1), "shard 1 was never taken on"
+    for proc in psutil.Process(worker.pid).children(recursive=True) + [psutil.Process(worker.pid)]:
+        proc.send_signal(signal.SIGKILL)
+    worker.wait()
+    assert requests.get(f"{url}/stats").json()["total"] < n, "finished before the kill: proves nothing"
+    deadline = time.monotonic() + 60
+    while conn.exists("eyrie:lease:generate-took-00000", "eyrie:lease:generate-took-00001") and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    if recovery == "rerun":  # shard 1's job, marked started by the dead task, is abandoned: replaced
+        eyrie(*args, env=env)
+    eyrie("worker", "generate", "--burst", env=env, timeout=600)
+    if recovery == "worker":  # the dead task is requeued and, first, requeues what it had taken on
+        eyrie("worker", "generate", "--burst", env=env, timeout=600)
+    recs = records("took")
+    assert sorted(r["row"] for r in recs) == list(range(n)) and all(r["status"] == "done" for r in recs)
+    asked = requests.get(f"{url}/stats").json()["requests"]
+    # asked twice: answers not yet flushed at the kill (under FLUSH_EVERY in each of the two open
+    # shards) and the requests then in flight (at most C)
+    assert max(asked.values()) <= 2 and sum(asked.values()) - n <= 2 * FLUSH_EVERY + 8

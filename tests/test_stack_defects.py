@@ -3,6 +3,7 @@ stage frees the device memory before it gives the GPU lease back; the task and G
 through a wait for the GPU and a slow load; `eyrie serve` fails when vLLM dies after it was ready;
 a blocked or cancelled run does not keep the inference server down."""
 
+import json
 import os
 import re
 import signal
@@ -138,9 +139,10 @@ def test_a_blocked_or_cancelled_run_does_not_keep_the_server_down(env, stub_serv
 def test_the_projection_counts_the_trainers_local_copy():
     """The seed's run: the trainer copies every hidden-state file to its own disk (the stack's
     EYRIE_TRAINER_CACHE_DIR): as many bytes as the extract stage stores, said by `--plan`."""
-    out = eyrie("run", "--config", str(ROOT / "examples" / "run.kimi-k2.5.yaml"), "--plan",
-                env={**os.environ, **OFFLINE}).stdout
-    stored = re.search(r"at most (\S+ \w+) in bf16, (\S+ \w+) in fp8", out)
-    local = re.search(r"trainer's local copy of the hidden states \((\w+), .*\): at most (\S+ \w+)", out)
-    assert stored and local, out
-    assert local[2] == stored[1 if local[1] == "bf16" else 2] and "EYRIE_TRAINER_CACHE_DIR" in out
+    seed = str(ROOT / "examples" / "run.kimi-k2.5.yaml")
+    env = {**os.environ, **OFFLINE}
+    out = eyrie("run", "--config", seed, "--plan", env=env).stdout
+    plan = json.loads(eyrie("run", "--config", seed, "--plan", "--json", env=env).stdout)
+    stored = plan["hidden_states_bytes_expected"] or plan["hidden_states_bytes"][plan["dtype"]]
+    assert plan["space"]["trainer_copy_bytes"] == stored > 0
+    assert "the trainer's local copy" in out and "EYRIE_TRAINER_CACHE_DIR" in out, out

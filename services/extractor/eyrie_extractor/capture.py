@@ -33,14 +33,65 @@ def token_budget_batches(items: list, lengths: list[int], max_tokens: int) -> li
     return batches
 
 
+def spread_devices(model_path: str, device: str) -> list[str]:
+    """`cuda:0,cuda:1,...`: those devices; `cuda` (every GPU the lease grants this process) with
+    several GPUs: all of them when the weights do not fit on one, else the first; else `device`."""
+    if "," in device:
+        return [d.strip() for d in device.split(",") if d.strip()]
+    if device != "cuda" or torch.cuda.device_count() < 2:
+        return [device]
+    weights = weight_bytes(model_path)
+    if weights is not None and weights < 0.8 * torch.cuda.get_device_properties(0).total_memory:
+        return ["cuda:0"]
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def weight_bytes(model_path: str) -> int | None:
+    from pathlib import Path
+
+    files = list(Path(model_path).glob("*.safetensors")) + list(Path(model_path).glob("*.bin"))
+    return sum(f.stat().st_size for f in files) if files else None
+
+
+def spread_map(config, devices: list[str]) -> dict[str, str]:
+    """A device map of whole modules: the decoder layers in contiguous, even blocks over the
+    devices; what runs before them (embeddings) on the first, the rest (norm, rotary, head) on
+    the last. Built on a weightless skeleton (accelerate's meta device)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config)
+    prefix = skeleton.base_model_prefix
+    base = getattr(skeleton, prefix)
+    layers, block = len(base.layers), -(-len(base.layers) // len(devices))
+    mapping, before = {}, True
+    for name, _ in base.named_children():
+        if name == "layers":
+            before = False
+            mapping.update({f"{prefix}.layers.{i}": devices[i // block] for i in range(layers)})
+        else:
+            mapping[f"{prefix}.{name}"] = devices[0] if before else devices[-1]
+    for name, _ in skeleton.named_children():
+        if name != prefix:
+            mapping[name] = devices[-1]
+    return mapping
+
+
 class HFCapture:
     """Loads the target once; `forward` returns per-sequence hidden states on the host."""
 
     def __init__(self, model_path: str, aux_layers: list[int], device: str, dtype: torch.dtype | None = None):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or "auto").to(self.device)
+        devices = spread_devices(model_path, device)
+        self.device = torch.device(devices[0])
+        if len(devices) == 1:
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or "auto").to(self.device)
+        else:  # a target larger than one GPU: whole layers spread over the lease's devices
+            self.device_map = spread_map(AutoConfig.from_pretrained(model_path), devices)
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or "auto",
+                                                              device_map=self.device_map)
         self.model.eval()
         self.aux_layers = aux_layers
         self.decoder_layers = self._decoder_layers()
@@ -84,4 +135,4 @@ class HFCapture:
         base = getattr(self.model, self.model.base_model_prefix, self.model)
         base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
         layers = [self._captured[i] for i in self.aux_layers] + [self._captured[self.num_layers]]
-        return torch.stack(layers, dim=2)
+        return torch.stack([t.to(self.device) for t in layers], dim=2)  # spread: layers on several devices

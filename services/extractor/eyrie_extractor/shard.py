@@ -109,6 +109,15 @@ class ExtractRunner:
         finally:
             gpu.release()  # drops the cached target first: the next holder needs its memory
 
+    def _vllm_url(self) -> str | None:
+        """The configured vLLM extraction server, else the one the stack's extract-server published."""
+        if self.params.backend != "vllm" or self.settings.extract_vllm_url:
+            return self.settings.extract_vllm_url
+        from eyrie import inference
+
+        self._report(waiting_for="extract-server")
+        return inference.wait_extract_ready(self.conn, self.settings.serve_deadline_s).url
+
     def _run(self, device: str, gpu) -> dict:
         started_at, t0 = now_iso(), time.monotonic()
         for entry in self.parts.load():
@@ -116,7 +125,7 @@ class ExtractRunner:
         todo = self._render_todo()
         capture = loaded_capture(self.manifest.target.model, tuple(self.params.aux_layers), device,
                                  self.params.backend, self.params.num_layers, self.params.hidden_size,
-                                 self.settings.extract_vllm_url, self.settings.request_timeout_s)
+                                 self._vllm_url(), self.settings.request_timeout_s)
         lengths = [len(r["input_ids"]) for r in todo]
         batches = token_budget_batches(todo, lengths, self.settings.extract_batch_tokens)
         # On a GPU, host copies and serialization run in threads while the device computes. On a

@@ -19,7 +19,7 @@ from eyrie.manifest import (GenerateParams, Layout, RunManifest, SamplingParams,
 from eyrie.queue import enqueue_task
 from eyrie.status import task_id
 from eyrie.store import Store
-from eyrie.target import describe
+from eyrie.target import check_served, describe
 from eyrie_generator import dataset
 from eyrie_generator.prompts import Skip, to_prompt
 
@@ -74,14 +74,19 @@ def _new_run(settings, conn, store, layout, source, split, revision, limit, para
 
 
 def _target(settings: Settings, conn) -> TargetRef:
-    """The served target as the inference service published it, else the configured model."""
+    """The run's target (settings.model, named by the run config or EYRIE_MODEL). A published
+    server must serve that same model, else the run is refused before any request; when no
+    target was named (`eyrie generate` on its defaults), the served model is the target."""
     endpoint = None if settings.inference_url else inference.read(conn)
-    if endpoint:
+    if endpoint and "model" not in settings.model_fields_set:
         return TargetRef(model=endpoint.model, revision=endpoint.revision,
                          chat_template_sha256=endpoint.chat_template_sha256, server=endpoint.server)
     info = describe(settings.model)
-    return TargetRef(model=info.model, revision=info.revision,
-                     chat_template_sha256=info.chat_template_sha256, server=settings.server)
+    target = TargetRef(model=info.model, revision=info.revision, chat_template_sha256=info.chat_template_sha256,
+                       server=endpoint.server if endpoint else settings.server)
+    if endpoint:
+        check_served(target, endpoint)
+    return target
 
 
 def _write_inputs(store, layout, ref, shard_size: int) -> tuple[list[ShardPlan], dict[str, int]]:

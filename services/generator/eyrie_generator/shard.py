@@ -12,7 +12,6 @@ import socket
 import time
 from collections import Counter
 
-import aiohttp
 import orjson
 import redis
 
@@ -20,9 +19,10 @@ from eyrie import inference, progress
 from eyrie.config import Settings, parse_endpoints
 from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
-from eyrie.queue import LEASE_TTL_S, held_task
+from eyrie.queue import held_task
 from eyrie.status import task_id
 from eyrie.store import Store
+from eyrie.target import check_served
 from eyrie_generator.client import ChatClient, Completion
 from eyrie_generator.prompt_budget import PromptBudget
 from eyrie_generator.prompts import Skip, to_prompt
@@ -49,29 +49,27 @@ class ShardRunner:
         self._last_tick = time.monotonic()
 
     def run(self) -> dict:
+        from eyrie_generator.chain import Chain, recover_claims
+
+        recover_claims(self.conn, self.store, self.manifest, self.task)  # shards an earlier, dead attempt had taken on
         if self.store.exists(self.layout.generate_shard_manifest(self.shard)):
             return {"shard": self.shard, "status": "already_done"}
         with held_task(self.conn, self.task) as lease:
             if lease is None:
                 return {"shard": self.shard, "status": "held_by_another_worker"}
-            return asyncio.run(self._run(lease))
+            return asyncio.run(Chain(self, lease).run())
 
-    async def _run(self, lease) -> dict:
-        started_at, self._t0 = now_iso(), time.monotonic()
+    def prepare(self) -> list[dict]:
+        """The rows still to answer (a retried task reads its parts back first)."""
+        self.started_at, self._t0 = now_iso(), time.monotonic()
         self._load_parts()
-        todo = [row for row in self._input_rows() if row["sample_id"] not in self.records]
-        keeper = asyncio.create_task(self._keep_lease(lease))
-        try:
-            if any("messages" in row for row in todo):
-                await self._answer(todo)
-            else:
-                for row in todo:
-                    self._add(row, Completion("skipped", reason=row["skip"]))
-            self._flush()
-            await asyncio.gather(*self.flushes)
-        finally:
-            keeper.cancel()
-        return self._finish(started_at)
+        return [row for row in self._input_rows() if row["sample_id"] not in self.records]
+
+    async def close(self) -> dict:
+        """Every row has its record: the last part, then the shard and its manifest."""
+        self._flush()
+        await asyncio.gather(*self.flushes)
+        return await asyncio.to_thread(self._finish, self.started_at)
 
     def _input_rows(self) -> list[dict]:
         raw = self.store.get_verified(self.plan.input_key, self.plan.input_sha256)
@@ -89,32 +87,11 @@ class ShardRunner:
         for record in self.parts.load():
             self.records.setdefault(record["sample_id"], record)
 
-    async def _answer(self, todo: list[dict]) -> None:
-        endpoints = self._endpoints()
-        params = self.manifest.generate
+    def budget(self, endpoints: list[inference.Endpoint]) -> PromptBudget:
         lengths = [e.max_model_len for e in endpoints if e.max_model_len]
-        budget = PromptBudget.load(self.manifest.target.model, min(lengths) if lengths else None)
-        connector = aiohttp.TCPConnector(limit=params.concurrency, limit_per_host=params.concurrency)
-        async with aiohttp.ClientSession(connector=connector) as session:
-            clients = [ChatClient(session, e.url, e.model, e.server, params.sampling.model_dump(),
-                                  params.request_timeout_s, params.max_retries,
-                                  (params.think_start, params.think_end), params.retry_backoff_s)
-                       for e in endpoints]
-            rows = iter(todo)
+        return PromptBudget.load(self.manifest.target.model, min(lengths) if lengths else None)
 
-            async def lane(client: ChatClient) -> None:
-                for row in rows:
-                    await self._answer_one(client, budget, row)
-
-            # each endpoint keeps its share of the C lanes busy: its in-flight count is its share
-            shares = split_lanes(params.concurrency, [e.weight for e in endpoints])
-            reporter = asyncio.create_task(self._report_loop())
-            try:
-                await asyncio.gather(*(lane(c) for c, n in zip(clients, shares) for _ in range(n)))
-            finally:
-                reporter.cancel()
-
-    async def _answer_one(self, client: ChatClient, budget: "PromptBudget", row: dict) -> None:
+    async def answer_one(self, client: ChatClient, budget: "PromptBudget", row: dict) -> None:
         if "skip" in row:
             return self._add(row, Completion("skipped", reason=row["skip"]))
         max_tokens = budget.max_tokens(row["messages"], self.manifest.generate.sampling.max_tokens)
@@ -132,14 +109,17 @@ class ShardRunner:
         self.in_flight_area += self.in_flight * (now - self._last_tick)
         self._last_tick, self.in_flight = now, self.in_flight + delta
 
-    def _endpoints(self) -> list[inference.Endpoint]:
+    def endpoints(self) -> list[inference.Endpoint]:
         if self.settings.inference_url:
             return [inference.Endpoint(name=url, url=url, model=self.manifest.target.model, weight=weight,
                                        server=self.manifest.target.server, state="ready",
                                        max_model_len=self.settings.max_model_len)
                     for url, weight in parse_endpoints(self.settings.inference_url)]
         self._report(waiting_for="inference")  # visible in `eyrie status` while the server loads
-        return inference.wait_all_ready(self.conn, self.settings.serve_deadline_s)
+        endpoints = inference.wait_all_ready(self.conn, self.settings.serve_deadline_s)
+        for endpoint in endpoints:  # another model may have been served since the run was planned
+            check_served(self.manifest.target, endpoint)
+        return endpoints
 
     def _add(self, row: dict, result: Completion) -> None:
         record = {"sample_id": row["sample_id"], "row": row["row"], "messages": row.get("messages"),
@@ -161,12 +141,9 @@ class ShardRunner:
         self.pending, self._last_flush = [], time.monotonic()
         self.flushes.append(asyncio.ensure_future(asyncio.to_thread(self.store.put_bytes, key, data)))
 
-    async def _report_loop(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            self._report()
-            if self.pending and time.monotonic() - self._last_flush > FLUSH_SECONDS:
-                self._flush()
+    def flush_if_stale(self) -> None:
+        if self.pending and time.monotonic() - self._last_flush > FLUSH_SECONDS:
+            self._flush()
 
     def _report(self, final: bool = False, waiting_for: str | None = None) -> None:
         counts = self._counts()
@@ -174,11 +151,6 @@ class ShardRunner:
                         **counts.model_dump(),
                         in_flight=self.in_flight, worker=socket.gethostname(), final=final,
                         waiting_for=waiting_for)
-
-    async def _keep_lease(self, lease) -> None:
-        while True:
-            await asyncio.sleep(LEASE_TTL_S / 3)
-            lease.extend(LEASE_TTL_S, replace_ttl=True)  # raises if the lease was lost: task retried
 
     def _counts(self) -> Counts:
         statuses = Counter(r["status"] for r in self.records.values())

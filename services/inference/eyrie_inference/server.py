@@ -25,11 +25,14 @@ from eyrie.vllm import serve_argv, serve_env
 PROGRESS = re.compile(r"(\d{1,3})%\|")  # tqdm bars, e.g. vLLM's "Loading safetensors ... 37%|"
 
 
-def command(settings: Settings, model: str) -> list[str]:
-    """The real command line of the server."""
+def command(settings: Settings, model: str, serve=None) -> list[str]:
+    """The real command line of the server. `serve`: the run config's serve section, which
+    replaces the EYRIE_* vLLM flags (kept for `eyrie serve` without a run config)."""
     if settings.server == "vllm":
-        cmd = [*serve_argv(settings.vllm_command, model), "--host", settings.host, "--port", str(settings.port),
-               "--tensor-parallel-size", str(settings.tensor_parallel_size)]
+        cmd = [*serve_argv(settings.vllm_command, model), "--host", settings.host, "--port", str(settings.port)]
+        if serve is not None:
+            return cmd + serve.vllm_flags()
+        cmd += ["--tensor-parallel-size", str(settings.tensor_parallel_size)]
         if settings.reasoning_parser:
             cmd += ["--reasoning-parser", settings.reasoning_parser]
         if settings.max_model_len:
@@ -40,21 +43,64 @@ def command(settings: Settings, model: str) -> list[str]:
             "--port", str(settings.port), "--device", "cpu"]
 
 
+def run_config(config: Path | None, run: str | None):
+    """`eyrie serve --config RUN.yaml`, `--run NAME` (the stored config) or `--run active` (the
+    first pipeline that is to generate, waited for): the run to serve."""
+    from eyrie.pipeline import load_config, stored_config
+
+    if config is not None:
+        return load_config(config)
+    if run is None:
+        return None
+    from eyrie.config import load_settings
+    from eyrie.queue import connect
+    from eyrie.store import open_store
+
+    settings = load_settings()
+    store = open_store(settings)
+    if run == "active":
+        conn = connect(settings.redis_url)
+        print("eyrie serve: waiting for a pipeline to generate (`eyrie run --config RUN.yaml`)", flush=True)
+        while (run := generating_run(conn, store)) is None:
+            time.sleep(Server.POLL_S)
+        print(f"eyrie serve: serving run {run}'s target", flush=True)
+    cfg = stored_config(store, run)
+    if cfg is None:
+        raise EyrieError(f"no stored run config for run {run}.", "start it with `eyrie run --config RUN.yaml` first.")
+    return cfg
+
+
+def generating_run(conn, store) -> str | None:
+    """An active pipeline whose generation is not done (its first shard not even planned, or a
+    shard without its manifest)."""
+    from eyrie.manifest import Layout, RunManifest
+    from eyrie.pipeline import ACTIVE
+
+    for run in sorted(m.decode() for m in conn.smembers(ACTIVE)):
+        layout = Layout(run)
+        if not store.exists(layout.manifest):
+            return run
+        manifest = RunManifest.model_validate(store.get_json(layout.manifest))
+        if not all(store.exists(layout.generate_shard_manifest(p.index)) for p in manifest.generate_shards):
+            return run
+    return None
+
+
 def health_path(server: str) -> str:
     # transformers serve lists only the hub cache in /v1/models: /health is its readiness probe
     return "/v1/models" if server == "vllm" else "/health"
 
 
 class Server:
-    def __init__(self, settings: Settings, conn, model: str):
-        self.settings, self.conn = settings, conn
+    def __init__(self, settings: Settings, conn, model: str, serve=None):
+        self.settings, self.conn, self.serve = settings, conn, serve
         info = describe(model)
         self.model = info.model if Path(model).is_dir() else model
         host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.gethostname()
         self.endpoint = inference.Endpoint(
             name=settings.endpoint_name, weight=settings.endpoint_weight, url=settings.advertise_url or f"http://{host}:{settings.port}", model=self.model,
             server=settings.server, state="starting", host=socket.gethostname(),
-            max_model_len=settings.max_model_len or info.max_model_len, revision=info.revision,
+            max_model_len=(serve.max_model_len if serve else None) or settings.max_model_len or info.max_model_len, revision=info.revision,
             chat_template_sha256=info.chat_template_sha256)
         self.proc: subprocess.Popen | None = None
         self.gpu: GpuLease | None = None
@@ -62,15 +108,14 @@ class Server:
 
     def run(self) -> int:
         """Start, wait for readiness, then supervise until the server exits or we are stopped."""
-        cmd = command(self.settings, self.model)
+        cmd = self.command()
         if self.settings.server == "vllm":  # vLLM owns the GPUs while it runs: hold the lease
             if self.settings.gpu_scheduler == "kueue" and self._drained():
                 # admitted while another run's later stages wait: its quota goes back at once
                 # (the next GPU Job to finish queues this server again: gpu_admission.resume_waiting)
                 return 0
-            while self._drained():  # restarted while a drained pipeline's later stages need the GPUs
-                time.sleep(self.POLL_S)
-            self.gpu = gpu_lease(self.settings, self.conn, f"inference@{socket.gethostname()}")
+            self._wait_turn()
+            self.gpu = gpu_lease(self.settings, self.conn, f"{self.OWNER}@{socket.gethostname()}")
             print("eyrie serve: waiting for the GPU lease", flush=True)
             self.gpu.acquire()
             threading.Thread(target=self._renew_gpu_lease, daemon=True).start()
@@ -110,6 +155,14 @@ class Server:
                          "the service restarts it by itself under `restart: on-failure`.")
 
     POLL_S = 5
+    OWNER = "inference"
+
+    def command(self) -> list[str]:
+        return command(self.settings, self.model, self.serve)
+
+    def _wait_turn(self) -> None:
+        while self._drained():  # restarted while a drained pipeline's later stages need the GPUs
+            time.sleep(self.POLL_S)
 
     def _drained(self) -> bool:
         stop = self.settings.serve_stop_when_drained

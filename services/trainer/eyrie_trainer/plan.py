@@ -16,6 +16,8 @@ from eyrie.status import task_id
 
 TASK_FUNC = "eyrie_trainer.runner.run_train_task"
 DEFAULT_DRAFT_VOCAB = 32000
+DEFAULT_EPOCHS = 10
+DEFAULT_SEQ_LEN = 8192  # speculators' --total-seq-len: longer samples are cut there
 MAX_HELDOUT = 500
 TRAIN_TIMEOUT_S = 7 * 24 * 3600
 
@@ -79,9 +81,9 @@ def plan(store, manifest: RunManifest, request: TrainSection, cache_dir: Path) -
     base = check_base_drafter(manifest, request, cache_dir) if request.base else None
     draft_vocab = base.draft_vocab if base else min(request.draft_vocab or DEFAULT_DRAFT_VOCAB, target_vocab)
     return TrainParams(
-        epochs=request.epochs or 10, max_steps=request.max_steps, draft_vocab=draft_vocab,
+        epochs=request.epochs or DEFAULT_EPOCHS, max_steps=request.max_steps, draft_vocab=draft_vocab,
         vocab_mapping="base" if request.base else "frequency", lr=request.lr or 1e-4,
-        total_seq_len=request.seq_len or 8192, ttt_steps=request.ttt_steps or 3,
+        total_seq_len=request.seq_len or DEFAULT_SEQ_LEN, ttt_steps=request.ttt_steps or 3,
         train_samples=samples - heldout, heldout_samples=heldout,
         base=base, speculators_version=version("speculators"))
 

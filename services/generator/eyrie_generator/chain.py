@@ -1,0 +1,214 @@
+"""C requests in flight across shards: a worker's C lanes move on to the next queued shard of the
+same run as soon as the current shard has no row left to ask for, while its last answers arrive.
+
+Exactly-once stays per shard: a shard taken on is removed from the queue (LREM: one taker only),
+held under its own task lease (renewed here, lapsing if this worker dies), marked started, and
+written as its own shard with its own manifest. The shards a task took on are listed in Redis under
+that task; if the worker dies, the task is requeued (its alive key lapses) and, first thing,
+requeues every listed shard without a manifest, whose lease has lapsed by then."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from eyrie.manifest import Layout
+from eyrie.queue import LEASE_TTL_S, enqueue_task, queue, task_lease
+from eyrie.status import task_id
+from eyrie_generator.client import ChatClient
+from eyrie_generator.shard import ShardRunner, split_lanes
+
+
+def claims_key(task: str) -> str:
+    return f"eyrie:generate:claims:{task}"
+
+
+def recover_claims(conn, store, manifest, task: str) -> int:
+    """Requeue the shards an earlier attempt of `task` took on and did not finish (once their
+    leases, renewed by that dead attempt, have lapsed)."""
+    requeued = 0
+    for raw in conn.smembers(claims_key(task)):
+        shard = int(raw)
+        claimed = task_id("generate", manifest.run, shard)
+        if store.exists(Layout(manifest.run).generate_shard_manifest(shard)):
+            continue
+        lease = task_lease(conn, claimed)
+        if lease.acquire(blocking=True):  # waits out a dead holder's lease (LEASE_TTL_S)
+            _release(lease)
+            from eyrie_generator.plan import TASK_FUNC
+
+            requeued += enqueue_task(conn, "generate", TASK_FUNC, {"run": manifest.run, "shard": shard}, claimed)
+    conn.delete(claims_key(task))
+    return requeued
+
+
+class Chain:
+    """One task's lanes over its own shard, then over every shard it can take on."""
+
+    def __init__(self, first, lease):
+        self.first, self.conn = first, first.conn
+        self.todo = first.prepare()
+        self.current, self.rows = first, iter(self.todo)
+        self.leases = {first.shard: lease}
+        self.outstanding = {first.shard: 0}
+        self.closing: list[asyncio.Task] = []
+        self.results: list[dict] = []
+        self.claim_lock = asyncio.Lock()
+        self.in_flight, self.in_flight_area, self._last_tick = 0, 0.0, time.monotonic()
+        self.active = {first.shard: first}
+        self.no_more = False
+
+    async def run(self) -> dict:
+        t0 = time.monotonic()
+        keeper = asyncio.create_task(self._keep_leases())
+        reporter = asyncio.create_task(self._report_loop())
+        try:
+            if any("messages" in row for row in self.todo):
+                await self._answer()
+            else:  # nothing to ask (every row skipped): no server needed, no other shard taken on
+                for row in self.todo:
+                    await self.first.answer_one(None, None, row)
+                self._close(self.first)
+            await asyncio.gather(*self.closing)
+        finally:
+            keeper.cancel()
+            reporter.cancel()
+            for shard, lease in self.leases.items():
+                if shard != self.first.shard:
+                    _release(lease)
+            # all done: only forgets the list; after an error, requeues what was taken on and not done
+            recover_claims(self.conn, self.first.store, self.first.manifest, self.first.task)
+        own = next(r for r in self.results if r["shard"] == self.first.shard)
+        wall = max(1e-9, time.monotonic() - t0)
+        return {**own, "wall_s": round(wall, 3), "mean_in_flight": round(self.in_flight_area / wall, 2),
+                "chained_shards": [r["shard"] for r in self.results if r["shard"] != self.first.shard],
+                "chained_done": sum(r["done"] for r in self.results if r["shard"] != self.first.shard)}
+
+    async def _answer(self) -> None:
+        first = self.first
+        endpoints = first.endpoints()
+        params = first.manifest.generate
+        budget = first.budget(endpoints)
+        connector = aiohttp.TCPConnector(limit=params.concurrency, limit_per_host=params.concurrency)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            clients = [ChatClient(session, e.url, e.model, e.server, params.sampling.model_dump(),
+                                  params.request_timeout_s, params.max_retries,
+                                  (params.think_start, params.think_end), params.retry_backoff_s)
+                       for e in endpoints]
+
+            async def lane(client: ChatClient) -> None:
+                while (item := await self._next()) is not None:
+                    runner, row = item
+                    self._tick(+1)
+                    try:
+                        await runner.answer_one(client, budget, row)
+                    finally:
+                        self._tick(-1)
+                    self._answered(runner)
+
+            shares = split_lanes(params.concurrency, [e.weight for e in endpoints])
+            await asyncio.gather(*(lane(c) for c, n in zip(clients, shares) for _ in range(n)))
+        if self.outstanding.get(self.current.shard) == 0 and self.current.shard in self.active:
+            self._close(self.current)  # a shard with no row to ask (all done by an earlier attempt)
+
+    async def _next(self):
+        """The next row to ask for: the current shard's, else the next shard taken on."""
+        while True:
+            row = next(self.rows, None)
+            if row is not None:
+                self.outstanding[self.current.shard] += 1
+                return self.current, row
+            seen = self.current
+            async with self.claim_lock:
+                if self.current is not seen:
+                    continue  # another lane took on the next shard meanwhile
+                if self.no_more:
+                    return None
+                taken = await asyncio.to_thread(self._take_next)
+                if self.outstanding[seen.shard] == 0 and seen.shard in self.active:
+                    self._close(seen)
+                if taken is None:
+                    self.no_more = True
+                    return None
+
+    def _take_next(self):
+        """Take on the next queued shard of the run (None when there is none): out of the queue,
+        under its lease, listed under this task, marked started; then its rows to ask for."""
+        first, q = self.first, queue(self.conn, "generate")
+        for plan in first.manifest.generate_shards:
+            job_id = task_id("generate", first.run_name, plan.index)
+            if plan.index in self.outstanding:
+                continue
+            self.conn.sadd(claims_key(first.task), plan.index)  # listed first: a death in between loses nothing
+            if not q.remove(job_id):
+                self.conn.srem(claims_key(first.task), plan.index)
+                continue  # not waiting in the queue (done, running, scheduled)
+            lease = task_lease(self.conn, job_id)
+            if not lease.acquire(blocking=False):
+                q.push_job_id(job_id)  # another holder (a dead worker's lease not yet lapsed): leave it
+                self.conn.srem(claims_key(first.task), plan.index)
+                continue
+            job = Job.fetch(job_id, connection=self.conn, serializer=JSONSerializer)
+            if first.store.exists(first.layout.generate_shard_manifest(plan.index)):
+                job.set_status(JobStatus.FINISHED)  # a duplicate of a finished task: nothing to do
+                _release(lease)
+                self.conn.srem(claims_key(first.task), plan.index)
+                continue
+            job.set_status(JobStatus.STARTED)
+            runner = ShardRunner(first.settings, self.conn, first.store, first.run_name, plan.index)
+            # that task's own earlier attempt may have died on shards it had taken on: requeue them
+            recover_claims(self.conn, first.store, first.manifest, job_id)
+            rows = runner.prepare()
+            self.leases[plan.index], self.outstanding[plan.index] = lease, 0
+            self.active[plan.index] = runner
+            self.current, self.rows = runner, iter(rows)
+            return runner
+        return None
+
+    def _answered(self, runner) -> None:
+        self.outstanding[runner.shard] -= 1
+        if self.outstanding[runner.shard] == 0 and runner is not self.current and runner.shard in self.active:
+            self._close(runner)
+
+    def _close(self, runner) -> None:
+        del self.active[runner.shard]
+        self.closing.append(asyncio.create_task(self._finish(runner)))
+
+    async def _finish(self, runner) -> None:
+        result = await runner.close()
+        self.results.append(result)
+        if runner is not self.first:
+            job = Job.fetch(runner.task, connection=self.conn, serializer=JSONSerializer)
+            job.set_status(JobStatus.FINISHED)
+            _release(self.leases.pop(runner.shard))
+
+    def _tick(self, delta: int) -> None:
+        now = time.monotonic()
+        self.in_flight_area += self.in_flight * (now - self._last_tick)
+        self._last_tick, self.in_flight = now, self.in_flight + delta
+
+    async def _keep_leases(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_TTL_S / 3)
+            for lease in list(self.leases.values()):  # every shard until it is written, its own too
+                lease.extend(LEASE_TTL_S, replace_ttl=True)
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            for runner in list(self.active.values()):
+                runner._report()
+                runner.flush_if_stale()
+
+
+def _release(lease) -> None:
+    import redis
+
+    try:
+        lease.release()
+    except redis.exceptions.LockError:
+        pass

@@ -1,0 +1,101 @@
+"""The stack's vLLM extraction server (`eyrie serve-extract`, issue 14): started for a run whose
+extract stage runs on the vLLM backend, under the GPU lease like inference, configured from the run
+config, published for the extractor, stopped (lease handed back) once every shard is extracted.
+vLLM cannot run here: tests/fake_vllm stands in for the `vllm` command (an OpenAI-shaped server on
+the port it is given); the lease, Redis, the store, the command line and the supervision are real."""
+
+import os
+import subprocess
+import time
+
+import pytest
+import redis
+
+from conftest import BIN, ROOT, TINY, TRAIN_PROMPTS, free_port, stop
+from eyrie import inference
+from eyrie.errors import EyrieError
+from eyrie.gpu import GpuLease, holder
+from eyrie.manifest import (ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
+                            ShardPlan, TargetRef)
+from eyrie.pipeline import ACTIVE, RunConfig, config_key
+from eyrie.store import open_store
+from eyrie.config import load_settings
+from eyrie_inference.extract_server import extraction_run, vllm_command
+
+RUN = "xs"
+
+
+def _config(**serve) -> RunConfig:
+    return RunConfig.model_validate({
+        "run": RUN, "target": {"model": str(TINY)}, "dataset": {"source": str(TRAIN_PROMPTS)},
+        "serve": {"tensor_parallel_size": 2, "trust_remote_code": True, "max_model_len": 600, **serve},
+        "extract": {"backend": "vllm", "layers": [2, 4, 5], "max_length": 512}})
+
+
+def _manifest() -> RunManifest:
+    shards = [ShardPlan(index=i, row_start=10 * i, row_end=10 * i + 10, input_key=f"in-{i}", input_sha256="0")
+              for i in range(2)]
+    return RunManifest.model_validate({
+        "run": RUN, "created_at": "now", "code_version": "test",
+        "target": TargetRef(model=str(TINY), revision="r", chat_template_sha256=None, server="vllm"),
+        "dataset": {"source": str(TRAIN_PROMPTS), "kind": "jsonl", "revision": "r", "row_end": 20},
+        "generate": GenerateParams(sampling=SamplingParams(max_tokens=64), concurrency=8, request_timeout_s=60,
+                                   max_retries=1, shard_size=10),
+        "generate_shards": shards,
+        "extract": ExtractParams(backend="vllm", aux_layers=[2, 4, 5], dtype="bf16", max_length=512, num_layers=8,
+                                 hidden_size=64, samples=20, tokens=2000, truncated=0, projected_bytes=1,
+                                 budget_bytes=None)})
+
+
+def test_the_extraction_servers_command_comes_from_the_run(tmp_path):
+    settings = load_settings(extract_shared_dir=str(tmp_path / "hs"), port=8100, host="0.0.0.0")
+    cmd = vllm_command(settings, _config(), _manifest())
+    assert cmd[:9] == ["vllm", "serve", str(TINY), "--host", "0.0.0.0", "--port", "8100", "--tensor-parallel-size", "2"]
+    joined = " ".join(cmd)
+    assert '"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]' in joined and str(tmp_path / "hs") in joined
+    assert cmd[-3:] == ["--max-model-len", "600", "--trust-remote-code"]
+    with pytest.raises(EyrieError, match="set serve.max_model_len to at least 513"):
+        vllm_command(settings, _config(max_model_len=512), _manifest())
+
+
+def test_the_extractor_waits_for_a_published_server_and_says_how_to_start_one(redis_url):
+    with pytest.raises(EyrieError, match="start the extract-server service"):
+        inference.wait_extract_ready(redis.Redis.from_url(redis_url), 0.5)
+
+
+def test_served_under_the_lease_from_the_run_config_and_stopped_once_extracted(redis_url, tmp_path):
+    conn = redis.Redis.from_url(redis_url)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "EYRIE_REDIS_URL": redis_url,
+           "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}", "EYRIE_EXTRACT_SHARED_DIR": str(tmp_path / "hs"),
+           "PATH": f"{ROOT / 'tests' / 'fake_vllm'}:{BIN}:{os.environ['PATH']}"}
+    store = open_store(load_settings(store_url=env["EYRIE_STORE_URL"], redis_url=redis_url))
+    store.put_json(config_key(RUN), _config().model_dump())
+    store.put_json(Layout(RUN).manifest, _manifest().model_dump())
+    store.put_json(Layout(RUN).extract_shard_manifest(0), {})
+    conn.sadd(ACTIVE, RUN)
+    assert extraction_run(conn, store) == RUN
+    inference_lease = GpuLease(conn, "inference@test")
+    assert inference_lease.acquire(wait_s=5)
+    log = tmp_path / "serve-extract.log"
+    proc = subprocess.Popen([str(BIN / "eyrie"), "serve-extract", "--once", "--port", str(free_port())], env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(w.startswith("extract-server@") for w in (holder(conn) or {}).get("waiting", [])):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        assert holder(conn)["holder"]["owner"] == "inference@test"  # never two owners: it waits
+        inference_lease.release()  # inference drained and handed over
+        endpoint = inference.wait_extract_ready(conn, 60)
+        assert holder(conn)["holder"]["owner"].startswith("extract-server@")
+        assert inference.read(conn) is None or inference.read(conn).name != "extract"  # not an inference endpoint
+        assert endpoint.model == str(TINY)
+        text = log.read_text()
+        assert "extract_hidden_states" in text and "--tensor-parallel-size 2" in text and "--trust-remote-code" in text
+        store.put_json(Layout(RUN).extract_shard_manifest(1), {})  # the last shard extracted
+        assert proc.wait(60) == 0, log.read_text()
+        assert holder(conn) is None  # the GPUs handed back (to the trainer)
+        assert inference.read_extract(conn).state == "stopped"
+        assert "is extracted: stopping vLLM and handing over the GPUs" in log.read_text()
+    finally:
+        stop(proc)

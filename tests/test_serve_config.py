@@ -1,0 +1,136 @@
+"""The run config says how its target is served (serve:), and a served model that is not the
+run's target is refused before any request, naming both (issue 14)."""
+
+import shutil
+
+import pytest
+import redis
+
+from conftest import ROOT, TINY, TRAIN_PROMPTS, tiny_run_config
+from eyrie import inference
+from eyrie.config import load_settings
+from eyrie.errors import EyrieError
+from eyrie.pipeline import load_config
+from eyrie.store import open_store
+from eyrie.target import describe
+from eyrie_generator.plan import start_generate
+from eyrie_inference.server import command
+
+
+@pytest.fixture
+def conn(redis_server):
+    """Database 7 of the session's Redis: our published endpoints never reach other tests'."""
+    url = redis_server.rsplit("/", 1)[0] + "/7"
+    c = redis.Redis.from_url(url)
+    c.flushdb()
+    yield c
+    c.flushdb()
+
+
+def _publish(conn, model: str, served_as: str | None = None) -> None:
+    info = describe(model)
+    inference.publish(conn, inference.Endpoint(
+        url="http://127.0.0.1:9", model=served_as or info.model, server="transformers", state="ready",
+        revision=info.revision, chat_template_sha256=info.chat_template_sha256))
+
+
+def _start(conn, tmp_path, model: str, run: str = "r1"):
+    settings = load_settings(model=model, store_url=f"file://{tmp_path / 'store'}")
+    return start_generate(settings, conn, open_store(settings), source=str(TRAIN_PROMPTS), run=run, limit=4)
+
+
+def test_the_run_keeps_its_own_target_when_the_server_published_a_relative_name(conn, tmp_path, monkeypatch):
+    """The issue's repro: `eyrie serve` from the repo root published `assets/tiny-target`; the run
+    names the absolute path from elsewhere. The run records its own target, not the served name."""
+    monkeypatch.chdir(ROOT)
+    _publish(conn, "assets/tiny-target", served_as="assets/tiny-target")
+    monkeypatch.chdir(tmp_path)
+    manifest, enqueued = _start(conn, tmp_path, str(TINY))
+    assert manifest.target.model == str(TINY) and enqueued == 1
+    assert manifest.target.revision == describe(str(TINY)).revision
+
+
+def test_a_served_model_that_is_not_the_target_is_refused_naming_both(conn, tmp_path):
+    other = tmp_path / "other-target"
+    shutil.copytree(TINY, other)
+    (other / "config.json").write_text((other / "config.json").read_text().replace("}", ', "eyrie_note": 1}', 1))
+    _publish(conn, str(other))
+    with pytest.raises(EyrieError) as err:
+        _start(conn, tmp_path, str(TINY))
+    assert str(other) in str(err.value) and str(TINY) in str(err.value) and "not the run's target" in str(err.value)
+    assert not (tmp_path / "store" / "runs" / "r1" / "manifest.json").exists()  # refused before any write
+
+
+def test_the_same_content_elsewhere_is_the_same_target(conn, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(TINY, copy)
+    _publish(conn, str(copy))
+    manifest, _ = _start(conn, tmp_path, str(TINY))
+    assert manifest.target.model == str(TINY)
+
+
+def test_serve_section_makes_the_vllm_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("EYRIE_TENSOR_PARALLEL_SIZE", "2")  # the run config wins over the host's .env
+    path = tiny_run_config(tmp_path, "s1", serve={
+        "tensor_parallel_size": 8, "pipeline_parallel_size": 2, "reasoning_parser": "kimi_k2",
+        "trust_remote_code": True, "max_model_len": 65536, "extra_args": ["--max-num-seqs", "200"]})
+    cfg = load_config(path)
+    settings = load_settings(server="vllm", port=8000, host="0.0.0.0")
+    assert command(settings, "/models/kimi", cfg.serve) == [
+        "vllm", "serve", "/models/kimi", "--host", "0.0.0.0", "--port", "8000", "--tensor-parallel-size", "8",
+        "--pipeline-parallel-size", "2", "--reasoning-parser", "kimi_k2", "--max-model-len", "65536",
+        "--trust-remote-code", "--max-num-seqs", "200"]
+    assert cfg.serve.gpus == 16
+
+
+def test_a_bad_serve_section_is_one_line_naming_the_field(tmp_path):
+    path = tiny_run_config(tmp_path, "s2", serve={"tensor_parallel_size": 0, "tensor_paralel": 2})
+    with pytest.raises(EyrieError) as err:
+        load_config(path)
+    assert "serve.tensor_parallel_size" in str(err.value) and "serve.tensor_paralel" in str(err.value)
+
+
+def test_the_seed_example_says_how_kimi_is_served():
+    cfg = load_config(ROOT / "examples" / "run.kimi-k2.5.yaml")
+    assert cfg.serve.tensor_parallel_size == 8 and cfg.serve.reasoning_parser == "kimi_k2"
+    assert cfg.serve.trust_remote_code
+
+
+def test_the_stacks_inference_serves_the_active_runs_target_with_its_serve_section(conn, tmp_path):
+    """`eyrie serve --run active` (the inference service's command in Compose): nothing in .env says
+    which model or how; it waits for a pipeline to generate and serves that run's target. vLLM
+    cannot run here: tests/fake_vllm stands in for the `vllm` command."""
+    import os
+    import subprocess
+    import time
+
+    from conftest import BIN, free_port, stop
+    from eyrie.pipeline import ACTIVE, config_key
+    from eyrie_inference.server import generating_run
+
+    url = conn.connection_pool.connection_kwargs
+    redis_url = f"redis://{url['host']}:{url['port']}/7"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "EYRIE_REDIS_URL": redis_url,
+           "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}", "EYRIE_SERVE_STOP_WHEN_DRAINED": "false",
+           "PATH": f"{ROOT / 'tests' / 'fake_vllm'}:{BIN}:{os.environ['PATH']}"}
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([str(BIN / "eyrie"), "serve", "--server", "vllm", "--run", "active",
+                             "--port", str(free_port())], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        time.sleep(3)
+        assert proc.poll() is None and inference.read(conn) is None  # waiting for a run, serving nothing
+        cfg = load_config(tiny_run_config(tmp_path, "act", serve={"tensor_parallel_size": 2, "max_model_len": 512}))
+        store = open_store(load_settings(store_url=env["EYRIE_STORE_URL"]))
+        store.put_json(config_key("act"), cfg.model_dump())
+        conn.sadd(ACTIVE, "act")
+        assert generating_run(conn, store) == "act"
+        deadline = time.monotonic() + 60
+        while not (inference.read(conn) and inference.read(conn).state == "ready"):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.3)
+        endpoint = inference.read(conn)
+        assert endpoint.model == str(TINY) and endpoint.max_model_len == 512
+        text = log.read_text()
+        assert "serving run act's target" in text and "--tensor-parallel-size 2 --max-model-len 512" in text
+    finally:
+        stop(proc)
