@@ -171,7 +171,9 @@ def cancel_run(conn, store, run: str) -> dict:
     conn.set(cancelled_key(run), now_iso())
     conn.srem(ACTIVE, run)
     cancelled = [job_id for job_id in sorted(ids) if _cancel_waiting(conn, job_id)]
-    return {"run": run, "cancelled": cancelled, "stopped": _stop_running(conn, ids)}
+    stopped = _stop_running(conn, ids)
+    cancelled += _cancel_taken_on(conn, ids - set(stopped))
+    return {"run": run, "cancelled": sorted(cancelled), "stopped": stopped}
 
 
 def _cancel_waiting(conn, job_id: str) -> bool:
@@ -182,6 +184,20 @@ def _cancel_waiting(conn, job_id: str) -> bool:
     except InvalidJobOperation:  # cancelled meanwhile
         return False
     return True
+
+
+def _cancel_taken_on(conn, ids: set[str]) -> list[str]:
+    """Started tasks that no worker runs as its own: generate shards a stopped task had taken on
+    (eyrie_generator.chain), or a dead worker's. They stop with it; `retry` requeues them."""
+    taken_on = []
+    for job_id in sorted(ids):
+        if job_state(conn, job_id) == JobStatus.STARTED.value:
+            try:
+                Job.fetch(job_id, connection=conn, serializer=JSONSerializer).cancel()
+            except InvalidJobOperation:
+                continue
+            taken_on.append(job_id)
+    return taken_on
 
 
 def _stop_running(conn, ids: set[str]) -> list[str]:

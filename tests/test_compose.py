@@ -248,6 +248,8 @@ def test_gpu_services_get_disjoint_device_ids_from_env(tmp_path):
     assert "count:" not in raw
     config, how = merged_config()
     ids = {name: gpu_ids(config, name) for name in GPU_SERVICES}
+    # the vLLM extraction server serves the same target on inference's GPUs, after it (GPU lease)
+    assert ids.pop("extract-server") == ids["inference"], how
     assert set.union(*ids.values()) == {str(i) for i in range(8)}, how
     assert sum(map(len, ids.values())) == 8, f"overlapping GPU ids: {ids} ({how})"
     values, _ = env_example()

@@ -16,6 +16,7 @@ import aiohttp
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from eyrie.control import cancelled_key
 from eyrie.manifest import Layout
 from eyrie.queue import LEASE_TTL_S, enqueue_task, queue, task_lease
 from eyrie.status import task_id
@@ -139,6 +140,8 @@ class Chain:
         """Take on the next queued shard of the run (None when there is none): out of the queue,
         under its lease, listed under this task, marked started; then its rows to ask for."""
         first, q = self.first, queue(self.conn, "generate")
+        if self.conn.exists(cancelled_key(first.run_name)):
+            return None  # a cancelled run's shards stay where the cancel left them
         for plan in first.manifest.generate_shards:
             job_id = task_id("generate", first.run_name, plan.index)
             if plan.index in self.outstanding:
