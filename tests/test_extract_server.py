@@ -1,8 +1,8 @@
 """The stack's vLLM extraction server (`eyrie serve-extract`, issue 14): started for a run whose
 extract stage runs on the vLLM backend, under the GPU lease like inference, configured from the run
 config, published for the extractor, stopped (lease handed back) once every shard is extracted.
-vLLM cannot run here: tests/fake_vllm stands in for the `vllm` command (an OpenAI-shaped server on
-the port it is given); the lease, Redis, the store, the command line and the supervision are real."""
+tests/fake_vllm stands in for the `vllm` command (an OpenAI-shaped server on the port it is given:
+eyrie's supervision is under test; real vLLM extraction: tests/test_vllm_backend.py); the lease, Redis, the store, the command line and the supervision are real."""
 
 import os
 import subprocess

@@ -98,8 +98,8 @@ def test_the_seed_example_says_how_kimi_is_served():
 
 def test_the_stacks_inference_serves_the_active_runs_target_with_its_serve_section(conn, tmp_path):
     """`eyrie serve --run active` (the inference service's command in Compose): nothing in .env says
-    which model or how; it waits for a pipeline to generate and serves that run's target. vLLM
-    cannot run here: tests/fake_vllm stands in for the `vllm` command."""
+    which model or how; it waits for a pipeline to generate and serves that run's target.
+    tests/fake_vllm stands in for the `vllm` command (eyrie's supervision is under test; real vLLM: tests/test_vllm_serve.py)."""
     import os
     import subprocess
     import time
