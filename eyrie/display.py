@@ -236,12 +236,13 @@ def render_charts(series: dict, out: Console = console) -> None:
 
 def _ttt_charts(ttt: dict, out: Console) -> None:
     steps = ttt["steps"]
-    every = f" of {ttt['stride']} steps" if ttt["stride"] > 1 else ""
-    for name, what, bounds in (("loss", "loss", None), ("acc", "accuracy", (0.0, 1.0))):
+    per_column = steps[-1] / min(len(steps), CHART_WIDTH)  # stored points are averaged to fit the width
+    every = f"{per_column:.3g} step{'s' if per_column != 1 else ''} a column"
+    for name, what in (("loss", "loss"), ("acc", "accuracy")):
+        # one scale for all positions: accuracy from 0, loss from its least value
         finite = [v for values in ttt[name] for v in values if math.isfinite(v)] or [0.0]
-        low, high = bounds or (min(finite), max(finite))
-        out.print(f"[bold]{what} per TTT position[/], steps {steps[0]}..{steps[-1]}: {len(steps)} points{every} "
-                  f"(scale {low:.3g}..{high:.3g})")
+        low, high = 0.0 if name == "acc" else min(finite), max(finite)
+        out.print(f"[bold]{what} per TTT position[/], steps 1..{steps[-1]}, {every} (scale {low:.3g}..{high:.3g})")
         for position, values in enumerate(ttt[name]):
             out.print(f"  +{position + 1:<3} [{EYRIE_STYLE}]{sparkline(values, low, high)}[/]  "
                       f"{values[0]:.3f} → {values[-1]:.3f}")

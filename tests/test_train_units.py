@@ -214,7 +214,7 @@ def test_the_training_curve_and_the_charts_eyrie_show_draws(hs_dir, tmp_path):
     assert all(len(m.group(2)) == 6 for m in sparks)  # one character per logged step
     assert [float(m.group(3)) for m in sparks[:3]] == [round(train[0][f"loss_{p}"], 3) for p in range(3)]
     assert [float(m.group(4)) for m in sparks[3:]] == [round(train[-1][f"full_acc_{p}"], 3) for p in range(3)]
-    assert lines[0].startswith("loss per TTT position, steps 1..6: 6 points")
+    assert lines[0].startswith("loss per TTT position, steps 1..6, 1 step a column")
 
     bars = [line.split() for line in lines if re.search(r"(eyrie|vLLM) +[█▏▎▍▌▋▊▉]*\s+\d\.\d{3}$", line)]
     assert [b[0] for b in bars[:4]] == ["untrained", "0", "1", "vLLM"] and bars[2][1] == "(best)"
