@@ -63,16 +63,20 @@ def watch(run: str = typer.Argument(..., help="Run name."),
 @command
 def show(run: str = typer.Argument(..., help="Run name."),
          as_json: bool = typer.Option(False, "--json", help="The manifest as stored.")):
-    """The run's provenance manifest: target, dataset, parameters of every stage, the drafter."""
-    from eyrie.display import render_manifest
+    """The run's provenance manifest: target, dataset, parameters of every stage, the drafter; then
+    charts of loss and accuracy per TTT position over the steps, acceptance length per checkpoint
+    (eyrie's, vLLM's where verified) and acceptance per draft position."""
+    from eyrie.charts import load_chart_series
+    from eyrie.display import render_charts, render_manifest
     from eyrie.manifest import load_run_manifest
 
     _, _, store = _context()
-    manifest = load_run_manifest(store, run).model_dump()
+    manifest = load_run_manifest(store, run)
     if as_json:
-        _print_json(manifest)
+        _print_json(manifest.model_dump())
     else:
-        render_manifest(manifest)
+        render_manifest(manifest.model_dump())
+        render_charts(load_chart_series(store, manifest))
 
 
 @app.command()

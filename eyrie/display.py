@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 from rich import box
@@ -193,3 +194,77 @@ def _flat(d: dict, prefix: str = ""):
             yield from _flat(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+EIGHTHS = "▏▎▍▌▋▊▉"  # a bar's last, partial cell
+CHART_WIDTH = 48  # a sparkline's most characters: a line fits 80 columns
+EYRIE_STYLE, VLLM_STYLE = "#2f6fd6", "#e07a1f"  # the dashboard's colours
+
+
+def resample(values: list[float], width: int) -> list[float]:
+    """At most `width` values: consecutive ones averaged into `width` buckets when there are more."""
+    if len(values) <= width:
+        return list(values)
+    n = len(values)
+    buckets = [values[i * n // width:(i + 1) * n // width] for i in range(width)]
+    return [sum(b) / len(b) for b in buckets]
+
+
+def sparkline(values: list[float], low: float, high: float, width: int = CHART_WIDTH) -> str:
+    """One character a value (a blank where it is not finite, e.g. a NaN loss)."""
+    span = high - low
+    return "".join(" " if not math.isfinite(v) else SPARKS[round((v - low) / span * 7) if span > 0 else 0]
+                   for v in resample(values, width))
+
+
+def bar(value: float, low: float, high: float, width: int = 40) -> str:
+    cells = max(0.0, min(1.0, (value - low) / (high - low))) * width
+    partial = int((cells - int(cells)) * 8)
+    return "█" * int(cells) + (EIGHTHS[partial - 1] if partial else "")
+
+
+def render_charts(series: dict, out: Console = console) -> None:
+    """`eyrie show`'s charts, from eyrie.charts.chart_series: sparklines of loss and accuracy per
+    TTT position over the steps, bars of acceptance length per checkpoint and per draft position."""
+    if series.get("ttt"):
+        _ttt_charts(series["ttt"], out)
+    if series.get("acceptance_length"):
+        _acceptance_length_chart(series["acceptance_length"], out)
+        _per_position_chart(series["per_position"], out)
+
+
+def _ttt_charts(ttt: dict, out: Console) -> None:
+    steps = ttt["steps"]
+    per_column = steps[-1] / min(len(steps), CHART_WIDTH)  # stored points are averaged to fit the width
+    every = f"{per_column:.3g} step{'s' if per_column != 1 else ''} a column"
+    for name, what in (("loss", "loss"), ("acc", "accuracy")):
+        # one scale for all positions: accuracy from 0, loss from its least value
+        finite = [v for values in ttt[name] for v in values if math.isfinite(v)] or [0.0]
+        low, high = 0.0 if name == "acc" else min(finite), max(finite)
+        out.print(f"[bold]{what} per TTT position[/], steps 1..{steps[-1]}, {every} (scale {low:.3g}..{high:.3g})")
+        for position, values in enumerate(ttt[name]):
+            out.print(f"  +{position + 1:<3} [{EYRIE_STYLE}]{sparkline(values, low, high)}[/]  "
+                      f"{values[0]:.3f} → {values[-1]:.3f}")
+
+
+def _acceptance_length_chart(acceptance: dict, out: Console) -> None:
+    top = acceptance["k"] + 1
+    verified = any(row["vllm"] is not None for row in acceptance["checkpoints"])
+    out.print(f"[bold]acceptance length per checkpoint[/] (1..{top}): [{EYRIE_STYLE}]eyrie[/]"
+              + (f", [{VLLM_STYLE}]vLLM (verified)[/]" if verified else ""))
+    for row in acceptance["checkpoints"]:
+        label = row["label"] + (" (best)" if row["label"] == acceptance["best"] else "")
+        out.print(f"  {label:<12} eyrie [{EYRIE_STYLE}]{bar(row['eyrie'], 1, top):<40}[/] {row['eyrie']:.3f}")
+        if row["vllm"] is not None:
+            out.print(f"  {'':<12} vLLM  [{VLLM_STYLE}]{bar(row['vllm'], 1, top):<40}[/] {row['vllm']:.3f}")
+
+
+def _per_position_chart(rates: dict, out: Console) -> None:
+    out.print(f"[bold]acceptance per draft position[/] (best checkpoint, 0..1): [{EYRIE_STYLE}]eyrie[/]"
+              + (f", [{VLLM_STYLE}]vLLM[/]" if rates["vllm"] else ""))
+    for position, ours in enumerate(rates["eyrie"]):
+        out.print(f"  +{position + 1:<3} eyrie [{EYRIE_STYLE}]{bar(ours or 0, 0, 1):<40}[/] {ours or 0:.3f}")
+        theirs = rates["vllm"][position] if position < len(rates["vllm"]) else None
+        if theirs is not None:
+            out.print(f"  {'':<4} vLLM  [{VLLM_STYLE}]{bar(theirs, 0, 1):<40}[/] {theirs:.3f}")

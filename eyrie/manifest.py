@@ -83,6 +83,10 @@ class Layout:
         return f"{self.root}/train/checkpoints/{label}.manifest.json"
 
     @property
+    def train_curve(self) -> str:
+        return f"{self.root}/train/curve.json"
+
+    @property
     def evaluation(self) -> str:
         return f"{self.root}/train/evaluation.json"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from eyrie import gpu, inference, progress
+from eyrie.charts import chart_series
 from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest
 from eyrie.queue import job_errors, job_state, workers_on
 
@@ -130,7 +131,7 @@ def _rates(conn, run: str, stage: str, counts: Counts, state: str) -> dict:
 
 def train_status(conn, store, manifest: RunManifest) -> dict:
     """The one training task: steps as its progress, the latest loss and per-TTT-step accuracy,
-    checkpoints, τ per checkpoint once evaluated, and the exported drafter."""
+    checkpoints, τ per checkpoint once evaluated, the exported drafter, and the charts' series."""
     run, layout = manifest.run, Layout(manifest.run)
     live = progress.read(conn, run, "train").get("0", {})
     job = task_id("train", run, 0)
@@ -140,7 +141,8 @@ def train_status(conn, store, manifest: RunManifest) -> dict:
     elapsed = max(1e-6, live.get("updated_at", 0) - live.get("started", 0))
     steps_this_attempt = step - live.get("resumed_at_step", 0)
     rate = steps_this_attempt / elapsed if steps_this_attempt > 0 else None
-    evaluation = store.get_json(layout.evaluation) if store.exists(layout.evaluation) else None
+    evaluation, curve = (store.get_json(key) if store.exists(key) else None
+                         for key in (layout.evaluation, layout.train_curve))
     return {
         "state": "done" if done else _state(0, 1, {state: 1}, Counts(done=step)),
         "total": total, "done": step, "skipped": 0, "failed": 0, "tokens": live.get("tokens", 0),
@@ -150,7 +152,7 @@ def train_status(conn, store, manifest: RunManifest) -> dict:
         "epochs": manifest.train.epochs, "loss": live.get("loss"), "val_loss": live.get("val_loss"),
         "acc": live.get("acc"), "path": live.get("path"), "notes": live.get("notes", []),
         "checkpoints": live.get("checkpoints", []), "evaluation": evaluation, "drafter": manifest.drafter,
-        "verify": manifest.verify,
+        "verify": manifest.verify, "charts": chart_series(evaluation, manifest.verify, curve),
         "waiting_for": [live["waiting_for"]] if live.get("waiting_for") and live.get("phase") == "waiting" else [],
         "workers": workers_on(conn, "train"), "errors": job_errors(conn, [job]), "active": [], "jobs": {state: 1},
         "params": manifest.train.model_dump(),

@@ -5,6 +5,7 @@ and finished by another, from another directory, with only the Redis and store s
 
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -63,12 +64,36 @@ def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, t
     assert verify["eyrie_acceptance_length"] == train["drafter"]["tau"]
     assert verify["relative_difference"] <= 0.05, verify
     assert verify["tokens_per_s_target"] > 0 and verify["speedup"] > 0
+    check_the_charts_eyrie_show_draws(env, train, verify)
 
     again = eyrie("run", "--config", path, env=env).stdout
     assert "0 generate tasks enqueued now" in again and "stages follow by themselves" in again
     changed = eyrie("run", "--config", tiny_run_config(tmp_path, "chain", train={"epochs": 4}, verify={"enabled": True}),
                     env=env, check=False)
     assert changed.returncode == 1 and "differs in: train, of stages already planned" in changed.stderr
+
+
+def check_the_charts_eyrie_show_draws(env: dict, train: dict, verify: dict) -> None:
+    """A sparkline per TTT position of loss and of accuracy, a character per logged step; a bar per
+    checkpoint named with its acceptance length, vLLM's beside the verified one; a bar per draft position."""
+    charts = json.loads(eyrie("status", "chain", "--json", env=env).stdout)["stages"]["train"]["charts"]
+    steps = charts["ttt"]["steps"]
+    assert steps[-1] == train["done"] and len(charts["ttt"]["loss"]) == 3  # K series, to the last step
+    if charts["ttt"]["stride"] == 1:  # under 512 steps: every logged step a point
+        assert steps == list(range(1, train["done"] + 1))
+    shown = eyrie("show", "chain", env=env).stdout
+    print(shown)
+    assert '"run": "chain"' in eyrie("show", "chain", "--json", env=env).stdout and "generate_shards" in shown
+    sparks = re.findall(r"^  \+(\d)\s+([▁▂▃▄▅▆▇█]+)  ", shown, re.M)
+    assert [p for p, _ in sparks] == ["1", "2", "3"] * 2
+    assert {len(line) for _, line in sparks} == {min(len(steps), 48)}  # longer curves are averaged to 48
+    evaluation = train["evaluation"]
+    for c in [{"label": "untrained", **evaluation["baseline"]}, *evaluation["checkpoints"]]:
+        best = " (best)" if c["label"] == evaluation["best"] else ""
+        assert re.search(rf"^  {re.escape(c['label'] + best)} +eyrie [█▏▎▍▌▋▊▉]* +{c['tau']:.3f}$", shown, re.M)
+    assert re.search(rf"^ +vLLM +█+[▏▎▍▌▋▊▉]? +{verify['vllm_acceptance_length']:.3f}$", shown, re.M)
+    for p, rate in enumerate(verify["vllm_per_position_acceptance"]):
+        assert f"{rate:.3f}" in shown and f"  +{p + 1}   eyrie " in shown
 
 
 @pytest.mark.parametrize("store_env", ["s3"], indirect=True)

@@ -205,6 +205,8 @@ def test_a_killed_trainer_resumes_from_its_last_checkpoint(pipeline):
     assert train["state"] == "done"
     assert any("resuming from checkpoint 0" in note for note in train["notes"])
     assert saved["global_step"] > 0 and train["done"] > saved["global_step"]
+    # the loss/accuracy curve (`eyrie show`'s sparklines) goes on from the checkpoint: no step lost or twice
+    assert train["charts"]["ttt"]["steps"] == list(range(1, train["done"] + 1))
     labels = [c["label"] for c in train["evaluation"]["checkpoints"]]
     assert labels == ["0", "1", "2"]
     assert assert_no_pickles(store, layout.train) > 0  # resumed from safetensors + JSON alone

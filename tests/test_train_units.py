@@ -163,3 +163,64 @@ def test_a_stored_pickle_is_never_restored(tmp_path):
     said = []
     assert checkpoints.restore(store, layout, tmp_path / "ck", said.append) is None  # from scratch
     assert "a pickle" in said[0] and not (tmp_path / "ck" / "0" / "optimizer_state_dict.pt").exists()
+
+
+def test_the_training_curve_and_the_charts_eyrie_show_draws(hs_dir, tmp_path):
+    """Real speculators metrics through the trainer's Curve, an evaluation and a vLLM verify built
+    by their own summarizing functions, drawn as `eyrie show` draws them."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from eyrie.charts import Curve, chart_series
+    from eyrie.display import render_charts
+    from eyrie_inference.verify import summarize
+    from eyrie_trainer.evaluate import summarize_walk
+
+    hooks, seen = recording_hooks()
+    engine.train_with_fallback(argv(hs_dir, tmp_path / "ck", "--epochs", "1", "--max-steps", "6"), "cpu",
+                               False, hooks, print)
+    curve, halved = Curve(), Curve(max_points=4)
+    for record in seen["metrics"]:
+        curve.add_record(record)
+        halved.add_record(record)
+    train = [m["train"] for m in seen["metrics"] if "train" in m]
+    data = curve.snapshot()
+    assert data["steps"] == [1, 2, 3, 4, 5, 6] and data["stride"] == 1
+    assert data["loss"][0] == [train[0][f"loss_{k}"] for k in range(3)]
+    assert data["acc"][-1] == [train[-1][f"full_acc_{k}"] for k in range(3)]
+    # past max_points, neighbours are averaged in pairs: 4 points -> 2 of 2 steps, then steps 5-6
+    small = halved.snapshot()
+    assert small["steps"] == [2, 4, 6] and small["stride"] == 2
+    assert small["loss"][0][1] == pytest.approx((train[0]["loss_1"] + train[1]["loss_1"]) / 2)
+    curve.resumed_at(4)  # a run resumed from a checkpoint at step 4 drops what came after it
+    assert curve.snapshot()["steps"] == [1, 2, 3, 4]
+
+    k, epoch_steps = 3, {"0": [1, 0, 2, 3], "1": [3, 2, 3, 1, 3]}
+    checkpoints = [{"label": label, "epoch": int(label), **summarize_walk(steps, k, 2)}
+                   for label, steps in epoch_steps.items()]
+    evaluation = {"k": k, "baseline": summarize_walk([0, 0, 1, 0], k, 2), "checkpoints": checkpoints, "best": "1"}
+    verify = {**summarize({"drafts": 0, "accepted_tokens": 0, "per_pos": {}},
+                          {"drafts": 10, "accepted_tokens": 25, "per_pos": {0: 9, 1: 9, 2: 7}}, k), "checkpoint": "1"}
+    series = chart_series(evaluation, verify, data)
+    out = Console(file=io.StringIO(), width=80, color_system=None)
+    render_charts(series, out)
+    lines = out.file.getvalue().splitlines()
+    print("\n".join(lines))
+
+    sparks = [m for line in lines if (m := re.match(r"  \+(\d)\s+([▁▂▃▄▅▆▇█]+)  (\S+) → (\S+)$", line))]
+    assert [m.group(1) for m in sparks] == ["1", "2", "3"] * 2  # loss, then accuracy, per TTT position
+    assert all(len(m.group(2)) == 6 for m in sparks)  # one character per logged step
+    assert [float(m.group(3)) for m in sparks[:3]] == [round(train[0][f"loss_{p}"], 3) for p in range(3)]
+    assert [float(m.group(4)) for m in sparks[3:]] == [round(train[-1][f"full_acc_{p}"], 3) for p in range(3)]
+    assert lines[0].startswith("loss per TTT position, steps 1..6, 1 step a column")
+
+    bars = [line.split() for line in lines if re.search(r"(eyrie|vLLM) +[█▏▎▍▌▋▊▉]*\s+\d\.\d{3}$", line)]
+    assert [b[0] for b in bars[:4]] == ["untrained", "0", "1", "vLLM"] and bars[2][1] == "(best)"
+    assert float(bars[1][-1]) == round(checkpoints[0]["tau"], 3) == 2.5
+    assert float(bars[2][-1]) == 3.4 and float(bars[3][-1]) == 3.5  # eyrie's best, vLLM's verified figure
+    assert bars[3][1] == "█" * 33 + "▎"  # (3.5 - 1) / 3 of 40 cells: the bars run from 1 to K + 1
+    positions = [(b[0], b[-1]) for b in bars[4:]]
+    assert positions == [("+1", "1.000"), ("vLLM", "0.900"), ("+2", "0.800"), ("vLLM", "0.900"),
+                         ("+3", "0.600"), ("vLLM", "0.700")]

@@ -15,6 +15,7 @@ from pathlib import Path
 import redis
 
 from eyrie import progress
+from eyrie.charts import Curve, per_position
 from eyrie.config import Settings
 from eyrie.control import CancelWatch
 from eyrie.errors import EyrieError
@@ -84,7 +85,9 @@ class TrainRunner:
             self._say(f"resuming from checkpoint {restored['label']} (step {restored['local_step']} of epoch "
                       f"{restored['epoch']})")
         self.uploads = checkpoints.Uploader(self.store, self.layout, self.work / "checkpoints", self._stored)
-        hooks = engine.Hooks(on_metrics=self._on_metrics, on_checkpoint=self.uploads.submit,
+        stored_curve = self.layout.train_curve
+        self.curve = Curve(self.store.get_json(stored_curve) if self.store.exists(stored_curve) else None)
+        hooks = engine.Hooks(on_metrics=self._on_metrics, on_checkpoint=self._on_checkpoint,
                              on_step=lambda step: self._on_step(beat), on_start=self._on_start)
         self._report(phase="training", force=True)
         try:
@@ -92,6 +95,7 @@ class TrainRunner:
                                               self._fast_path(device), hooks, self._say)
         finally:
             self.uploads.drain()  # every checkpoint saved is in the store before the task ends
+            self.store.put_json(self.layout.train_curve, self.curve.snapshot())
         if hooks.state.get("interrupted") and self.cancelled.seen:
             self._report(phase="cancelled", force=True)
             return {"status": "cancelled", "step": self.live.get("step")}
@@ -159,18 +163,24 @@ class TrainRunner:
         total = steps_per_epoch * self.params.epochs
         self.live.update(steps_per_epoch=steps_per_epoch, step=global_step, resumed_at_step=global_step,
                          total_steps=min(total, self.params.max_steps or total))
+        self.curve.resumed_at(global_step)
         self._report(force=True)
 
     def _on_metrics(self, record: dict) -> None:
+        self.curve.add_record(record)
         if "train" in record:
             metrics, profile = record["train"], record.get("profile") or {}
             self.live.update(step=record["global_step"] + 1, epoch=record.get("epoch"), loss=metrics.get("loss"),
-                             acc=[metrics[k] for k in sorted(metrics) if k.startswith("full_acc_")],
-                             lr=record.get("lr"))
+                             acc=per_position(metrics, "full_acc"), lr=record.get("lr"))
             self.live["tokens"] += round(profile.get("tokens_per_s", 0) * profile.get("step_ms", 0) / 1000)
         elif "val" in record:
             self.live["val_loss"] = record["val"].get("loss_epoch")
         self._report()
+
+    def _on_checkpoint(self, label: str, epoch: int, local_step: int) -> None:
+        """The curve up to this checkpoint goes to the store with it (a resumed run continues it)."""
+        self.store.put_json(self.layout.train_curve, self.curve.snapshot())
+        self.uploads.submit(label, epoch, local_step)
 
     def _stored(self, label: str, epoch: int, local_step: int, entry: dict) -> None:
         self.live["checkpoints"].append({"label": label, "step": self.live.get("step"), "epoch": epoch,
