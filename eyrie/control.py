@@ -11,6 +11,7 @@ from rq.exceptions import InvalidJobOperation
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from eyrie import keys
 from eyrie.errors import EyrieError
 from eyrie.manifest import load_run_manifest, now_iso
 from eyrie.queue import job_errors, job_state, queue
@@ -18,13 +19,8 @@ from eyrie.status import task_id
 
 log = logging.getLogger("eyrie.control")
 
-KNOWN = "eyrie:runs"  # every run whose manifest was written (the store's runs/ may be huge on S3)
 STAGE_QUEUES = ("generate", "extract", "train")
 WAITING = {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value}
-
-
-def cancelled_key(run: str) -> str:
-    return f"eyrie:pipeline:{run}:cancelled"
 
 
 class Cancelled(Exception):
@@ -42,7 +38,7 @@ class CancelWatch:
     def __call__(self) -> bool:
         if not self.seen and time.monotonic() - self._asked >= self.every_s:
             self._asked = time.monotonic()
-            self.seen = bool(self.conn.exists(cancelled_key(self.run)))
+            self.seen = bool(self.conn.exists(keys.cancelled(self.run)))
         return self.seen
 
 
@@ -54,7 +50,7 @@ def start_pipeline(settings, conn, store, cfg) -> dict:
 
     refuse_unsupported_config(cfg)  # a run the pinned vLLM cannot carry: refused before anything starts
     save_config(conn, store, cfg)
-    conn.delete(cancelled_key(cfg.run))
+    conn.delete(keys.cancelled(cfg.run))
     try:
         manifest, enqueued = _generate(settings, conn, store, cfg)
     except EyrieError:
@@ -84,10 +80,10 @@ def _generate(settings, conn, store, cfg):
 def _forget_unstarted(conn, store, run: str) -> None:
     """A first start that failed (e.g. no such dataset) leaves no active pipeline behind."""
     from eyrie.manifest import Layout
-    from eyrie.pipeline import ACTIVE, config_key
+    from eyrie.pipeline import config_key
 
     if not store.exists(Layout(run).manifest):
-        conn.srem(ACTIVE, run)
+        conn.srem(keys.ACTIVE_PIPELINES, run)
         store.delete(config_key(run))
 
 
@@ -106,20 +102,17 @@ def start_stage(settings, conn, store, cfg, stage: str) -> dict:
         from eyrie_trainer.plan import start_train
 
         _, enqueued = start_train(conn, store, cfg.run, cfg.train, Path(settings.cache_dir))
-    conn.delete(cancelled_key(cfg.run))
+    conn.delete(keys.cancelled(cfg.run))
     return {"run": cfg.run, "stage": stage, "enqueued": enqueued}
 
 
 def run_names(conn) -> list[str]:
-    from eyrie.pipeline import ACTIVE
-
-    return sorted(m.decode() for m in conn.sunion(KNOWN, ACTIVE))
+    return sorted(m.decode() for m in conn.sunion(keys.RUNS, keys.ACTIVE_PIPELINES))
 
 
 def list_runs(conn, store) -> list[dict]:
     """One line per run: its stages' states and progress, whether it is active, blocked, cancelled."""
     from eyrie.errors import UnknownRun
-    from eyrie.pipeline import ACTIVE
     from eyrie.status import run_status
 
     runs = []
@@ -130,7 +123,7 @@ def list_runs(conn, store) -> list[dict]:
             continue  # started but its manifest is not written yet, or deleted from the store
         pipeline = status.get("pipeline") or {}
         runs.append({"run": name, "created_at": status["created_at"], "target": status["target"]["model"],
-                     "state": overall_state(status), "active": conn.sismember(ACTIVE, name),
+                     "state": overall_state(status), "active": conn.sismember(keys.ACTIVE_PIPELINES, name),
                      "blocked": pipeline.get("blocked"), "cancelled": status.get("cancelled"),
                      "stages": {k: {"state": s["state"], "total": s["total"], "done": s["done"],
                                     "skipped": s["skipped"], "failed": s["failed"], "eta_s": s.get("eta_s")}
@@ -165,11 +158,9 @@ def cancel_run(conn, store, run: str) -> dict:
     the workers running its tasks to stop them (generate's forked tasks stop at once; extract and
     train run in the worker process itself and stop at their next batch or step, within seconds,
     the trainer after saving a checkpoint)."""
-    from eyrie.pipeline import ACTIVE
-
     ids = {j for stage_ids in run_job_ids(store, run).values() for j in stage_ids}
-    conn.set(cancelled_key(run), now_iso())
-    conn.srem(ACTIVE, run)
+    conn.set(keys.cancelled(run), now_iso())
+    conn.srem(keys.ACTIVE_PIPELINES, run)
     cancelled = [job_id for job_id in sorted(ids) if _cancel_waiting(conn, job_id)]
     return {"run": run, "cancelled": cancelled, "stopped": _stop_running(conn, ids)}
 
@@ -199,10 +190,10 @@ def _stop_running(conn, ids: set[str]) -> list[str]:
 def retry_run(conn, store, run: str) -> dict:
     """Requeue the run's failed, stopped and cancelled tasks, clear a block or a cancel, and let
     `advance` start whatever stage is next."""
-    from eyrie.pipeline import ACTIVE, advance_or_record, blocked_key, stored_config
+    from eyrie.pipeline import advance_or_record, stored_config
 
     ids = run_job_ids(store, run)
-    conn.delete(cancelled_key(run), blocked_key(run))
+    conn.delete(keys.cancelled(run), keys.blocked(run))
     requeued = []
     for stage in STAGE_QUEUES:
         q = queue(conn, stage)
@@ -213,7 +204,7 @@ def retry_run(conn, store, run: str) -> dict:
         requeued += _requeue_stopped_by_cancel(conn, stage, ids[stage])
     started = None
     if stored_config(store, run) is not None:
-        conn.sadd(ACTIVE, run)
+        conn.sadd(keys.ACTIVE_PIPELINES, run)
         started = advance_or_record(conn, store, run)
     return {"run": run, "requeued": sorted(requeued), "started": started}
 
@@ -235,8 +226,6 @@ def _requeue_stopped_by_cancel(conn, stage: str, job_ids: list[str]) -> list[str
 
 def recent_errors(conn, store, run: str, limit: int = 20) -> list[str]:
     """The last errors of the run's tasks (most recent first), and a block, if any."""
-    from eyrie.pipeline import blocked_key
-
     ids = [j for stage_ids in run_job_ids(store, run).values() for j in stage_ids]
-    blocked = conn.get(blocked_key(run))
+    blocked = conn.get(keys.blocked(run))
     return ([f"pipeline blocked: {blocked.decode()}"] if blocked else []) + job_errors(conn, ids, limit)

@@ -23,7 +23,7 @@ import socket
 import sys
 import time
 
-from eyrie import gpu, k8s_jobs
+from eyrie import gpu, k8s_jobs, keys
 from eyrie.config import Settings, load_settings
 from eyrie.errors import EyrieError
 
@@ -70,7 +70,7 @@ class KueueAdmission:
         if job_stage not in self.templates.get("stages", {}):
             return None
         # one creator at a time: the last tasks of a stage finish on several workers at once
-        with conn.lock(f"eyrie:admit:{job_stage}:{run}", timeout=60, blocking_timeout=60):
+        with conn.lock(keys.admit_lock(job_stage, run), timeout=60, blocking_timeout=60):
             for job in self.jobs(job_stage, run):
                 if k8s_jobs.job_state(job) in ("waiting", "running"):
                     return job["metadata"]["name"]

@@ -15,6 +15,7 @@ from rq import Callback, Queue, Retry, SimpleWorker, Worker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from eyrie import keys
 from eyrie.errors import EyrieError
 
 RETRY_INTERVALS_S = [10, 60, 300]
@@ -154,7 +155,7 @@ def _abandoned(conn: redis.Redis, job_id: str) -> bool:
     job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
     started = job.started_at.replace(tzinfo=timezone.utc) if job.started_at else None
     old_enough = started is None or datetime.now(timezone.utc) - started > timedelta(seconds=LEASE_TTL_S)
-    return old_enough and not conn.exists(lease_key(job_id), alive_key(job_id))
+    return old_enough and not conn.exists(keys.task_lease(job_id), keys.job_alive(job_id))
 
 
 def live_tasks(conn: redis.Redis, stage: str) -> int:
@@ -163,18 +164,10 @@ def live_tasks(conn: redis.Redis, stage: str) -> int:
     return q.count + q.scheduled_job_registry.count + q.started_job_registry.count + q.deferred_job_registry.count
 
 
-def lease_key(task_id: str) -> str:
-    return f"eyrie:lease:{task_id}"
-
-
-def alive_key(job_id: str) -> str:
-    return f"eyrie:alive:{job_id}"
-
-
 def _keep_alive(conn: redis.Redis, job_id: str, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
-            conn.set(alive_key(job_id), socket.gethostname(), ex=LEASE_TTL_S)
+            conn.set(keys.job_alive(job_id), socket.gethostname(), ex=LEASE_TTL_S)
         except redis.exceptions.RedisError:
             pass  # Redis is away: the key lapses; the task's own lease decides who works on it
         stop.wait(LEASE_TTL_S / 3)
@@ -182,7 +175,7 @@ def _keep_alive(conn: redis.Redis, job_id: str, stop: threading.Event) -> None:
 
 def task_lease(conn: redis.Redis, task_id: str) -> Lock:
     """Who is working on a task now. Expires LEASE_TTL_S after its holder stops renewing it."""
-    return Lock(conn, lease_key(task_id), timeout=LEASE_TTL_S, blocking_timeout=LEASE_TTL_S + 5,
+    return Lock(conn, keys.task_lease(task_id), timeout=LEASE_TTL_S, blocking_timeout=LEASE_TTL_S + 5,
                 thread_local=False)
 
 
@@ -267,7 +260,7 @@ class _Maintained:
         finally:
             stop.set()
             keeper.join()
-            self.connection.delete(alive_key(job.id))
+            self.connection.delete(keys.job_alive(job.id))
 
     def run_maintenance_tasks(self):
         super().run_maintenance_tasks()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from eyrie import gpu, inference, progress
+from eyrie import gpu, inference, keys, progress
 from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest
 from eyrie.queue import job_errors, job_state, workers_on
 
@@ -25,7 +25,7 @@ def run_status(conn, store, run: str) -> dict:
         stages["extract"]["projected_bytes"] = manifest.extract.projected_bytes
     if manifest.train:
         stages["train"] = train_status(conn, store, manifest)
-    cancelled = conn.get(f"eyrie:pipeline:{run}:cancelled")
+    cancelled = conn.get(keys.cancelled(run))
     if cancelled:
         _mark_cancelled(stages)
     return {
@@ -50,12 +50,12 @@ def _mark_cancelled(stages: dict) -> None:
 
 def pipeline_status(conn, store, run: str) -> dict | None:
     """Set for runs started by `eyrie run`: whether the chain is blocked, and the base drafter's fetch."""
-    from eyrie.pipeline import blocked_key, config_key, plan_extract_task_id
+    from eyrie.pipeline import config_key, plan_extract_task_id
 
     if not store.exists(config_key(run)):
         return None
     fetch, plan = task_id("fetch", run, 0), plan_extract_task_id(run)
-    blocked = conn.get(blocked_key(run))
+    blocked = conn.get(keys.blocked(run))
     return {"blocked": blocked.decode() if blocked else None, "fetch_state": job_state(conn, fetch),
             "fetch_errors": job_errors(conn, [fetch]), "plan_extract_state": job_state(conn, plan),
             "plan_extract_errors": job_errors(conn, [plan])}

@@ -11,7 +11,7 @@ from collections import Counter
 
 import orjson
 
-from eyrie import inference, progress
+from eyrie import inference, keys, progress
 from eyrie.config import Settings
 from eyrie.errors import EyrieError
 from eyrie.manifest import (GenerateParams, Layout, RunManifest, SamplingParams, ShardPlan, TargetRef,
@@ -42,7 +42,7 @@ def start_generate(settings: Settings, conn, store: Store, *, source: str, run: 
         _check_same(manifest, source, limit, params or {})
     else:
         manifest = _new_run(settings, conn, store, layout, source, split, revision, limit, params or {})
-    conn.sadd("eyrie:runs", run)  # the runs list (eyrie.control.KNOWN): no listing of the store
+    conn.sadd(keys.RUNS, run)  # the runs list: no listing of the store
     enqueued = sum(
         enqueue_task(conn, "generate", TASK_FUNC, {"run": run, "shard": plan.index},
                      task_id("generate", run, plan.index))
