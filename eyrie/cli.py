@@ -317,15 +317,11 @@ def worker(stage: str = typer.Argument(..., help="generate | extract | train"),
     """Take tasks of one stage from the queue (any number of workers, on any host)."""
     from eyrie.config import load_settings
     from eyrie.queue import connect, run_worker
+    from eyrie.stages import QUEUES, preload
 
-    if stage == "generate":
-        import eyrie_generator.shard  # noqa: F401  imported once here, not in every task
-    elif stage == "extract":
-        import eyrie_extractor.shard  # noqa: F401
-    elif stage == "train":
-        import eyrie_trainer.runner  # noqa: F401
-    else:
-        raise EyrieError(f"unknown stage {stage!r} for a worker.", "use: eyrie worker generate|extract|train")
+    if stage not in QUEUES:
+        raise EyrieError(f"unknown stage {stage!r} for a worker.", f"use: eyrie worker {'|'.join(QUEUES)}")
+    preload(stage)
 
     settings = load_settings()
     run_worker(connect(settings.redis_url), stage, burst)

@@ -15,11 +15,10 @@ from eyrie import keys
 from eyrie.errors import EyrieError
 from eyrie.manifest import load_run_manifest, now_iso
 from eyrie.queue import job_errors, job_state, queue
-from eyrie.status import task_id
+from eyrie.stages import EXTRACT, FETCH, GENERATE, PLAN_EXTRACT, QUEUES, TRAIN
 
 log = logging.getLogger("eyrie.control")
 
-STAGE_QUEUES = ("generate", "extract", "train")
 WAITING = {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value}
 
 
@@ -57,10 +56,9 @@ def start_pipeline(settings, conn, store, cfg) -> dict:
         _forget_unstarted(conn, store, cfg.run)
         raise
     if cfg.train.base:  # fetched (and checked) by the trainer while the target serves
-        from eyrie.queue import enqueue_task
-        from eyrie_trainer.plan import FETCH_FUNC, fetch_task_id
+        from eyrie.queue import enqueue
 
-        enqueue_task(conn, "train", FETCH_FUNC, {"run": cfg.run}, fetch_task_id(cfg.run))
+        enqueue(conn, FETCH, {"run": cfg.run})
     stage = advance_or_record(conn, store, cfg.run, retry_blocked=True)
     return {"run": cfg.run, "rows": manifest.dataset.row_end - manifest.dataset.row_start,
             "generate_enqueued": enqueued, "started": stage}
@@ -144,13 +142,11 @@ def overall_state(status: dict) -> str:
 
 def run_job_ids(store, run: str) -> dict[str, list[str]]:
     """Every task id the run may have, by queue (raises UnknownRun for an unknown run)."""
-    from eyrie.pipeline import plan_extract_task_id
-
     manifest = load_run_manifest(store, run)
     shards = [p.index for p in manifest.generate_shards]
-    return {"generate": [task_id("generate", run, i) for i in shards],
-            "extract": [task_id("extract", run, i) for i in shards] + [plan_extract_task_id(run)],
-            "train": [task_id("train", run, 0), task_id("fetch", run, 0)]}
+    return {"generate": [GENERATE.task_id(run, i) for i in shards],
+            "extract": [EXTRACT.task_id(run, i) for i in shards] + [PLAN_EXTRACT.task_id(run)],
+            "train": [TRAIN.task_id(run), FETCH.task_id(run)]}
 
 
 def cancel_run(conn, store, run: str) -> dict:
@@ -178,7 +174,7 @@ def _cancel_waiting(conn, job_id: str) -> bool:
 def _stop_running(conn, ids: set[str]) -> list[str]:
     """By the workers' own current job (a task a worker took while we cancelled is stopped too)."""
     stopped = []
-    for stage in STAGE_QUEUES:
+    for stage in QUEUES:
         for worker in Worker.all(queue=queue(conn, stage), serializer=JSONSerializer):
             job_id = worker.get_current_job_id()
             if job_id in ids:
@@ -195,7 +191,7 @@ def retry_run(conn, store, run: str) -> dict:
     ids = run_job_ids(store, run)
     conn.delete(keys.cancelled(run), keys.blocked(run))
     requeued = []
-    for stage in STAGE_QUEUES:
+    for stage in QUEUES:
         q = queue(conn, stage)
         for registry in (q.failed_job_registry, q.canceled_job_registry):
             for job_id in set(registry.get_job_ids()) & set(ids[stage]):

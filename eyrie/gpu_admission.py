@@ -26,6 +26,7 @@ import time
 from eyrie import gpu, k8s_jobs, keys
 from eyrie.config import Settings, load_settings
 from eyrie.errors import EyrieError
+from eyrie.stages import GPU_QUEUES
 
 SCHEDULERS = ("redis", "kueue")
 
@@ -146,7 +147,7 @@ def stop_extract_server(settings: Settings) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eyrie.gpu_admission")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("drain", help="work a stage's queue until it is empty").add_argument("stage", choices=("extract", "train"))
+    sub.add_parser("drain", help="work a stage's queue until it is empty").add_argument("stage", choices=GPU_QUEUES)
     job = sub.add_parser("job", help="create (or find) a run's Job for a GPU stage")
     job.add_argument("stage")
     job.add_argument("--run", required=True)

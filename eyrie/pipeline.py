@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from eyrie import keys
 from eyrie.errors import EyrieError
 from eyrie.manifest import RUN_NAME, Layout, check_run_name
-from eyrie.queue import enqueue_task
+from eyrie.queue import enqueue
+from eyrie.stages import PLAN_EXTRACT, TRAIN, VERIFY
 
 log = logging.getLogger("eyrie.pipeline")
 
@@ -214,23 +215,17 @@ def _next_stage(conn, store, config: RunConfig) -> str | None:
     if not all(store.exists(layout.generate_shard_manifest(p.index)) for p in manifest.generate_shards):
         return None
     if manifest.extract is None:  # planned by the extractor (it has the tokenizer and the model config)
-        enqueue_task(conn, "extract", PLAN_EXTRACT_FUNC, {"run": config.run}, plan_extract_task_id(config.run))
+        enqueue(conn, PLAN_EXTRACT, {"run": config.run})
         return "extract"
     if not _all_extracted(store, manifest, layout):
         start_configured_extract(conn, store, config)  # planned: this only enqueues what is missing
         return "extract"
     if manifest.drafter is None:
-        from eyrie_trainer.plan import TASK_FUNC, TRAIN_TIMEOUT_S, train_task_id
-
         # planned by the trainer (which fetches and checks the base drafter in its own cache)
-        enqueue_task(conn, "train", TASK_FUNC, {"run": config.run, "request": config.train.model_dump()},
-                     train_task_id(config.run), timeout_s=TRAIN_TIMEOUT_S)
+        enqueue(conn, TRAIN, {"run": config.run, "request": config.train.model_dump()})
         return "train"
     if manifest.verify is None and verify_wanted(config):
-        from eyrie_inference.verify import TASK_FUNC as VERIFY_FUNC
-
-        # on the train queue: the trainer has the held-out samples in its cache
-        enqueue_task(conn, "train", VERIFY_FUNC, {"run": config.run}, f"verify-{config.run}-00000", timeout_s=7200)
+        enqueue(conn, VERIFY, {"run": config.run})
         return "verify"
     conn.srem(keys.ACTIVE_PIPELINES, config.run)  # exported (and verified): the pipeline is done
     return None
@@ -277,13 +272,6 @@ def _stalled(conn, store, run: str) -> bool:
         return True
     ids = run_job_ids(store, run)
     return any(job_state(conn, job_id) == "failed" for job_id in ids["extract"] + ids["train"])
-
-
-PLAN_EXTRACT_FUNC = "eyrie.pipeline.run_plan_extract_task"
-
-
-def plan_extract_task_id(run: str) -> str:
-    return f"plan-extract-{run}-00000"
 
 
 def start_configured_extract(conn, store, config: RunConfig):

@@ -7,12 +7,9 @@ import time
 from eyrie import gpu, inference, keys, progress
 from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest
 from eyrie.queue import job_errors, job_state, workers_on
+from eyrie.stages import FETCH, PLAN_EXTRACT, TRAIN, task_id
 
 LIVE_JOB_STATES = {"queued", "started", "scheduled", "deferred"}
-
-
-def task_id(stage: str, run: str, shard: int) -> str:
-    return f"{stage}-{run}-{shard:05d}"
 
 
 def run_status(conn, store, run: str) -> dict:
@@ -50,11 +47,11 @@ def _mark_cancelled(stages: dict) -> None:
 
 def pipeline_status(conn, store, run: str) -> dict | None:
     """Set for runs started by `eyrie run`: whether the chain is blocked, and the base drafter's fetch."""
-    from eyrie.pipeline import config_key, plan_extract_task_id
+    from eyrie.pipeline import config_key
 
     if not store.exists(config_key(run)):
         return None
-    fetch, plan = task_id("fetch", run, 0), plan_extract_task_id(run)
+    fetch, plan = FETCH.task_id(run), PLAN_EXTRACT.task_id(run)
     blocked = conn.get(keys.blocked(run))
     return {"blocked": blocked.decode() if blocked else None, "fetch_state": job_state(conn, fetch),
             "fetch_errors": job_errors(conn, [fetch]), "plan_extract_state": job_state(conn, plan),
@@ -133,7 +130,7 @@ def train_status(conn, store, manifest: RunManifest) -> dict:
     checkpoints, τ per checkpoint once evaluated, and the exported drafter."""
     run, layout = manifest.run, Layout(manifest.run)
     live = progress.read(conn, run, "train").get("0", {})
-    job = task_id("train", run, 0)
+    job = TRAIN.task_id(run)
     state = job_state(conn, job) or "missing"
     done = manifest.drafter is not None
     total, step = live.get("total_steps") or 0, live.get("step", 0)

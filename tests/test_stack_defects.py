@@ -109,7 +109,7 @@ def test_a_blocked_or_cancelled_run_does_not_keep_the_server_down(env, stub_serv
     blocked or cancelled run waits for a person, not for the GPUs."""
     from eyrie.config import load_settings
     from eyrie.pipeline import drained_run
-    from eyrie.status import task_id
+    from eyrie.stages import task_id
     from eyrie.store import open_store
     from rq.job import Job, JobStatus
     from rq.serializers import JSONSerializer

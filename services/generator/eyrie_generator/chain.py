@@ -18,8 +18,8 @@ from rq.serializers import JSONSerializer
 
 from eyrie import keys
 from eyrie.manifest import Layout
-from eyrie.queue import LEASE_TTL_S, enqueue_task, queue, task_lease
-from eyrie.status import task_id
+from eyrie.queue import LEASE_TTL_S, enqueue, queue, task_lease
+from eyrie.stages import GENERATE
 from eyrie_generator.client import ChatClient
 from eyrie_generator.shard import ShardRunner, split_lanes
 
@@ -30,15 +30,13 @@ def recover_claims(conn, store, manifest, task: str) -> int:
     requeued = 0
     for raw in conn.smembers(keys.generate_claims(task)):
         shard = int(raw)
-        claimed = task_id("generate", manifest.run, shard)
+        claimed = GENERATE.task_id(manifest.run, shard)
         if store.exists(Layout(manifest.run).generate_shard_manifest(shard)):
             continue
         lease = task_lease(conn, claimed)
         if lease.acquire(blocking=True):  # waits out a dead holder's lease (LEASE_TTL_S)
             _release(lease)
-            from eyrie_generator.plan import TASK_FUNC
-
-            requeued += enqueue_task(conn, "generate", TASK_FUNC, {"run": manifest.run, "shard": shard}, claimed)
+            requeued += enqueue(conn, GENERATE, {"run": manifest.run, "shard": shard}, shard)
     conn.delete(keys.generate_claims(task))
     return requeued
 
@@ -137,7 +135,7 @@ class Chain:
         under its lease, listed under this task, marked started; then its rows to ask for."""
         first, q = self.first, queue(self.conn, "generate")
         for plan in first.manifest.generate_shards:
-            job_id = task_id("generate", first.run_name, plan.index)
+            job_id = GENERATE.task_id(first.run_name, plan.index)
             if plan.index in self.outstanding:
                 continue
             self.conn.sadd(keys.generate_claims(first.task), plan.index)  # listed first: a death in between loses nothing
