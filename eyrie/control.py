@@ -15,7 +15,7 @@ from eyrie import keys
 from eyrie.errors import EyrieError
 from eyrie.manifest import load_run_manifest, now_iso
 from eyrie.queue import job_errors, job_state, queue
-from eyrie.stages import EXTRACT, FETCH, GENERATE, PLAN_EXTRACT, QUEUES, TRAIN
+from eyrie.stages import EXTRACT, FETCH, GENERATE, PLAN_EXTRACT, QUEUES, TRAIN, entry
 
 log = logging.getLogger("eyrie.control")
 
@@ -65,10 +65,8 @@ def start_pipeline(settings, conn, store, cfg) -> dict:
 
 
 def _generate(settings, conn, store, cfg):
-    from eyrie_generator.plan import start_generate
-
     g = cfg.generate
-    return start_generate(
+    return entry(GENERATE.start)(
         settings, conn, store, source=cfg.dataset.source, run=cfg.run, split=cfg.dataset.split,
         revision=cfg.dataset.revision, limit=cfg.dataset.limit,
         params={"concurrency": g.concurrency, "max_tokens": g.max_tokens, "timeout": g.timeout_s,
@@ -97,9 +95,7 @@ def start_stage(settings, conn, store, cfg, stage: str) -> dict:
 
         _, enqueued = start_configured_extract(conn, store, cfg)
     else:
-        from eyrie_trainer.plan import start_train
-
-        _, enqueued = start_train(conn, store, cfg.run, cfg.train, Path(settings.cache_dir))
+        _, enqueued = entry(TRAIN.start)(conn, store, cfg.run, cfg.train, Path(settings.cache_dir))
     conn.delete(keys.cancelled(cfg.run))
     return {"run": cfg.run, "stage": stage, "enqueued": enqueued}
 

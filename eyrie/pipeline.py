@@ -14,7 +14,7 @@ from eyrie import keys
 from eyrie.errors import EyrieError
 from eyrie.manifest import RUN_NAME, Layout, check_run_name
 from eyrie.queue import enqueue
-from eyrie.stages import PLAN_EXTRACT, TRAIN, VERIFY
+from eyrie.stages import EXTRACT, PLAN_EXTRACT, TRAIN, VERIFY, entry
 
 log = logging.getLogger("eyrie.pipeline")
 
@@ -94,6 +94,13 @@ class ExtractSection(_Section):
     max_length: int | None = Field(None, ge=2)
     budget: str | None = None
     backend: str = Field("hf", pattern="^(hf|vllm)$")
+
+
+# The train stage's defaults: the trainer plans with them, `--plan` projects with them.
+DEFAULT_DRAFT_VOCAB = 32000
+DEFAULT_EPOCHS = 10
+DEFAULT_SEQ_LEN = 8192  # speculators' --total-seq-len: longer samples are cut there
+MAX_HELDOUT = 500
 
 
 class TrainSection(_Section):
@@ -275,10 +282,8 @@ def _stalled(conn, store, run: str) -> bool:
 
 
 def start_configured_extract(conn, store, config: RunConfig):
-    from eyrie_extractor.plan import start_extract
-
     e = config.extract
-    return start_extract(conn, store, config.run, layers=e.layers, dtype=e.dtype, max_length=e.max_length,
+    return entry(EXTRACT.start)(conn, store, config.run, layers=e.layers, dtype=e.dtype, max_length=e.max_length,
                          budget=e.budget, backend=e.backend)
 
 

@@ -21,20 +21,24 @@ class Stage:
     func: str  # the task function's dotted name (RQ enqueues by name)
     gpu: bool  # holds the GPU lease while it works
     timeout_s: int = DEFAULT_TIMEOUT_S
+    start: str | None = None  # its planner's dotted name: plans (or checks) the stage, enqueues its tasks
 
     def task_id(self, run: str, shard: int = 0) -> str:
         return task_id(self.name, run, shard)
 
 
-GENERATE = Stage("generate", "generate", "eyrie_generator.shard.run_generate_shard", gpu=False)
+GENERATE = Stage("generate", "generate", "eyrie_generator.shard.run_generate_shard", gpu=False,
+                 start="eyrie_generator.plan.start_generate")
 # planned by the extractor's workers (the tokenizer and the model config are theirs)
 PLAN_EXTRACT = Stage("plan-extract", "extract", "eyrie.pipeline.run_plan_extract_task", gpu=False)
-EXTRACT = Stage("extract", "extract", "eyrie_extractor.shard.run_extract_shard", gpu=True)
+EXTRACT = Stage("extract", "extract", "eyrie_extractor.shard.run_extract_shard", gpu=True,
+                start="eyrie_extractor.plan.start_extract")
 # the base drafter, fetched and checked by the trainer while the target still serves
 FETCH = Stage("fetch", "train", "eyrie_trainer.plan.run_fetch_task", gpu=False)
-TRAIN = Stage("train", "train", "eyrie_trainer.runner.run_train_task", gpu=True, timeout_s=7 * 24 * 3600)
+TRAIN = Stage("train", "train", "eyrie_trainer.runner.run_train_task", gpu=True, timeout_s=7 * 24 * 3600,
+              start="eyrie_trainer.plan.start_train")
 # on the train queue: the trainer has the held-out samples in its cache
-VERIFY = Stage("verify", "train", "eyrie_inference.verify.run_verify_task", gpu=True, timeout_s=7200)
+VERIFY = Stage("verify", "train", "eyrie_trainer.verify.run_verify_task", gpu=True, timeout_s=7200)
 
 STAGES = {s.name: s for s in (GENERATE, PLAN_EXTRACT, EXTRACT, FETCH, TRAIN, VERIFY)}
 QUEUES = tuple(dict.fromkeys(s.queue for s in STAGES.values()))  # generate, extract, train

@@ -11,8 +11,8 @@ from eyrie.manifest import ExtractParams, Layout, RunManifest, ShardManifest, lo
 from eyrie.queue import enqueue
 from eyrie.stages import EXTRACT
 from eyrie.target import text_config
-from eyrie_extractor.budget import check_fits, parse_size
-from eyrie_extractor.layers import resolve_aux_layers
+from eyrie.budget import check_fits, parse_size
+from eyrie.layers import resolve_aux_layers
 from eyrie_extractor.render import fit, render
 
 def generated_records(store, manifest: RunManifest, shard: int) -> list[dict]:

@@ -20,7 +20,7 @@ from eyrie.queue import enqueue
 from eyrie.stages import GENERATE
 from eyrie.store import Store
 from eyrie.target import check_served, describe
-from eyrie_generator import dataset
+from eyrie import dataset
 from eyrie_generator.prompts import Skip, to_prompt
 
 def sample_id(ref, row: int) -> str:

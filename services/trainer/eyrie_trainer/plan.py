@@ -10,14 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from eyrie import progress
 from eyrie.errors import EyrieError
 from eyrie.manifest import BaseDrafter, Layout, RunManifest, TrainParams, load_run_manifest
-from eyrie.pipeline import TrainSection
+from eyrie.pipeline import DEFAULT_DRAFT_VOCAB, DEFAULT_EPOCHS, DEFAULT_SEQ_LEN, MAX_HELDOUT, TrainSection
 from eyrie.queue import enqueue
 from eyrie.stages import TRAIN
 
-DEFAULT_DRAFT_VOCAB = 32000
-DEFAULT_EPOCHS = 10
-DEFAULT_SEQ_LEN = 8192  # speculators' --total-seq-len: longer samples are cut there
-MAX_HELDOUT = 500
 
 
 class TrainTask(BaseModel):
@@ -118,7 +114,7 @@ def run_fetch_task(payload: dict) -> dict:
     from eyrie.pipeline import stored_config
     from eyrie.store import open_store
     from eyrie.target import text_config
-    from eyrie_extractor.layers import resolve_aux_layers
+    from eyrie.layers import resolve_aux_layers
     from eyrie_trainer.base import prepare_base
 
     task = TrainTask.model_validate({"run": payload.get("run")} if set(payload) == {"run"} else payload)
