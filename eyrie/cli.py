@@ -106,7 +106,8 @@ def serve_extract(port: Optional[int] = typer.Option(None, help="Port (EYRIE_POR
     from eyrie.store import open_store
 
     settings = load_settings(port=port, host=host, server="vllm")
-    raise typer.Exit(entry("eyrie_inference.extract_server.serve_extract")(settings, connect(settings.redis_url), open_store(settings), once=once))
+    serve_runs = entry("eyrie_inference.extract_server.serve_extract")
+    raise typer.Exit(serve_runs(settings, connect(settings.redis_url), open_store(settings), once=once))
 
 
 @app.command()
@@ -194,7 +195,8 @@ def fetch(repo_id: str = typer.Argument(..., help="HF repo id (or local director
     from eyrie.config import load_settings
 
     settings = load_settings()
-    typer.echo(f"{repo_id}: {entry('eyrie_trainer.base.fetch')(repo_id, revision, Path(settings.cache_dir) / 'base')}")
+    fetch_base = entry("eyrie_trainer.base.fetch")
+    typer.echo(f"{repo_id}: {fetch_base(repo_id, revision, Path(settings.cache_dir) / 'base')}")
 
 
 @app.command()
@@ -239,15 +241,14 @@ def evaluate(run: str = typer.Option(..., "--run", help="Run name (trained)."),
     """Simulated acceptance length τ of every checkpoint on the held-out samples (and untrained)."""
     from eyrie.manifest import load_run_manifest
 
-    done_samples, heldout_ids, copy_out = (entry(f"eyrie_trainer.data.{name}")
-                                           for name in ("done_samples", "heldout_ids", "materialize"))
+    done_samples, heldout_ids = entry("eyrie_trainer.data.done_samples"), entry("eyrie_trainer.data.heldout_ids")
     settings, _, store = _context()
     manifest = load_run_manifest(store, run)
     if manifest.train is None:
         raise EyrieError(f"run {run} has not been trained.", f"run `eyrie train --run {run} --wait` first.")
     held = heldout_ids(done_samples(store, run), manifest.train.heldout_samples)
     eval_dir = Path(settings.cache_dir) / "runs" / run / "data" / "heldout"
-    copy_out(store, run, eval_dir, lambda s: s["sample_id"] in held)
+    entry("eyrie_trainer.data.materialize")(store, run, eval_dir, lambda s: s["sample_id"] in held)
     result = entry("eyrie_trainer.export.evaluate")(store, run, eval_dir, device, lambda m: None)
     typer.echo(f"run {run}: tau (mean acceptance length, counted as vLLM does) with K={result['k']} on "
                f"{manifest.train.heldout_samples} held-out samples")
@@ -278,7 +279,8 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
     """Serve the target with the exported drafter in vLLM (EYRIE_VLLM_COMMAND) on the held-out prompts:
     vLLM's own acceptance length beside eyrie's, identical outputs, tokens/s with and without."""
     settings, _, store = _context()
-    result = entry("eyrie_trainer.verify.verify")(settings, store, run, log=(lambda m: None) if as_json else typer.echo)
+    run_verify = entry("eyrie_trainer.verify.verify")
+    result = run_verify(settings, store, run, log=(lambda m: None) if as_json else typer.echo)
     if as_json:
         typer.echo(orjson.dumps(result).decode())
         return
