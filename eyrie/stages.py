@@ -42,6 +42,7 @@ VERIFY = Stage("verify", "train", "eyrie_trainer.verify.run_verify_task", gpu=Tr
 
 STAGES = {s.name: s for s in (GENERATE, PLAN_EXTRACT, EXTRACT, FETCH, TRAIN, VERIFY)}
 QUEUES = tuple(dict.fromkeys(s.queue for s in STAGES.values()))  # generate, extract, train
+STARTABLE = tuple(s.name for s in STAGES.values() if s.start)  # a user may start these on their own
 GPU_QUEUES = tuple(q for q in QUEUES if any(s.gpu for s in STAGES.values() if s.queue == q))
 # The only functions a worker runs, and the only callback: a payload naming anything else
 # (os.system, say) is refused unexecuted, whoever could write to Redis.
