@@ -244,7 +244,7 @@ def write_run(store, name: str, model_dir: Path, records: list[dict], aux: list[
               hidden: int, dtype: str) -> None:
     from eyrie.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest,
                                 SamplingParams, ShardManifest, ShardPlan, TargetRef, code_version, now_iso)
-    from eyrie_extractor.budget import projected_bytes
+    from eyrie.budget import projected_bytes
 
     layout = Layout(name)
     data = b"".join(orjson.dumps(r) + b"\n" for r in records)
@@ -733,7 +733,7 @@ def main() -> None:
         from eyrie.config import load_settings
         from eyrie.store import open_store
         from eyrie_extractor.capture import token_budget_batches
-        from eyrie_extractor.layers import default_aux_layers
+        from eyrie.layers import default_aux_layers
 
         settings = load_settings()
         store = open_store(settings)

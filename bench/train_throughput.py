@@ -48,7 +48,7 @@ def build(work: Path, a) -> None:
     from transformers import LlamaConfig
     from eyrie.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, RunManifest, SamplingParams,
                                 ShardManifest, ShardPlan, TargetRef, code_version, now_iso)
-    from eyrie_extractor.layers import default_aux_layers
+    from eyrie.layers import default_aux_layers
     from eyrie_extractor.shard import sample_tensors
     from eyrie.pipeline import TrainSection
     from eyrie_trainer.plan import _require_extract_done, plan

@@ -17,6 +17,7 @@ import orjson
 import typer
 
 from eyrie.errors import EyrieError
+from eyrie.stages import EXTRACT, GENERATE, TRAIN, entry  # services' code by name: eyrie/ imports none
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="eyrie: prompts + target LLM -> EAGLE-3 drafter.")
@@ -80,8 +81,7 @@ def serve(model: Optional[str] = typer.Option(None, help="Model directory or HF 
     """Start the target's OpenAI server, wait until it answers, publish it in Redis."""
     from eyrie.config import load_settings
     from eyrie.queue import connect
-    from eyrie_inference.server import Server, run_config
-
+    Server, run_config = entry("eyrie_inference.server.Server"), entry("eyrie_inference.server.run_config")
     cfg = run_config(config, run)
     if cfg is not None and model is not None and model != cfg.target.model:
         raise EyrieError(f"--model {model} is not the run's target {cfg.target.model}.",
@@ -104,9 +104,9 @@ def serve_extract(port: Optional[int] = typer.Option(None, help="Port (EYRIE_POR
     from eyrie.config import load_settings
     from eyrie.queue import connect
     from eyrie.store import open_store
-    from eyrie_inference.extract_server import serve_extract as serve_runs
 
     settings = load_settings(port=port, host=host, server="vllm")
+    serve_runs = entry("eyrie_inference.extract_server.serve_extract")
     raise typer.Exit(serve_runs(settings, connect(settings.redis_url), open_store(settings), once=once))
 
 
@@ -126,7 +126,6 @@ def generate(dataset: str = typer.Option(..., "--dataset", help="Local .jsonl/.p
     """Answer a prompt dataset with the served target; results go to the store as shards."""
     from eyrie.manifest import check_run_name
     from eyrie.pipeline import GenerateSection
-    from eyrie_generator.plan import start_generate
 
     check_run_name(run)
     _check_flags(GenerateSection, concurrency=concurrency, max_tokens=max_tokens, timeout_s=timeout,
@@ -134,7 +133,7 @@ def generate(dataset: str = typer.Option(..., "--dataset", help="Local .jsonl/.p
     settings, conn, store = _context()
     params = {"concurrency": concurrency, "max_tokens": max_tokens, "timeout": timeout,
               "temperature": temperature, "shard_size": shard_size}
-    manifest, enqueued = start_generate(settings, conn, store, source=dataset, run=run, split=split,
+    manifest, enqueued = entry(GENERATE.start)(settings, conn, store, source=dataset, run=run, split=split,
                                         revision=revision, limit=limit, params=params)
     rows = manifest.dataset.row_end - manifest.dataset.row_start
     typer.echo(f"run {run}: {rows} rows in {len(manifest.generate_shards)} shards; "
@@ -165,8 +164,7 @@ def extract(run: str = typer.Option(..., "--run", help="Run name (its generate s
     """Record the target's hidden states for every generated sample (speculators' layout)."""
     from eyrie.manifest import check_run_name
     from eyrie.pipeline import ExtractSection
-    from eyrie_extractor.budget import human
-    from eyrie_extractor.plan import start_extract
+    from eyrie.budget import human
 
     check_run_name(run)
     if backend not in ("hf", "vllm"):
@@ -179,7 +177,7 @@ def extract(run: str = typer.Option(..., "--run", help="Run name (its generate s
         raise EyrieError(f"cannot read --layers {layers!r}.", "give comma-separated ids, e.g. --layers 2,16,29.") from None
     _check_flags(ExtractSection, layers=aux, max_length=max_length, budget=budget)
     _, conn, store = _context()
-    manifest, enqueued = start_extract(conn, store, run, layers=aux, dtype=dtype, max_length=max_length,
+    manifest, enqueued = entry(EXTRACT.start)(conn, store, run, layers=aux, dtype=dtype, max_length=max_length,
                                        budget=budget, backend=backend)
     p = manifest.extract
     typer.echo(f"run {run}: extract {p.samples} samples, {p.tokens:,} tokens, layers {p.aux_layers} + last, "
@@ -195,9 +193,9 @@ def fetch(repo_id: str = typer.Argument(..., help="HF repo id (or local director
           revision: Optional[str] = typer.Option(None, help="Branch, tag or commit.")):
     """Download a base drafter into the cache (resumable), ready for `eyrie train --base`."""
     from eyrie.config import load_settings
-    from eyrie_trainer.base import fetch as fetch_base
 
     settings = load_settings()
+    fetch_base = entry("eyrie_trainer.base.fetch")
     typer.echo(f"{repo_id}: {fetch_base(repo_id, revision, Path(settings.cache_dir) / 'base')}")
 
 
@@ -220,14 +218,13 @@ def train(run: str = typer.Option(..., "--run", help="Run name (its extract stag
     """Train an EAGLE-3 drafter (speculators) on the run's hidden states; evaluate; export the best."""
     from eyrie.manifest import check_run_name
     from eyrie.pipeline import TrainSection
-    from eyrie_trainer.plan import start_train
 
     check_run_name(run)
     request = _check_flags(TrainSection, base=base, base_revision=base_revision, epochs=epochs,
                            max_steps=max_steps, draft_vocab=draft_vocab, lr=lr, seq_len=seq_len,
                            ttt_steps=ttt_steps, heldout=heldout)
     settings, conn, store = _context()
-    manifest, enqueued = start_train(conn, store, run, request, Path(settings.cache_dir))
+    manifest, enqueued = entry(TRAIN.start)(conn, store, run, request, Path(settings.cache_dir))
     p = manifest.train
     vocab = f"draft vocab {p.draft_vocab} ({'the base drafter' if p.base else 'token frequencies of the run'})"
     typer.echo(f"run {run}: train on {p.train_samples} samples ({p.heldout_samples} held out), {p.epochs} epochs"
@@ -242,18 +239,17 @@ def train(run: str = typer.Option(..., "--run", help="Run name (its extract stag
 def evaluate(run: str = typer.Option(..., "--run", help="Run name (trained)."),
              device: str = typer.Option("cpu", help="cpu or cuda.")):
     """Simulated acceptance length τ of every checkpoint on the held-out samples (and untrained)."""
-    from eyrie_trainer.data import done_samples, heldout_ids, materialize
     from eyrie.manifest import load_run_manifest
-    from eyrie_trainer.export import evaluate as run_evaluation
 
+    done_samples, heldout_ids = entry("eyrie_trainer.data.done_samples"), entry("eyrie_trainer.data.heldout_ids")
     settings, _, store = _context()
     manifest = load_run_manifest(store, run)
     if manifest.train is None:
         raise EyrieError(f"run {run} has not been trained.", f"run `eyrie train --run {run} --wait` first.")
     held = heldout_ids(done_samples(store, run), manifest.train.heldout_samples)
     eval_dir = Path(settings.cache_dir) / "runs" / run / "data" / "heldout"
-    materialize(store, run, eval_dir, lambda s: s["sample_id"] in held)
-    result = run_evaluation(store, run, eval_dir, device, lambda m: None)
+    entry("eyrie_trainer.data.materialize")(store, run, eval_dir, lambda s: s["sample_id"] in held)
+    result = entry("eyrie_trainer.export.evaluate")(store, run, eval_dir, device, lambda m: None)
     typer.echo(f"run {run}: tau (mean acceptance length, counted as vLLM does) with K={result['k']} on "
                f"{manifest.train.heldout_samples} held-out samples")
     typer.echo(f"  untrained        {result['baseline']['tau']:.3f}")
@@ -267,14 +263,13 @@ def export(run: str = typer.Option(..., "--run", help="Run name (trained)."),
            out: Path = typer.Option(..., "--out", help="Directory to write the drafter into.")):
     """Write the run's exported drafter (the best checkpoint) into a directory vLLM loads."""
     from eyrie.manifest import load_run_manifest
-    from eyrie_trainer.export import download, vllm_command
 
     _, _, store = _context()
-    record = download(store, run, out)
+    record = entry("eyrie_trainer.export.download")(store, run, out)
     target = load_run_manifest(store, run).target.model
     typer.echo(f"run {run}: drafter (checkpoint {record['checkpoint']}, tau {record['tau']:.2f} with K={record['k']}, "
                f"untrained {record['baseline_tau']:.2f}) in {out}")
-    typer.echo(vllm_command(target, str(out.resolve()), record["k"]))
+    typer.echo(entry("eyrie_trainer.export.vllm_command")(target, str(out.resolve()), record["k"]))
 
 
 @app.command()
@@ -283,9 +278,8 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
            as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object.")):
     """Serve the target with the exported drafter in vLLM (EYRIE_VLLM_COMMAND) on the held-out prompts:
     vLLM's own acceptance length beside eyrie's, identical outputs, tokens/s with and without."""
-    from eyrie_inference.verify import verify as run_verify
-
     settings, _, store = _context()
+    run_verify = entry("eyrie_trainer.verify.verify")
     result = run_verify(settings, store, run, log=(lambda m: None) if as_json else typer.echo)
     if as_json:
         typer.echo(orjson.dumps(result).decode())
@@ -304,10 +298,8 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
 def materialize(run: str = typer.Argument(..., help="Run name."),
                 out: Path = typer.Argument(..., help="Directory to write (speculators' training layout).")):
     """Copy a run's hidden states from the store into the directory speculators trains from."""
-    from eyrie_trainer.data import materialize as copy_out
-
     _, _, store = _context()
-    typer.echo(f"{copy_out(store, run, out)} samples in {out}")
+    typer.echo(f"{entry('eyrie_trainer.data.materialize')(store, run, out)} samples in {out}")
 
 
 @app.command()
@@ -317,15 +309,11 @@ def worker(stage: str = typer.Argument(..., help="generate | extract | train"),
     """Take tasks of one stage from the queue (any number of workers, on any host)."""
     from eyrie.config import load_settings
     from eyrie.queue import connect, run_worker
+    from eyrie.stages import QUEUES, preload
 
-    if stage == "generate":
-        import eyrie_generator.shard  # noqa: F401  imported once here, not in every task
-    elif stage == "extract":
-        import eyrie_extractor.shard  # noqa: F401
-    elif stage == "train":
-        import eyrie_trainer.runner  # noqa: F401
-    else:
-        raise EyrieError(f"unknown stage {stage!r} for a worker.", "use: eyrie worker generate|extract|train")
+    if stage not in QUEUES:
+        raise EyrieError(f"unknown stage {stage!r} for a worker.", f"use: eyrie worker {'|'.join(QUEUES)}")
+    preload(stage)
 
     settings = load_settings()
     run_worker(connect(settings.redis_url), stage, burst)

@@ -11,20 +11,15 @@ from rq.exceptions import InvalidJobOperation
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from eyrie import keys
 from eyrie.errors import EyrieError
 from eyrie.manifest import load_run_manifest, now_iso
 from eyrie.queue import job_errors, job_state, queue
-from eyrie.status import task_id
+from eyrie.stages import EXTRACT, FETCH, GENERATE, PLAN_EXTRACT, QUEUES, TRAIN, entry
 
 log = logging.getLogger("eyrie.control")
 
-KNOWN = "eyrie:runs"  # every run whose manifest was written (the store's runs/ may be huge on S3)
-STAGE_QUEUES = ("generate", "extract", "train")
 WAITING = {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value}
-
-
-def cancelled_key(run: str) -> str:
-    return f"eyrie:pipeline:{run}:cancelled"
 
 
 class Cancelled(Exception):
@@ -42,7 +37,7 @@ class CancelWatch:
     def __call__(self) -> bool:
         if not self.seen and time.monotonic() - self._asked >= self.every_s:
             self._asked = time.monotonic()
-            self.seen = bool(self.conn.exists(cancelled_key(self.run)))
+            self.seen = bool(self.conn.exists(keys.cancelled(self.run)))
         return self.seen
 
 
@@ -54,27 +49,24 @@ def start_pipeline(settings, conn, store, cfg) -> dict:
 
     refuse_unsupported_config(cfg)  # a run the pinned vLLM cannot carry: refused before anything starts
     save_config(conn, store, cfg)
-    conn.delete(cancelled_key(cfg.run))
+    conn.delete(keys.cancelled(cfg.run))
     try:
         manifest, enqueued = _generate(settings, conn, store, cfg)
     except EyrieError:
         _forget_unstarted(conn, store, cfg.run)
         raise
     if cfg.train.base:  # fetched (and checked) by the trainer while the target serves
-        from eyrie.queue import enqueue_task
-        from eyrie_trainer.plan import FETCH_FUNC, fetch_task_id
+        from eyrie.queue import enqueue
 
-        enqueue_task(conn, "train", FETCH_FUNC, {"run": cfg.run}, fetch_task_id(cfg.run))
+        enqueue(conn, FETCH, {"run": cfg.run})
     stage = advance_or_record(conn, store, cfg.run, retry_blocked=True)
     return {"run": cfg.run, "rows": manifest.dataset.row_end - manifest.dataset.row_start,
             "generate_enqueued": enqueued, "started": stage}
 
 
 def _generate(settings, conn, store, cfg):
-    from eyrie_generator.plan import start_generate
-
     g = cfg.generate
-    return start_generate(
+    return entry(GENERATE.start)(
         settings, conn, store, source=cfg.dataset.source, run=cfg.run, split=cfg.dataset.split,
         revision=cfg.dataset.revision, limit=cfg.dataset.limit,
         params={"concurrency": g.concurrency, "max_tokens": g.max_tokens, "timeout": g.timeout_s,
@@ -84,10 +76,10 @@ def _generate(settings, conn, store, cfg):
 def _forget_unstarted(conn, store, run: str) -> None:
     """A first start that failed (e.g. no such dataset) leaves no active pipeline behind."""
     from eyrie.manifest import Layout
-    from eyrie.pipeline import ACTIVE, config_key
+    from eyrie.pipeline import config_key
 
     if not store.exists(Layout(run).manifest):
-        conn.srem(ACTIVE, run)
+        conn.srem(keys.ACTIVE_PIPELINES, run)
         store.delete(config_key(run))
 
 
@@ -103,23 +95,18 @@ def start_stage(settings, conn, store, cfg, stage: str) -> dict:
 
         _, enqueued = start_configured_extract(conn, store, cfg)
     else:
-        from eyrie_trainer.plan import start_train
-
-        _, enqueued = start_train(conn, store, cfg.run, cfg.train, Path(settings.cache_dir))
-    conn.delete(cancelled_key(cfg.run))
+        _, enqueued = entry(TRAIN.start)(conn, store, cfg.run, cfg.train, Path(settings.cache_dir))
+    conn.delete(keys.cancelled(cfg.run))
     return {"run": cfg.run, "stage": stage, "enqueued": enqueued}
 
 
 def run_names(conn) -> list[str]:
-    from eyrie.pipeline import ACTIVE
-
-    return sorted(m.decode() for m in conn.sunion(KNOWN, ACTIVE))
+    return sorted(m.decode() for m in conn.sunion(keys.RUNS, keys.ACTIVE_PIPELINES))
 
 
 def list_runs(conn, store) -> list[dict]:
     """One line per run: its stages' states and progress, whether it is active, blocked, cancelled."""
     from eyrie.errors import UnknownRun
-    from eyrie.pipeline import ACTIVE
     from eyrie.status import run_status
 
     runs = []
@@ -130,7 +117,7 @@ def list_runs(conn, store) -> list[dict]:
             continue  # started but its manifest is not written yet, or deleted from the store
         pipeline = status.get("pipeline") or {}
         runs.append({"run": name, "created_at": status["created_at"], "target": status["target"]["model"],
-                     "state": overall_state(status), "active": conn.sismember(ACTIVE, name),
+                     "state": overall_state(status), "active": conn.sismember(keys.ACTIVE_PIPELINES, name),
                      "blocked": pipeline.get("blocked"), "cancelled": status.get("cancelled"),
                      "stages": {k: {"state": s["state"], "total": s["total"], "done": s["done"],
                                     "skipped": s["skipped"], "failed": s["failed"], "eta_s": s.get("eta_s")}
@@ -151,13 +138,11 @@ def overall_state(status: dict) -> str:
 
 def run_job_ids(store, run: str) -> dict[str, list[str]]:
     """Every task id the run may have, by queue (raises UnknownRun for an unknown run)."""
-    from eyrie.pipeline import plan_extract_task_id
-
     manifest = load_run_manifest(store, run)
     shards = [p.index for p in manifest.generate_shards]
-    return {"generate": [task_id("generate", run, i) for i in shards],
-            "extract": [task_id("extract", run, i) for i in shards] + [plan_extract_task_id(run)],
-            "train": [task_id("train", run, 0), task_id("fetch", run, 0)]}
+    return {"generate": [GENERATE.task_id(run, i) for i in shards],
+            "extract": [EXTRACT.task_id(run, i) for i in shards] + [PLAN_EXTRACT.task_id(run)],
+            "train": [TRAIN.task_id(run), FETCH.task_id(run)]}
 
 
 def cancel_run(conn, store, run: str) -> dict:
@@ -165,11 +150,9 @@ def cancel_run(conn, store, run: str) -> dict:
     the workers running its tasks to stop them (generate's forked tasks stop at once; extract and
     train run in the worker process itself and stop at their next batch or step, within seconds,
     the trainer after saving a checkpoint)."""
-    from eyrie.pipeline import ACTIVE
-
     ids = {j for stage_ids in run_job_ids(store, run).values() for j in stage_ids}
-    conn.set(cancelled_key(run), now_iso())
-    conn.srem(ACTIVE, run)
+    conn.set(keys.cancelled(run), now_iso())
+    conn.srem(keys.ACTIVE_PIPELINES, run)
     cancelled = [job_id for job_id in sorted(ids) if _cancel_waiting(conn, job_id)]
     stopped = _stop_running(conn, ids)
     cancelled += _cancel_taken_on(conn, ids - set(stopped))
@@ -203,7 +186,7 @@ def _cancel_taken_on(conn, ids: set[str]) -> list[str]:
 def _stop_running(conn, ids: set[str]) -> list[str]:
     """By the workers' own current job (a task a worker took while we cancelled is stopped too)."""
     stopped = []
-    for stage in STAGE_QUEUES:
+    for stage in QUEUES:
         for worker in Worker.all(queue=queue(conn, stage), serializer=JSONSerializer):
             job_id = worker.get_current_job_id()
             if job_id in ids:
@@ -215,12 +198,12 @@ def _stop_running(conn, ids: set[str]) -> list[str]:
 def retry_run(conn, store, run: str) -> dict:
     """Requeue the run's failed, stopped and cancelled tasks, clear a block or a cancel, and let
     `advance` start whatever stage is next."""
-    from eyrie.pipeline import ACTIVE, advance_or_record, blocked_key, stored_config
+    from eyrie.pipeline import advance_or_record, stored_config
 
     ids = run_job_ids(store, run)
-    conn.delete(cancelled_key(run), blocked_key(run))
+    conn.delete(keys.cancelled(run), keys.blocked(run))
     requeued = []
-    for stage in STAGE_QUEUES:
+    for stage in QUEUES:
         q = queue(conn, stage)
         for registry in (q.failed_job_registry, q.canceled_job_registry):
             for job_id in set(registry.get_job_ids()) & set(ids[stage]):
@@ -229,7 +212,7 @@ def retry_run(conn, store, run: str) -> dict:
         requeued += _requeue_stopped_by_cancel(conn, stage, ids[stage])
     started = None
     if stored_config(store, run) is not None:
-        conn.sadd(ACTIVE, run)
+        conn.sadd(keys.ACTIVE_PIPELINES, run)
         started = advance_or_record(conn, store, run)
     return {"run": run, "requeued": sorted(requeued), "started": started}
 
@@ -251,8 +234,6 @@ def _requeue_stopped_by_cancel(conn, stage: str, job_ids: list[str]) -> list[str
 
 def recent_errors(conn, store, run: str, limit: int = 20) -> list[str]:
     """The last errors of the run's tasks (most recent first), and a block, if any."""
-    from eyrie.pipeline import blocked_key
-
     ids = [j for stage_ids in run_job_ids(store, run).values() for j in stage_ids]
-    blocked = conn.get(blocked_key(run))
+    blocked = conn.get(keys.blocked(run))
     return ([f"pipeline blocked: {blocked.decode()}"] if blocked else []) + job_errors(conn, ids, limit)

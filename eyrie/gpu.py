@@ -15,9 +15,8 @@ import orjson
 import redis
 from redis.lock import Lock
 
-KEY = "eyrie:gpu:lease"
-INFO = "eyrie:gpu:holder"
-WAITING = "eyrie:gpu:waiting"
+from eyrie import keys
+
 TTL_S = 30
 
 
@@ -28,19 +27,19 @@ class GpuLease:
                  caches: tuple = ()):
         self.conn, self.owner, self.devices, self.ttl_s = conn, owner, devices, ttl_s
         self.caches = caches
-        self.lock = Lock(conn, KEY, timeout=ttl_s, thread_local=False)
+        self.lock = Lock(conn, keys.GPU_LEASE, timeout=ttl_s, thread_local=False)
 
     def acquire(self, wait_s: float | None = None, poll_s: float = 1.0) -> bool:
         """Block until the lease is ours (visible as waiting in status meanwhile)."""
         deadline = None if wait_s is None else time.monotonic() + wait_s
-        self.conn.hset(WAITING, self.owner, time.time())
+        self.conn.hset(keys.GPU_WAITING, self.owner, time.time())
         try:
             while not self.lock.acquire(blocking=False):
                 if deadline is not None and time.monotonic() > deadline:
                     return False
                 time.sleep(poll_s)
         finally:
-            self.conn.hdel(WAITING, self.owner)
+            self.conn.hdel(keys.GPU_WAITING, self.owner)
         self._publish()
         return True
 
@@ -57,12 +56,12 @@ class GpuLease:
             self.lock.release()
         except redis.exceptions.LockError:
             pass
-        self.conn.delete(INFO)
+        self.conn.delete(keys.GPU_HOLDER)
 
     def _publish(self) -> None:
         info = {"owner": self.owner, "devices": self.devices, "host": socket.gethostname(),
                 "pid": os.getpid(), "since": time.time()}
-        self.conn.set(INFO, orjson.dumps(info), px=int(self.ttl_s * 1000))
+        self.conn.set(keys.GPU_HOLDER, orjson.dumps(info), px=int(self.ttl_s * 1000))
 
 
 def free_device_memory(*caches) -> None:
@@ -78,8 +77,8 @@ def free_device_memory(*caches) -> None:
 
 def holder(conn: redis.Redis) -> dict | None:
     """The current owner (None when free) and who is waiting."""
-    raw = conn.get(INFO) if conn.exists(KEY) else None
-    waiting = sorted(k.decode() for k in conn.hkeys(WAITING))
+    raw = conn.get(keys.GPU_HOLDER) if conn.exists(keys.GPU_LEASE) else None
+    waiting = sorted(k.decode() for k in conn.hkeys(keys.GPU_WAITING))
     if raw is None and not waiting:
         return None
     return {"holder": orjson.loads(raw) if raw else None, "waiting": waiting}

@@ -23,9 +23,10 @@ import socket
 import sys
 import time
 
-from eyrie import gpu, k8s_jobs
+from eyrie import gpu, k8s_jobs, keys
 from eyrie.config import Settings, load_settings
 from eyrie.errors import EyrieError
+from eyrie.stages import GPU_QUEUES
 
 SCHEDULERS = ("redis", "kueue")
 
@@ -70,7 +71,7 @@ class KueueAdmission:
         if job_stage not in self.templates.get("stages", {}):
             return None
         # one creator at a time: the last tasks of a stage finish on several workers at once
-        with conn.lock(f"eyrie:admit:{job_stage}:{run}", timeout=60, blocking_timeout=60):
+        with conn.lock(keys.admit_lock(job_stage, run), timeout=60, blocking_timeout=60):
             for job in self.jobs(job_stage, run):
                 if k8s_jobs.job_state(job) in ("waiting", "running"):
                     return job["metadata"]["name"]
@@ -146,7 +147,7 @@ def stop_extract_server(settings: Settings) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eyrie.gpu_admission")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("drain", help="work a stage's queue until it is empty").add_argument("stage", choices=("extract", "train"))
+    sub.add_parser("drain", help="work a stage's queue until it is empty").add_argument("stage", choices=GPU_QUEUES)
     job = sub.add_parser("job", help="create (or find) a run's Job for a GPU stage")
     job.add_argument("stage")
     job.add_argument("--run", required=True)

@@ -8,9 +8,8 @@ import orjson
 import redis
 from pydantic import BaseModel
 
+from eyrie import keys
 from eyrie.errors import EyrieError
-
-KEY = "eyrie:inference:{name}"
 
 
 class Endpoint(BaseModel):
@@ -31,16 +30,16 @@ class Endpoint(BaseModel):
 
 def publish(conn: redis.Redis, endpoint: Endpoint) -> None:
     endpoint.updated_at = time.time()
-    conn.set(KEY.format(name=endpoint.name), orjson.dumps(endpoint.model_dump()))
+    conn.set(keys.inference_endpoint(endpoint.name), orjson.dumps(endpoint.model_dump()))
 
 
 def read(conn: redis.Redis, name: str = "default") -> Endpoint | None:
-    raw = conn.get(KEY.format(name=name))
+    raw = conn.get(keys.inference_endpoint(name))
     return Endpoint.model_validate(orjson.loads(raw)) if raw else None
 
 
 def read_all(conn: redis.Redis) -> list[Endpoint]:
-    names = sorted(k.decode().split(":", 2)[2] for k in conn.scan_iter(KEY.format(name="*")))
+    names = sorted(keys.endpoint_name(k.decode()) for k in conn.scan_iter(keys.inference_endpoint("*")))
     return [e for e in (read(conn, name) for name in names) if e]
 
 
@@ -65,16 +64,13 @@ def wait_all_ready(conn: redis.Redis, deadline_s: float, name: str = "default") 
         time.sleep(1.0)
 
 
-EXTRACT_KEY = "eyrie:extract:endpoint"  # the vLLM extraction server: never one of the inference endpoints
-
-
 def publish_extract(conn: redis.Redis, endpoint: Endpoint) -> None:
     endpoint.updated_at = time.time()
-    conn.set(EXTRACT_KEY, orjson.dumps(endpoint.model_dump()))
+    conn.set(keys.EXTRACT_ENDPOINT, orjson.dumps(endpoint.model_dump()))
 
 
 def read_extract(conn: redis.Redis) -> Endpoint | None:
-    raw = conn.get(EXTRACT_KEY)
+    raw = conn.get(keys.EXTRACT_ENDPOINT)
     return Endpoint.model_validate(orjson.loads(raw)) if raw else None
 
 

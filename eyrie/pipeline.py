@@ -10,9 +10,11 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from eyrie import keys
 from eyrie.errors import EyrieError
 from eyrie.manifest import RUN_NAME, Layout, check_run_name
-from eyrie.queue import enqueue_task
+from eyrie.queue import enqueue
+from eyrie.stages import EXTRACT, PLAN_EXTRACT, TRAIN, VERIFY, entry
 
 log = logging.getLogger("eyrie.pipeline")
 
@@ -92,6 +94,13 @@ class ExtractSection(_Section):
     max_length: int | None = Field(None, ge=2)
     budget: str | None = None
     backend: str = Field("hf", pattern="^(hf|vllm)$")
+
+
+# The train stage's defaults: the trainer plans with them, `--plan` projects with them.
+DEFAULT_DRAFT_VOCAB = 32000
+DEFAULT_EPOCHS = 10
+DEFAULT_SEQ_LEN = 8192  # speculators' --total-seq-len: longer samples are cut there
+MAX_HELDOUT = 500
 
 
 class TrainSection(_Section):
@@ -178,7 +187,7 @@ def save_config(conn, store, config: RunConfig) -> None:
                              "of stages already planned).",
                              "rerun with the original config to continue it, or give the new one another run name.")
     store.put_json(key, config.model_dump())
-    conn.sadd(ACTIVE, config.run)
+    conn.sadd(keys.ACTIVE_PIPELINES, config.run)
 
 
 def _open_sections(store, run: str) -> set[str]:
@@ -192,9 +201,6 @@ def _open_sections(store, run: str) -> set[str]:
                                                            ("verify", manifest.verify)) if planned is None}
 
 
-ACTIVE = "eyrie:pipelines:active"
-
-
 def stored_config(store, run: str) -> RunConfig | None:
     key = config_key(run)
     return RunConfig.model_validate(store.get_json(key)) if store.exists(key) else None
@@ -205,7 +211,7 @@ def advance(conn, store, run: str) -> str | None:
     config = stored_config(store, run)
     if config is None:
         return None
-    with conn.lock(f"eyrie:advance:{run}", timeout=300, blocking_timeout=300):
+    with conn.lock(keys.advance_lock(run), timeout=300, blocking_timeout=300):
         return _next_stage(conn, store, config)
 
 
@@ -216,25 +222,19 @@ def _next_stage(conn, store, config: RunConfig) -> str | None:
     if not all(store.exists(layout.generate_shard_manifest(p.index)) for p in manifest.generate_shards):
         return None
     if manifest.extract is None:  # planned by the extractor (it has the tokenizer and the model config)
-        enqueue_task(conn, "extract", PLAN_EXTRACT_FUNC, {"run": config.run}, plan_extract_task_id(config.run))
+        enqueue(conn, PLAN_EXTRACT, {"run": config.run})
         return "extract"
     if not _all_extracted(store, manifest, layout):
         start_configured_extract(conn, store, config)  # planned: this only enqueues what is missing
         return "extract"
     if manifest.drafter is None:
-        from eyrie_trainer.plan import TASK_FUNC, TRAIN_TIMEOUT_S, train_task_id
-
         # planned by the trainer (which fetches and checks the base drafter in its own cache)
-        enqueue_task(conn, "train", TASK_FUNC, {"run": config.run, "request": config.train.model_dump()},
-                     train_task_id(config.run), timeout_s=TRAIN_TIMEOUT_S)
+        enqueue(conn, TRAIN, {"run": config.run, "request": config.train.model_dump()})
         return "train"
     if manifest.verify is None and verify_wanted(config):
-        from eyrie_inference.verify import TASK_FUNC as VERIFY_FUNC
-
-        # on the train queue: the trainer has the held-out samples in its cache
-        enqueue_task(conn, "train", VERIFY_FUNC, {"run": config.run}, f"verify-{config.run}-00000", timeout_s=7200)
+        enqueue(conn, VERIFY, {"run": config.run})
         return "verify"
-    conn.srem(ACTIVE, config.run)  # exported (and verified): the pipeline is done
+    conn.srem(keys.ACTIVE_PIPELINES, config.run)  # exported (and verified): the pipeline is done
     return None
 
 
@@ -255,7 +255,7 @@ def drained_run(conn, store) -> str | None:
 
     if live_tasks(conn, "generate"):
         return None
-    for run in sorted(m.decode() for m in conn.smembers(ACTIVE)):
+    for run in sorted(m.decode() for m in conn.smembers(keys.ACTIVE_PIPELINES)):
         from eyrie.manifest import load_run_manifest
 
         try:
@@ -272,27 +272,18 @@ def drained_run(conn, store) -> str | None:
 def _stalled(conn, store, run: str) -> bool:
     """Blocked, cancelled or with a task failed for good: its later stages wait for a person, not
     for the GPUs (a restarted inference service must not stay down for it)."""
-    from eyrie.control import cancelled_key, run_job_ids
+    from eyrie.control import run_job_ids
     from eyrie.queue import job_state
 
-    if conn.exists(blocked_key(run), cancelled_key(run)):
+    if conn.exists(keys.blocked(run), keys.cancelled(run)):
         return True
     ids = run_job_ids(store, run)
     return any(job_state(conn, job_id) == "failed" for job_id in ids["extract"] + ids["train"])
 
 
-PLAN_EXTRACT_FUNC = "eyrie.pipeline.run_plan_extract_task"
-
-
-def plan_extract_task_id(run: str) -> str:
-    return f"plan-extract-{run}-00000"
-
-
 def start_configured_extract(conn, store, config: RunConfig):
-    from eyrie_extractor.plan import start_extract
-
     e = config.extract
-    return start_extract(conn, store, config.run, layers=e.layers, dtype=e.dtype, max_length=e.max_length,
+    return entry(EXTRACT.start)(conn, store, config.run, layers=e.layers, dtype=e.dtype, max_length=e.max_length,
                          budget=e.budget, backend=e.backend)
 
 
@@ -331,13 +322,11 @@ def on_task_done(job, connection, result, *args, **kwargs) -> None:
 
 def advance_or_record(conn, store, run: str, retry_blocked: bool = False) -> str | None:
     """advance, unless a refusal blocks the run (only `eyrie run`, the user's rerun, retries it)."""
-    from eyrie.control import cancelled_key
-
-    if conn.exists(cancelled_key(run)):
+    if conn.exists(keys.cancelled(run)):
         return None  # cancelled: nothing more starts until `eyrie retry` or `eyrie run`
     if retry_blocked:
-        conn.delete(blocked_key(run))
-    elif conn.exists(blocked_key(run)):
+        conn.delete(keys.blocked(run))
+    elif conn.exists(keys.blocked(run)):
         return None
     try:
         return advance(conn, store, run)
@@ -350,8 +339,5 @@ def block(conn, run: str, exc: EyrieError) -> None:
     """A refusal the user must fix (storage budget, a base drafter that does not fit): no retry,
     shown by status until `eyrie run` is run again."""
     log.warning("run %s: the next stage did not start: %s", run, exc)
-    conn.set(blocked_key(run), str(exc))
+    conn.set(keys.blocked(run), str(exc))
 
-
-def blocked_key(run: str) -> str:
-    return f"eyrie:pipeline:{run}:blocked"

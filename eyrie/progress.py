@@ -7,29 +7,27 @@ import time
 import orjson
 import redis
 
-
-def _key(run: str, stage: str) -> str:
-    return f"eyrie:progress:{run}:{stage}"
+from eyrie import keys
 
 
 def report(conn: redis.Redis, run: str, stage: str, task: str, started: float, **fields) -> None:
     """`started`: when this attempt at the task began (for its own rate)."""
     fields["updated_at"], fields["started"] = time.time(), started
     with conn.pipeline() as pipe:
-        pipe.hset(_key(run, stage), task, orjson.dumps(fields))
-        pipe.hsetnx(f"eyrie:stage:{run}:{stage}", "started_at", time.time())
+        pipe.hset(keys.progress(run, stage), task, orjson.dumps(fields))
+        pipe.hsetnx(keys.stage_started(run, stage), "started_at", time.time())
         pipe.execute()
 
 
 def reset(conn: redis.Redis, run: str, stage: str) -> None:
     """A new plan for a stage starts with no live progress (a run name may be reused)."""
-    conn.delete(_key(run, stage), f"eyrie:stage:{run}:{stage}")
+    conn.delete(keys.progress(run, stage), keys.stage_started(run, stage))
 
 
 def read(conn: redis.Redis, run: str, stage: str) -> dict[str, dict]:
-    return {k.decode(): orjson.loads(v) for k, v in conn.hgetall(_key(run, stage)).items()}
+    return {k.decode(): orjson.loads(v) for k, v in conn.hgetall(keys.progress(run, stage)).items()}
 
 
 def started_at(conn: redis.Redis, run: str, stage: str) -> float | None:
-    value = conn.hget(f"eyrie:stage:{run}:{stage}", "started_at")
+    value = conn.hget(keys.stage_started(run, stage), "started_at")
     return float(value) if value else None

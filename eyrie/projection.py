@@ -11,7 +11,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from eyrie.errors import EyrieError
-from eyrie.pipeline import RunConfig
+from eyrie.pipeline import DEFAULT_EPOCHS, DEFAULT_SEQ_LEN, RunConfig
 
 RECORD_BYTES_PER_TOKEN = 4  # a generated JSONL record: text + token ids, about 4 bytes a token
 
@@ -58,7 +58,7 @@ def architecture(config: RunConfig) -> str | None:
 def samples(config: RunConfig) -> int:
     d = config.dataset
     if Path(d.source).exists():
-        from eyrie_generator.dataset import resolve
+        from eyrie.dataset import resolve
 
         return resolve(d.source, d.split, d.revision, d.limit).row_end
     if d.limit is None:
@@ -69,8 +69,8 @@ def samples(config: RunConfig) -> int:
 
 def project(config: RunConfig, settings) -> dict:
     from eyrie.support import check
-    from eyrie_extractor.budget import parse_size, projected_bytes
-    from eyrie_extractor.layers import resolve_aux_layers
+    from eyrie.budget import parse_size, projected_bytes
+    from eyrie.layers import resolve_aux_layers
 
     hidden, num_layers, vocab, shape_from, architecture = target_shape(config)
     aux = resolve_aux_layers(config.extract.layers, num_layers)
@@ -126,8 +126,6 @@ def measured_generation(config: RunConfig, settings) -> tuple[float, str] | None
 
 def lengths(config: RunConfig, n: int, longest: int) -> dict:
     """Training must see what extraction stored: the tokens past train.seq_len are stored, then cut."""
-    from eyrie_trainer.plan import DEFAULT_SEQ_LEN
-
     extract_len = min(config.extract.max_length or longest, longest)
     train_len = config.train.seq_len or DEFAULT_SEQ_LEN
     unseen = n * max(0, extract_len - train_len)
@@ -177,8 +175,6 @@ def _existing(path: str | None) -> Path | None:
 
 def hours(config: RunConfig, p: dict) -> dict:
     """Each stage's hours: tokens / tok/s (given in plan:, else our measured figure for the shape)."""
-    from eyrie_trainer.plan import DEFAULT_EPOCHS
-
     n, shape = p["samples"], (p["hidden_size"], p["num_layers"])
     mean = p["mean_tokens"] or p["prompt_tokens_estimate"] + p["max_tokens"]
     completion = n * max(1, mean - p["prompt_tokens_estimate"])
@@ -205,7 +201,7 @@ def _stage(tokens: int, given: float | None, figure: tuple | None, knob: str) ->
 
 
 def render(p: dict) -> list[str]:
-    from eyrie_extractor.budget import human
+    from eyrie.budget import human
 
     lines = [f"run {p['run']}: plan (no server, no GPU)",
              f"  target {p['target']}: hidden {p['hidden_size']}, {p['num_layers']} layers, vocab "
@@ -232,7 +228,7 @@ def render(p: dict) -> list[str]:
 
 
 def _space_lines(s: dict) -> list[str]:
-    from eyrie_extractor.budget import human
+    from eyrie.budget import human
 
     lines = [f"  every copy ({s['basis']}): bucket {human(s['bucket_bytes'])} (hidden states + records), "
              f"the trainer's local copy {human(s['trainer_copy_bytes'])} (on the trainer's host: "

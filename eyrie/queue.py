@@ -15,18 +15,13 @@ from rq import Callback, Queue, Retry, SimpleWorker, Worker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from eyrie import keys
+from eyrie.stages import CALLBACKS, GPU_QUEUES, ON_TASK_DONE, QUEUE_PREFIX, TASK_FUNCS, Stage, queue_name
 from eyrie.errors import EyrieError
 
 RETRY_INTERVALS_S = [10, 60, 300]
 ADVANCE_TIMEOUT_S = 3600  # planning the next stage reads every record (25k samples: minutes)
 LEASE_TTL_S = 15  # a dead worker's task is taken over within this time
-# The only functions a worker runs, and the only callback: a payload naming anything else
-# (os.system, say) is refused unexecuted, whoever could write to Redis.
-TASK_FUNCS = frozenset({
-    "eyrie_generator.shard.run_generate_shard", "eyrie_extractor.shard.run_extract_shard",
-    "eyrie.pipeline.run_plan_extract_task", "eyrie_trainer.runner.run_train_task",
-    "eyrie_trainer.plan.run_fetch_task", "eyrie_inference.verify.run_verify_task"})
-CALLBACKS = frozenset({"eyrie.pipeline.on_task_done"})
 
 
 class RefusedTask(Exception):
@@ -34,7 +29,8 @@ class RefusedTask(Exception):
 
 
 class EyrieJob(Job):
-    """A job that resolves only eyrie's own task functions and callback."""
+    """A job that resolves only eyrie's own task functions and callback (eyrie.stages): a payload
+    naming anything else (os.system, say) is refused unexecuted, whoever could write to Redis."""
 
     @property
     def func(self):
@@ -93,7 +89,7 @@ def _safe(url: str) -> str:
 
 def queue(conn: redis.Redis, stage: str) -> Queue:
     """The queue of one stage. JSON payloads only: nothing read from Redis is unpickled."""
-    return Queue(f"eyrie-{stage}", connection=conn, serializer=JSONSerializer, job_class=EyrieJob)
+    return Queue(queue_name(stage), connection=conn, serializer=JSONSerializer, job_class=EyrieJob)
 
 
 def job_state(conn: redis.Redis, job_id: str) -> str | None:
@@ -138,10 +134,16 @@ def enqueue_task(conn: redis.Redis, stage: str, func: str, payload: dict, job_id
     return True
 
 
+def enqueue(conn: redis.Redis, stage: Stage, payload: dict, shard: int = 0) -> bool:
+    """One task of a stage: its queue, function, task id and timeout from the registry."""
+    return enqueue_task(conn, stage.queue, stage.func, payload, stage.task_id(payload["run"], shard),
+                        timeout_s=stage.timeout_s)
+
+
 def _enqueue(conn, stage: str, func: str, payload: dict, job_id: str, timeout_s: int) -> None:
     queue(conn, stage).enqueue(
         func, payload, job_id=job_id, job_timeout=timeout_s, result_ttl=7 * 86400,
-        on_success=Callback("eyrie.pipeline.on_task_done", timeout=ADVANCE_TIMEOUT_S),
+        on_success=Callback(ON_TASK_DONE, timeout=ADVANCE_TIMEOUT_S),
         failure_ttl=30 * 86400, retry=Retry(max=len(RETRY_INTERVALS_S), interval=RETRY_INTERVALS_S),
         description=f"{stage} {job_id}",
     )
@@ -154,7 +156,7 @@ def _abandoned(conn: redis.Redis, job_id: str) -> bool:
     job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
     started = job.started_at.replace(tzinfo=timezone.utc) if job.started_at else None
     old_enough = started is None or datetime.now(timezone.utc) - started > timedelta(seconds=LEASE_TTL_S)
-    return old_enough and not conn.exists(lease_key(job_id), alive_key(job_id))
+    return old_enough and not conn.exists(keys.task_lease(job_id), keys.job_alive(job_id))
 
 
 def live_tasks(conn: redis.Redis, stage: str) -> int:
@@ -163,18 +165,10 @@ def live_tasks(conn: redis.Redis, stage: str) -> int:
     return q.count + q.scheduled_job_registry.count + q.started_job_registry.count + q.deferred_job_registry.count
 
 
-def lease_key(task_id: str) -> str:
-    return f"eyrie:lease:{task_id}"
-
-
-def alive_key(job_id: str) -> str:
-    return f"eyrie:alive:{job_id}"
-
-
 def _keep_alive(conn: redis.Redis, job_id: str, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
-            conn.set(alive_key(job_id), socket.gethostname(), ex=LEASE_TTL_S)
+            conn.set(keys.job_alive(job_id), socket.gethostname(), ex=LEASE_TTL_S)
         except redis.exceptions.RedisError:
             pass  # Redis is away: the key lapses; the task's own lease decides who works on it
         stop.wait(LEASE_TTL_S / 3)
@@ -182,7 +176,7 @@ def _keep_alive(conn: redis.Redis, job_id: str, stop: threading.Event) -> None:
 
 def task_lease(conn: redis.Redis, task_id: str) -> Lock:
     """Who is working on a task now. Expires LEASE_TTL_S after its holder stops renewing it."""
-    return Lock(conn, lease_key(task_id), timeout=LEASE_TTL_S, blocking_timeout=LEASE_TTL_S + 5,
+    return Lock(conn, keys.task_lease(task_id), timeout=LEASE_TTL_S, blocking_timeout=LEASE_TTL_S + 5,
                 thread_local=False)
 
 
@@ -267,12 +261,12 @@ class _Maintained:
         finally:
             stop.set()
             keeper.join()
-            self.connection.delete(alive_key(job.id))
+            self.connection.delete(keys.job_alive(job.id))
 
     def run_maintenance_tasks(self):
         super().run_maintenance_tasks()
         for q in self.queues:
-            reclaimed = reclaim_abandoned(self.connection, q.name.removeprefix("eyrie-"))
+            reclaimed = reclaim_abandoned(self.connection, q.name.removeprefix(QUEUE_PREFIX))
             if reclaimed:
                 self.log.warning("requeued %d task(s) of dead workers on %s", reclaimed, q.name)
 
@@ -294,7 +288,7 @@ def run_worker(conn: redis.Redis, stage: str, burst: bool) -> None:
     reclaim_abandoned(conn, stage)
     # GPU stages run tasks in the worker process itself: the model stays loaded between tasks
     # (and CUDA does not survive a fork). The generator forks a work horse per task.
-    worker_class = ForkingWorker if stage == "generate" else InProcessWorker
+    worker_class = InProcessWorker if stage in GPU_QUEUES else ForkingWorker
     worker = worker_class([queue(conn, stage)], connection=conn, serializer=JSONSerializer,
                           job_class=EyrieJob, name=worker_name(stage), maintenance_interval=2 * LEASE_TTL_S,
                           worker_ttl=3 * LEASE_TTL_S)

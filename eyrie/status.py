@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import time
 
-from eyrie import gpu, inference, progress
+from eyrie import gpu, inference, keys, progress
 from eyrie.charts import chart_series
 from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest
 from eyrie.queue import job_errors, job_state, workers_on
+from eyrie.stages import FETCH, PLAN_EXTRACT, TRAIN, task_id
 
 LIVE_JOB_STATES = {"queued", "started", "scheduled", "deferred"}
-
-
-def task_id(stage: str, run: str, shard: int) -> str:
-    return f"{stage}-{run}-{shard:05d}"
 
 
 def run_status(conn, store, run: str) -> dict:
@@ -26,7 +23,7 @@ def run_status(conn, store, run: str) -> dict:
         stages["extract"]["projected_bytes"] = manifest.extract.projected_bytes
     if manifest.train:
         stages["train"] = train_status(conn, store, manifest)
-    cancelled = conn.get(f"eyrie:pipeline:{run}:cancelled")
+    cancelled = conn.get(keys.cancelled(run))
     if cancelled:
         _mark_cancelled(stages)
     return {
@@ -51,12 +48,12 @@ def _mark_cancelled(stages: dict) -> None:
 
 def pipeline_status(conn, store, run: str) -> dict | None:
     """Set for runs started by `eyrie run`: whether the chain is blocked, and the base drafter's fetch."""
-    from eyrie.pipeline import blocked_key, config_key, plan_extract_task_id
+    from eyrie.pipeline import config_key
 
     if not store.exists(config_key(run)):
         return None
-    fetch, plan = task_id("fetch", run, 0), plan_extract_task_id(run)
-    blocked = conn.get(blocked_key(run))
+    fetch, plan = FETCH.task_id(run), PLAN_EXTRACT.task_id(run)
+    blocked = conn.get(keys.blocked(run))
     return {"blocked": blocked.decode() if blocked else None, "fetch_state": job_state(conn, fetch),
             "fetch_errors": job_errors(conn, [fetch]), "plan_extract_state": job_state(conn, plan),
             "plan_extract_errors": job_errors(conn, [plan])}
@@ -134,7 +131,7 @@ def train_status(conn, store, manifest: RunManifest) -> dict:
     checkpoints, τ per checkpoint once evaluated, the exported drafter, and the charts' series."""
     run, layout = manifest.run, Layout(manifest.run)
     live = progress.read(conn, run, "train").get("0", {})
-    job = task_id("train", run, 0)
+    job = TRAIN.task_id(run)
     state = job_state(conn, job) or "missing"
     done = manifest.drafter is not None
     total, step = live.get("total_steps") or 0, live.get("step", 0)

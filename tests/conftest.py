@@ -18,6 +18,8 @@ import redis
 import requests
 import yaml
 
+from eyrie import keys
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "assets" / "tiny-target"
 BIN = Path(sys.executable).parent
@@ -142,7 +144,7 @@ def redis_url(redis_server):
     """A clean Redis for each test; the published inference endpoints survive."""
     conn = redis.Redis.from_url(redis_server)
     for key in conn.scan_iter():
-        if not key.startswith(b"eyrie:inference:"):
+        if not key.decode().startswith(keys.INFERENCE_PREFIX):
             conn.delete(key)
     return redis_server
 

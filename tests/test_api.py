@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from prometheus_client.parser import text_string_to_metric_families
 from schemathesis.checks import not_a_server_error
 
+from eyrie import keys
+
 from conftest import BIN, OFFLINE, ROOT, TINY, eyrie, free_port, start_worker, stop, wait_for, wait_http
 
 TOKEN = "test-token-0123456789abcdef"
@@ -98,7 +100,7 @@ def test_the_api_reads_local_datasets_only_under_its_roots(env, api, stub_server
     closed = api(EYRIE_API_DATASET_ROOTS="")  # the default: no local dataset through the API
     refused = requests.post(f"{closed}/runs", json=run_config("in2", str(allowed / "p.jsonl")), headers=AUTH)
     assert refused.status_code == 400 and "EYRIE_API_DATASET_ROOTS (none set" in refused.json()["detail"]
-    assert not redis.Redis.from_url(env["EYRIE_REDIS_URL"]).smembers("eyrie:pipelines:active")
+    assert not redis.Redis.from_url(env["EYRIE_REDIS_URL"]).smembers(keys.ACTIVE_PIPELINES)
 
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
@@ -120,7 +122,7 @@ def test_unknown_runs_404_and_bad_bodies_422_naming_the_field(env, api):
     assert named.status_code == 422 and named.json()["detail"][0]["loc"] == ["body", "run"]
     missing_data = requests.post(f"{url}/runs", json=run_config("nodata", "/no/such.jsonl"), headers=AUTH)
     assert missing_data.status_code == 400 and "such.jsonl" in missing_data.json()["detail"]
-    assert not redis.Redis.from_url(env["EYRIE_REDIS_URL"]).smembers("eyrie:pipelines:active")  # nothing left
+    assert not redis.Redis.from_url(env["EYRIE_REDIS_URL"]).smembers(keys.ACTIVE_PIPELINES)  # nothing left
 
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eyrie.errors import EyrieError
-from eyrie_generator import dataset
+from eyrie import dataset
 from eyrie_generator.plan import sample_id
 from eyrie_generator.prompts import Skip, to_prompt
 

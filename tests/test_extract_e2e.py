@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import TINY, eyrie
+from eyrie import keys
 from eyrie.config import load_settings
 from eyrie.manifest import Layout, RunManifest, ShardManifest
 from eyrie.store import open_store
@@ -148,7 +149,7 @@ def test_sigkilled_extractor_then_task_completed_exactly_once(env, stub_server, 
     assert 0 < written_before < n
 
     conn = __import__("redis").Redis.from_url(env["EYRIE_REDIS_URL"])
-    while conn.exists("eyrie:lease:extract-kill-00000") and time.monotonic() < deadline + 60:
+    while conn.exists(keys.task_lease("extract-kill-00000")) and time.monotonic() < deadline + 60:
         time.sleep(0.5)  # the dead worker's lease lapses; a new worker takes the task over
     eyrie("worker", "extract", "--burst", env=xenv, timeout=600)
 

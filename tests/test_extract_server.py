@@ -12,12 +12,12 @@ import pytest
 import redis
 
 from conftest import BIN, ROOT, TINY, TRAIN_PROMPTS, free_port, stop
-from eyrie import inference
+from eyrie import inference, keys
 from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease, holder
 from eyrie.manifest import (ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
                             ShardPlan, TargetRef)
-from eyrie.pipeline import ACTIVE, RunConfig, config_key
+from eyrie.pipeline import RunConfig, config_key
 from eyrie.store import open_store
 from eyrie.config import load_settings
 from eyrie_inference.extract_server import extraction_run, vllm_command
@@ -72,7 +72,7 @@ def test_served_under_the_lease_from_the_run_config_and_stopped_once_extracted(r
     store.put_json(config_key(RUN), _config().model_dump())
     store.put_json(Layout(RUN).manifest, _manifest().model_dump())
     store.put_json(Layout(RUN).extract_shard_manifest(0), {})
-    conn.sadd(ACTIVE, RUN)
+    conn.sadd(keys.ACTIVE_PIPELINES, RUN)
     assert extraction_run(conn, store) == RUN
     inference_lease = GpuLease(conn, "inference@test")
     assert inference_lease.acquire(wait_s=5)

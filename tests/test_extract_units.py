@@ -6,9 +6,9 @@ from transformers import AutoTokenizer
 
 from conftest import TINY
 from eyrie.errors import EyrieError
-from eyrie_extractor.budget import bytes_per_token, check_fits, parse_size
+from eyrie.budget import bytes_per_token, check_fits, parse_size
 from eyrie_extractor.capture import token_budget_batches
-from eyrie_extractor.layers import default_aux_layers, resolve_aux_layers
+from eyrie.layers import default_aux_layers, resolve_aux_layers
 from eyrie_extractor.render import Rendered, fit, render
 
 THINK = ("<think>", "</think>")

@@ -12,6 +12,7 @@ import redis
 import requests
 
 from conftest import eyrie, start_worker
+from eyrie import keys
 from eyrie.config import load_settings
 from eyrie.manifest import Layout
 from eyrie.store import open_store
@@ -101,7 +102,7 @@ def test_sigkilled_worker_then_rerun_gives_exactly_one_record_per_sample(env, st
 
     conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
     deadline = time.monotonic() + 60  # a dead worker's lease lapses within LEASE_TTL_S
-    while conn.exists("eyrie:lease:generate-crash-00000") and time.monotonic() < deadline:
+    while conn.exists(keys.task_lease("generate-crash-00000")) and time.monotonic() < deadline:
         time.sleep(0.5)
     if recovery == "rerun":  # the same command again: continues, re-enqueues what is missing
         assert "1 tasks enqueued now" in eyrie(*args, env=env).stdout
@@ -172,7 +173,7 @@ def test_lanes_move_on_to_the_next_shard_while_the_last_answers_arrive(env, stub
         manifest = store.get_json(layout.generate_shard_manifest(shard))
         rows = [orjson.loads(line)["row"] for line in store.get_bytes(manifest["object"]).splitlines()]
         assert rows == list(range(12 * shard, 12 * shard + 12)) and manifest["counts"]["done"] == 12
-    assert not conn.exists("eyrie:generate:claims:generate-chain-00000")
+    assert not conn.exists(keys.generate_claims("generate-chain-00000"))
     status = json.loads(eyrie("status", "chain", "--json", env=env).stdout)["stages"]["generate"]
     assert status["state"] == "done" and status["shards_done"] == 4
 
@@ -190,15 +191,15 @@ def test_a_worker_killed_while_on_a_shard_it_took_on_loses_and_duplicates_nothin
     conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
     worker = start_worker(env, burst=True)
     deadline = time.monotonic() + 120
-    while not conn.sismember("eyrie:generate:claims:generate-took-00000", 1) and time.monotonic() < deadline:
+    while not conn.sismember(keys.generate_claims("generate-took-00000"), 1) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert conn.sismember("eyrie:generate:claims:generate-took-00000", 1), "shard 1 was never taken on"
+    assert conn.sismember(keys.generate_claims("generate-took-00000"), 1), "shard 1 was never taken on"
     for proc in psutil.Process(worker.pid).children(recursive=True) + [psutil.Process(worker.pid)]:
         proc.send_signal(signal.SIGKILL)
     worker.wait()
     assert requests.get(f"{url}/stats").json()["total"] < n, "finished before the kill: proves nothing"
     deadline = time.monotonic() + 60
-    while conn.exists("eyrie:lease:generate-took-00000", "eyrie:lease:generate-took-00001") and \
+    while conn.exists(keys.task_lease("generate-took-00000"), keys.task_lease("generate-took-00001")) and \
             time.monotonic() < deadline:
         time.sleep(0.5)
     if recovery == "rerun":  # shard 1's job, marked started by the dead task, is abandoned: replaced

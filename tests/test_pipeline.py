@@ -13,6 +13,8 @@ import pytest
 import redis
 import yaml
 
+from eyrie import keys
+
 from conftest import BIN, OFFLINE, ROOT, TRAIN_PROMPTS, eyrie, tiny_run_config, wait_for
 from vllm_real import SMALL, vllm_env
 
@@ -115,7 +117,7 @@ def test_generate_started_on_one_host_is_finished_on_another(env, tiny_server, t
     assert set(only) == {"EYRIE_REDIS_URL", "EYRIE_STORE_URL", "EYRIE_S3_ENDPOINT", "EYRIE_S3_ACCESS_KEY",
                          "EYRIE_S3_SECRET_KEY"}
     conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
-    while any(conn.scan_iter("eyrie:lease:generate-moved-*")):
+    while any(conn.scan_iter(keys.task_lease("generate-moved-*"))):
         time.sleep(0.5)  # host A's task leases lapse (15 s)
     subprocess.run([str(BIN / "eyrie"), "generate", "--dataset", str(TRAIN_PROMPTS), "--run", "moved", "--concurrency",
                     "4", "--max-tokens", "64", "--shard-size", "40"], env=host_b_env, cwd=host_b_dir, check=True,

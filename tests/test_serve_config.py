@@ -105,7 +105,8 @@ def test_the_stacks_inference_serves_the_active_runs_target_with_its_serve_secti
     import time
 
     from conftest import BIN, free_port, stop
-    from eyrie.pipeline import ACTIVE, config_key
+    from eyrie import keys
+    from eyrie.pipeline import config_key
     from eyrie_inference.server import generating_run
 
     url = conn.connection_pool.connection_kwargs
@@ -122,7 +123,7 @@ def test_the_stacks_inference_serves_the_active_runs_target_with_its_serve_secti
         cfg = load_config(tiny_run_config(tmp_path, "act", serve={"tensor_parallel_size": 2, "max_model_len": 512}))
         store = open_store(load_settings(store_url=env["EYRIE_STORE_URL"]))
         store.put_json(config_key("act"), cfg.model_dump())
-        conn.sadd(ACTIVE, "act")
+        conn.sadd(keys.ACTIVE_PIPELINES, "act")
         assert generating_run(conn, store) == "act"
         deadline = time.monotonic() + 60
         while not (inference.read(conn) and inference.read(conn).state == "ready"):

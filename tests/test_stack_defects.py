@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from conftest import BIN, OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, free_port, stop, wait_for
-from eyrie import inference
+from eyrie import inference, keys
 from eyrie.gpu import GpuLease, holder
-from eyrie.queue import LEASE_TTL_S, Heartbeat, held_task, lease_key
+from eyrie.queue import LEASE_TTL_S, Heartbeat, held_task
 
 
 def own_db(redis_url: str, db: int) -> redis.Redis:
@@ -42,7 +42,7 @@ def test_the_extractor_drops_the_target_before_the_gpu_lease_goes(redis_url):
     seen_when_free = []
 
     def watch():  # what a waiting stage would find the moment the lease is free
-        while conn.exists("eyrie:gpu:lease"):
+        while conn.exists(keys.GPU_LEASE):
             time.sleep(0.001)
         seen_when_free.append(model())
 
@@ -75,7 +75,7 @@ def test_leases_live_through_a_gpu_wait_and_a_load_longer_than_their_ttl(redis_u
             assert gpu.acquire(wait_s=LEASE_TTL_S + 30, poll_s=0.2)
             assert time.monotonic() - started > LEASE_TTL_S  # waited past the task lease's TTL
             time.sleep(6)  # a slow model load: twice the GPU lease's TTL
-            assert lease.owned() and conn.exists(lease_key("extract-slow-00000"))
+            assert lease.owned() and conn.exists(keys.task_lease("extract-slow-00000"))
             assert holder(conn)["holder"]["owner"] == "extractor@here" and not beat.lost
             with held_task(conn, "extract-slow-00000") as second:  # another worker, meanwhile
                 assert second is None
@@ -108,9 +108,8 @@ def test_a_blocked_or_cancelled_run_does_not_keep_the_server_down(env, stub_serv
     """A generated run whose later stages wait would stop the inference server ("drained"): a
     blocked or cancelled run waits for a person, not for the GPUs."""
     from eyrie.config import load_settings
-    from eyrie.control import cancelled_key
-    from eyrie.pipeline import ACTIVE, blocked_key, drained_run
-    from eyrie.status import task_id
+    from eyrie.pipeline import drained_run
+    from eyrie.stages import task_id
     from eyrie.store import open_store
     from rq.job import Job, JobStatus
     from rq.serializers import JSONSerializer
@@ -120,14 +119,14 @@ def test_a_blocked_or_cancelled_run_does_not_keep_the_server_down(env, stub_serv
           env=env)
     workers.start("generate")
     conn, store = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(load_settings())
-    conn.sadd(ACTIVE, "stalled")
+    conn.sadd(keys.ACTIVE_PIPELINES, "stalled")
     assert wait_for(lambda: drained_run(conn, store), "generation drained", timeout=120) == "stalled"
-    conn.set(blocked_key("stalled"), "over its storage budget")
+    conn.set(keys.blocked("stalled"), "over its storage budget")
     assert drained_run(conn, store) is None
-    conn.delete(blocked_key("stalled"))
-    conn.set(cancelled_key("stalled"), "now")
+    conn.delete(keys.blocked("stalled"))
+    conn.set(keys.cancelled("stalled"), "now")
     assert drained_run(conn, store) is None
-    conn.delete(cancelled_key("stalled"))
+    conn.delete(keys.cancelled("stalled"))
     assert drained_run(conn, store) == "stalled"
     failed = Job.create("eyrie_trainer.plan.run_train_task", id=task_id("train", "stalled", 0), connection=conn,
                         serializer=JSONSerializer)  # its train task failed for good (retries spent)

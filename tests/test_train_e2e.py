@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from conftest import BIN, OFFLINE, TINY, TRAIN_PROMPTS, eyrie
 from eyrie.manifest import Layout, RunManifest
-from eyrie.queue import lease_key
+from eyrie import keys
 from eyrie.store import open_store
 from eyrie.config import load_settings
 from legacy_drafter import build_legacy_drafter
@@ -196,7 +196,7 @@ def test_a_killed_trainer_resumes_from_its_last_checkpoint(pipeline):
     saved = json.loads(store.get_bytes(layout.checkpoint_file("0", "training_state.json")))
 
     conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
-    while conn.exists(lease_key("train-resume-00000")):  # the dead worker's lease lapses (15 s)
+    while conn.exists(keys.task_lease("train-resume-00000")):  # the dead worker's lease lapses (15 s)
         time.sleep(0.5)
     assert "1 task enqueued now" in eyrie("train", "--run", "resume", env=env).stdout
     eyrie("worker", "train", "--burst", env=env, timeout=900)

@@ -17,13 +17,14 @@ from eyrie.api.metrics import metrics_response
 from eyrie.errors import EyrieError, UnknownRun
 from eyrie.manifest import RUN_NAME
 from eyrie.pipeline import RunConfig
+from eyrie.stages import STARTABLE
 
 STATIC = FilePath(__file__).parent / "static"
 RunName = Annotated[str, Path(pattern=RUN_NAME.pattern, description="Run name.")]
 ERRORS = {401: {"description": "No bearer token."}, 403: {"description": "Wrong token, or none configured."}}
 UNKNOWN = {**ERRORS, 404: {"description": "Unknown run."}}
 BAD = {**ERRORS, 400: {"description": "A problem the user can fix (`detail` and `fix`)."}}
-Stage = Literal["generate", "extract", "train"]
+Stage = Literal[STARTABLE]
 
 
 def create_app(settings=None) -> FastAPI:

@@ -6,9 +6,10 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from eyrie.control import STAGE_QUEUES, overall_state, run_names
+from eyrie.control import overall_state, run_names
 from eyrie.errors import UnknownRun
 from eyrie.queue import queue, workers_on
+from eyrie.stages import QUEUES
 
 RUN_STATES = ("pending", "in_progress", "done", "failed", "cancelled")
 
@@ -25,7 +26,7 @@ class EyrieCollector:
     def _queues(self):
         jobs = GaugeMetricFamily("eyrie_queue_jobs", "Tasks per queue and state.", labels=["queue", "state"])
         workers = GaugeMetricFamily("eyrie_workers", "Workers listening on a stage's queue.", labels=["queue"])
-        for stage in STAGE_QUEUES:
+        for stage in QUEUES:
             q = queue(self.conn, stage)
             for state, count in (("queued", q.count), ("started", q.started_job_registry.count),
                                  ("scheduled", q.scheduled_job_registry.count),

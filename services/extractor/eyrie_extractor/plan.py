@@ -8,15 +8,12 @@ import orjson
 from eyrie import progress
 from eyrie.errors import EyrieError
 from eyrie.manifest import ExtractParams, Layout, RunManifest, ShardManifest, load_run_manifest
-from eyrie.queue import enqueue_task
+from eyrie.queue import enqueue
+from eyrie.stages import EXTRACT
 from eyrie.target import text_config
-from eyrie.status import task_id
-from eyrie_extractor.budget import check_fits, parse_size
-from eyrie_extractor.layers import resolve_aux_layers
+from eyrie.budget import check_fits, parse_size
+from eyrie.layers import resolve_aux_layers
 from eyrie_extractor.render import fit, render
-
-TASK_FUNC = "eyrie_extractor.shard.run_extract_shard"
-
 
 def generated_records(store, manifest: RunManifest, shard: int) -> list[dict]:
     """The done records of one generate shard, checksum-verified."""
@@ -54,7 +51,7 @@ def start_extract(conn, store, run: str, *, layers: list[int] | None = None, dty
     else:
         _check_same(manifest.extract, layers, dtype, max_length)
     enqueued = sum(
-        enqueue_task(conn, "extract", TASK_FUNC, {"run": run, "shard": p.index}, task_id("extract", run, p.index))
+        enqueue(conn, EXTRACT, {"run": run, "shard": p.index}, p.index)
         for p in manifest.generate_shards if not store.exists(layout.extract_shard_manifest(p.index)))
     return manifest, enqueued
 

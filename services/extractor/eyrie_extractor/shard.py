@@ -27,7 +27,7 @@ from eyrie.gpu_admission import gpu_lease
 from eyrie.manifest import Counts, Layout, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
 from eyrie.queue import LEASE_TTL_S, Heartbeat, held_task
-from eyrie.status import task_id
+from eyrie.stages import EXTRACT
 from eyrie_extractor.capture import HFCapture, token_budget_batches
 from eyrie_extractor.plan import generated_records, load_tokenizer
 from eyrie_extractor.render import fit, render
@@ -85,7 +85,7 @@ class ExtractRunner:
     def run(self) -> dict:
         if self.store.exists(self.layout.extract_shard_manifest(self.shard)):
             return {"shard": self.shard, "status": "already_done"}
-        with held_task(self.conn, task_id("extract", self.run_name, self.shard)) as lease:
+        with held_task(self.conn, EXTRACT.task_id(self.run_name, self.shard)) as lease:
             if lease is None:
                 return {"shard": self.shard, "status": "held_by_another_worker"}
             self.lease = lease

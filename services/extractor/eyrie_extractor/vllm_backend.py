@@ -83,7 +83,7 @@ def extract_command(model: str, aux_layers: Sequence[int], shared_dir: str | Pat
     --renderer-num-workers 2`) are left out: they serve chat-template rendering, and eyrie sends
     token ids. `num_layers` is read from the model's config when not given (as the launcher does).
     """
-    from eyrie_extractor.layers import resolve_aux_layers
+    from eyrie.layers import resolve_aux_layers
 
     if num_layers is None:
         from eyrie_extractor.plan import target_shape

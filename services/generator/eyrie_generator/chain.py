@@ -16,34 +16,28 @@ import aiohttp
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from eyrie.control import cancelled_key
+from eyrie import keys
 from eyrie.manifest import Layout
-from eyrie.queue import LEASE_TTL_S, enqueue_task, queue, task_lease
-from eyrie.status import task_id
+from eyrie.queue import LEASE_TTL_S, enqueue, queue, task_lease
+from eyrie.stages import GENERATE
 from eyrie_generator.client import ChatClient
 from eyrie_generator.shard import ShardRunner, split_lanes
-
-
-def claims_key(task: str) -> str:
-    return f"eyrie:generate:claims:{task}"
 
 
 def recover_claims(conn, store, manifest, task: str) -> int:
     """Requeue the shards an earlier attempt of `task` took on and did not finish (once their
     leases, renewed by that dead attempt, have lapsed)."""
     requeued = 0
-    for raw in conn.smembers(claims_key(task)):
+    for raw in conn.smembers(keys.generate_claims(task)):
         shard = int(raw)
-        claimed = task_id("generate", manifest.run, shard)
+        claimed = GENERATE.task_id(manifest.run, shard)
         if store.exists(Layout(manifest.run).generate_shard_manifest(shard)):
             continue
         lease = task_lease(conn, claimed)
         if lease.acquire(blocking=True):  # waits out a dead holder's lease (LEASE_TTL_S)
             _release(lease)
-            from eyrie_generator.plan import TASK_FUNC
-
-            requeued += enqueue_task(conn, "generate", TASK_FUNC, {"run": manifest.run, "shard": shard}, claimed)
-    conn.delete(claims_key(task))
+            requeued += enqueue(conn, GENERATE, {"run": manifest.run, "shard": shard}, shard)
+    conn.delete(keys.generate_claims(task))
     return requeued
 
 
@@ -140,26 +134,26 @@ class Chain:
         """Take on the next queued shard of the run (None when there is none): out of the queue,
         under its lease, listed under this task, marked started; then its rows to ask for."""
         first, q = self.first, queue(self.conn, "generate")
-        if self.conn.exists(cancelled_key(first.run_name)):
+        if self.conn.exists(keys.cancelled(first.run_name)):
             return None  # a cancelled run's shards stay where the cancel left them
         for plan in first.manifest.generate_shards:
-            job_id = task_id("generate", first.run_name, plan.index)
+            job_id = GENERATE.task_id(first.run_name, plan.index)
             if plan.index in self.outstanding:
                 continue
-            self.conn.sadd(claims_key(first.task), plan.index)  # listed first: a death in between loses nothing
+            self.conn.sadd(keys.generate_claims(first.task), plan.index)  # listed first: a death in between loses nothing
             if not q.remove(job_id):
-                self.conn.srem(claims_key(first.task), plan.index)
+                self.conn.srem(keys.generate_claims(first.task), plan.index)
                 continue  # not waiting in the queue (done, running, scheduled)
             lease = task_lease(self.conn, job_id)
             if not lease.acquire(blocking=False):
                 q.push_job_id(job_id)  # another holder (a dead worker's lease not yet lapsed): leave it
-                self.conn.srem(claims_key(first.task), plan.index)
+                self.conn.srem(keys.generate_claims(first.task), plan.index)
                 continue
             job = Job.fetch(job_id, connection=self.conn, serializer=JSONSerializer)
             if first.store.exists(first.layout.generate_shard_manifest(plan.index)):
                 job.set_status(JobStatus.FINISHED)  # a duplicate of a finished task: nothing to do
                 _release(lease)
-                self.conn.srem(claims_key(first.task), plan.index)
+                self.conn.srem(keys.generate_claims(first.task), plan.index)
                 continue
             job.set_status(JobStatus.STARTED)
             runner = ShardRunner(first.settings, self.conn, first.store, first.run_name, plan.index)

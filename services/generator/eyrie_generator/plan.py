@@ -11,20 +11,17 @@ from collections import Counter
 
 import orjson
 
-from eyrie import inference, progress
+from eyrie import inference, keys, progress
 from eyrie.config import Settings
 from eyrie.errors import EyrieError
 from eyrie.manifest import (GenerateParams, Layout, RunManifest, SamplingParams, ShardPlan, TargetRef,
                             code_version, now_iso)
-from eyrie.queue import enqueue_task
-from eyrie.status import task_id
+from eyrie.queue import enqueue
+from eyrie.stages import GENERATE
 from eyrie.store import Store
 from eyrie.target import check_served, describe
-from eyrie_generator import dataset
+from eyrie import dataset
 from eyrie_generator.prompts import Skip, to_prompt
-
-TASK_FUNC = "eyrie_generator.shard.run_generate_shard"
-
 
 def sample_id(ref, row: int) -> str:
     """Deterministic from (dataset, revision, split, row): the same row is the same sample."""
@@ -42,10 +39,9 @@ def start_generate(settings: Settings, conn, store: Store, *, source: str, run: 
         _check_same(manifest, source, limit, params or {})
     else:
         manifest = _new_run(settings, conn, store, layout, source, split, revision, limit, params or {})
-    conn.sadd("eyrie:runs", run)  # the runs list (eyrie.control.KNOWN): no listing of the store
+    conn.sadd(keys.RUNS, run)  # the runs list: no listing of the store
     enqueued = sum(
-        enqueue_task(conn, "generate", TASK_FUNC, {"run": run, "shard": plan.index},
-                     task_id("generate", run, plan.index))
+        enqueue(conn, GENERATE, {"run": run, "shard": plan.index}, plan.index)
         for plan in manifest.generate_shards
         if not store.exists(layout.generate_shard_manifest(plan.index))
     )

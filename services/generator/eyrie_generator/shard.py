@@ -20,7 +20,7 @@ from eyrie.config import Settings, parse_endpoints
 from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
 from eyrie.queue import held_task
-from eyrie.status import task_id
+from eyrie.stages import GENERATE
 from eyrie.store import Store
 from eyrie.target import check_served
 from eyrie_generator.client import ChatClient, Completion
@@ -37,7 +37,7 @@ class ShardRunner:
         self.layout = Layout(run)
         self.manifest: RunManifest = load_run_manifest(store, run)
         self.plan = self.manifest.generate_shards[shard]
-        self.run_name, self.shard, self.task = run, shard, task_id("generate", run, shard)
+        self.run_name, self.shard, self.task = run, shard, GENERATE.task_id(run, shard)
         self.records: dict[str, dict] = {}
         self.pending: list[dict] = []
         self.flushes: list[asyncio.Future] = []

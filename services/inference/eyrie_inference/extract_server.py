@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from eyrie import inference
+from eyrie import inference, keys
 from eyrie.errors import EyrieError
 from eyrie.manifest import Layout, load_run_manifest
 from eyrie_inference.server import Server
@@ -16,9 +16,7 @@ from eyrie_inference.server import Server
 
 def extraction_run(conn, store) -> str | None:
     """An active pipeline whose extract stage is planned on the vLLM backend and not done."""
-    from eyrie.pipeline import ACTIVE
-
-    for run in sorted(m.decode() for m in conn.smembers(ACTIVE)):
+    for run in sorted(m.decode() for m in conn.smembers(keys.ACTIVE_PIPELINES)):
         try:
             manifest = load_run_manifest(store, run)
         except EyrieError:
@@ -70,11 +68,8 @@ class ExtractServer(Server):
 
     def _drained(self) -> bool:
         """Done: every shard extracted, or the run cancelled or no longer active."""
-        from eyrie.control import cancelled_key
-        from eyrie.pipeline import ACTIVE
-
-        done = extracted(self.store, self.manifest) or self.conn.exists(cancelled_key(self.run_name)) \
-            or not self.conn.sismember(ACTIVE, self.run_name)
+        done = extracted(self.store, self.manifest) or self.conn.exists(keys.cancelled(self.run_name)) \
+            or not self.conn.sismember(keys.ACTIVE_PIPELINES, self.run_name)
         if done and self.proc is not None:
             print(f"eyrie serve-extract: run {self.run_name} is extracted: stopping vLLM and handing over "
                   "the GPUs", flush=True)

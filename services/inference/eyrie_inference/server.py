@@ -14,7 +14,7 @@ from pathlib import Path
 
 import requests
 
-from eyrie import inference
+from eyrie import inference, keys
 from eyrie.config import Settings
 from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease
@@ -74,9 +74,8 @@ def generating_run(conn, store) -> str | None:
     """An active pipeline whose generation is not done (its first shard not even planned, or a
     shard without its manifest)."""
     from eyrie.manifest import Layout, RunManifest
-    from eyrie.pipeline import ACTIVE
 
-    for run in sorted(m.decode() for m in conn.smembers(ACTIVE)):
+    for run in sorted(m.decode() for m in conn.smembers(keys.ACTIVE_PIPELINES)):
         layout = Layout(run)
         if not store.exists(layout.manifest):
             return run

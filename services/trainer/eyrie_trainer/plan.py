@@ -10,16 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from eyrie import progress
 from eyrie.errors import EyrieError
 from eyrie.manifest import BaseDrafter, Layout, RunManifest, TrainParams, load_run_manifest
-from eyrie.pipeline import TrainSection
-from eyrie.queue import enqueue_task
-from eyrie.status import task_id
+from eyrie.pipeline import DEFAULT_DRAFT_VOCAB, DEFAULT_EPOCHS, DEFAULT_SEQ_LEN, MAX_HELDOUT, TrainSection
+from eyrie.queue import enqueue
+from eyrie.stages import TRAIN
 
-TASK_FUNC = "eyrie_trainer.runner.run_train_task"
-DEFAULT_DRAFT_VOCAB = 32000
-DEFAULT_EPOCHS = 10
-DEFAULT_SEQ_LEN = 8192  # speculators' --total-seq-len: longer samples are cut there
-MAX_HELDOUT = 500
-TRAIN_TIMEOUT_S = 7 * 24 * 3600
 
 
 class TrainTask(BaseModel):
@@ -29,10 +23,6 @@ class TrainTask(BaseModel):
     model_config = ConfigDict(extra="forbid")
     run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     request: TrainSection | None = None
-
-
-def train_task_id(run: str) -> str:
-    return task_id("train", run, 0)
 
 
 def ensure_plan(conn, store, run: str, request: TrainSection, cache_dir: Path) -> RunManifest:
@@ -52,8 +42,7 @@ def start_train(conn, store, run: str, request: TrainSection, cache_dir: Path) -
     manifest, layout = ensure_plan(conn, store, run, request, cache_dir), Layout(run)
     if store.exists(layout.drafter_manifest):
         return manifest, 0
-    enqueued = enqueue_task(conn, "train", TASK_FUNC, {"run": run}, train_task_id(run),
-                            timeout_s=TRAIN_TIMEOUT_S)
+    enqueued = enqueue(conn, TRAIN, {"run": run})
     return manifest, int(enqueued)
 
 
@@ -118,13 +107,6 @@ def _check_same(params: TrainParams, request: TrainSection) -> None:
 
 
 
-FETCH_FUNC = "eyrie_trainer.plan.run_fetch_task"
-
-
-def fetch_task_id(run: str) -> str:
-    return task_id("fetch", run, 0)
-
-
 def run_fetch_task(payload: dict) -> dict:
     """RQ entry point (train queue): a pipeline's base drafter fetched, converted and checked by
     the trainer while the target is still serving, so a mismatch shows before any GPU work."""
@@ -132,7 +114,7 @@ def run_fetch_task(payload: dict) -> dict:
     from eyrie.pipeline import stored_config
     from eyrie.store import open_store
     from eyrie.target import text_config
-    from eyrie_extractor.layers import resolve_aux_layers
+    from eyrie.layers import resolve_aux_layers
     from eyrie_trainer.base import prepare_base
 
     task = TrainTask.model_validate({"run": payload.get("run")} if set(payload) == {"run"} else payload)

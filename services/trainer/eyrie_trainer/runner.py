@@ -22,12 +22,11 @@ from eyrie.errors import EyrieError
 from eyrie.gpu import pick_device
 from eyrie.gpu_admission import gpu_lease
 from eyrie.manifest import Layout, load_run_manifest
-from eyrie.queue import Heartbeat, enqueue_task, held_task
-from eyrie.status import task_id
+from eyrie.queue import Heartbeat, enqueue, held_task
+from eyrie.stages import EXTRACT, TRAIN
 from eyrie.store import CorruptObject
 from eyrie_trainer import checkpoints, engine
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
-from eyrie_trainer.plan import train_task_id
 
 log = logging.getLogger("eyrie.trainer")
 
@@ -56,7 +55,7 @@ class TrainRunner:
             raise EyrieError(f"run {self.run_name} has no train plan.", f"run `eyrie train --run {self.run_name}`.")
         if self.store.exists(self.layout.drafter_manifest):
             return {"status": "already_done"}
-        with held_task(self.conn, train_task_id(self.run_name)) as lease:
+        with held_task(self.conn, TRAIN.task_id(self.run_name)) as lease:
             if lease is None:
                 return {"status": "held_by_another_worker"}
             device = pick_device(self.settings.device)
@@ -119,13 +118,10 @@ class TrainRunner:
     def _extract_again(self, exc: CorruptObject) -> dict:
         """A stored sample that fails its checksum: its extract shard is produced again (the
         pipeline trains once that is done; by hand, rerun `eyrie train`). Never trained on."""
-        from eyrie_extractor.plan import TASK_FUNC as EXTRACT_FUNC
-
         shard = self.layout.shard_of_extract_sample(exc.key)
         self.store.delete(exc.key)
         self.store.delete(self.layout.extract_shard_manifest(shard))
-        enqueue_task(self.conn, "extract", EXTRACT_FUNC, {"run": self.run_name, "shard": shard},
-                     task_id("extract", self.run_name, shard))
+        enqueue(self.conn, EXTRACT, {"run": self.run_name, "shard": shard}, shard)
         self._say(f"{exc.problem} Extract shard {shard} is produced again; training starts once it is done.")
         self._report(phase="waiting", waiting_for=f"extract shard {shard}", force=True)
         return {"status": "extracting_again", "shard": shard, "corrupt": exc.key}

@@ -70,7 +70,7 @@ def resolve(source: str, split: str = "train", revision: str | None = None,
     elif path.exists():
         raise EyrieError(f"dataset {source} is not a regular file or a directory.",
                          "pass a .jsonl/.parquet file, a dataset directory or a hub id.")
-    elif _looks_like_path(source):
+    elif looks_like_path(source):
         raise EyrieError(f"dataset file {source} does not exist.",
                          "check the path, or give a Hugging Face dataset id such as "
                          "mlabonne/open-perfectblend.")
@@ -126,7 +126,7 @@ def _check_local(path: Path) -> None:
                          "pass an existing .jsonl/.parquet file, a dataset directory or a hub id.") from None
 
 
-def _looks_like_path(source: str) -> bool:
+def looks_like_path(source: str) -> bool:
     return source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet")) \
         or source.count("/") != 1
 

@@ -183,9 +183,6 @@ def summarize(before: dict, after: dict, k: int) -> dict:
             "vllm_accepted_tokens": int(accepted), "vllm_per_position_acceptance": per_pos, "k": k}
 
 
-TASK_FUNC = "eyrie_inference.verify.run_verify_task"
-
-
 def run_verify_task(payload: dict) -> dict:
     """RQ entry point (train queue): the pipeline's verify stage, with the GPU lease held."""
     import socket as _socket
