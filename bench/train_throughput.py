@@ -222,7 +222,7 @@ def main() -> None:
         from eyrie_trainer.runner import TrainRunner
         runner = TrainRunner(load_settings(), redis.Redis(port=port), FileStore(work / "store"), RUN)
         train_dir, _ = runner._prepare_data()
-        argv = runner._argv(train_dir) + engine.path_flags(engine.SAFE_PATH)
+        argv = runner._argv(train_dir, a.device) + engine.path_flags(engine.SAFE_PATH)
         argv[argv.index("--save-path") + 1], argv[argv.index("--log-dir") + 1] = "SAVE", "LOGS"
         print(f"run built and materialized in {time.perf_counter() - started:.0f} s ({work})", flush=True)
         res = {"eyrie": [], "ref": []}

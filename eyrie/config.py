@@ -70,7 +70,9 @@ class Settings(BaseSettings):
     train_fast_path: Literal["auto", "on", "off"] = Field(
         "auto", description="speculators' flex attention + fused loss: auto = on a GPU (falls back "
                             "to sdpa + eager loss by itself if it fails), off = always sdpa + eager.")
-    train_loader_workers: int = Field(2, ge=0, description="speculators' dataloader worker processes.")
+    train_loader_workers: int | None = Field(
+        None, ge=0, description="speculators' dataloader worker processes; unset: 2 on a GPU, 0 on the CPU "
+                                "(its spawned workers each import torch, then only compete for the cores).")
 
     api_token: SecretStr | None = Field(None, description="Bearer token every mutating API call needs; "
                                                           "unset: the API refuses them all.")

@@ -75,7 +75,8 @@ def test_pipeline_trains_evaluates_and_exports_a_drafter_vllm_loads(pipeline, tm
     env, _ = pipeline
     out = eyrie("train", "--run", "p", "--epochs", "12", *TRAIN, env=env)
     assert "draft vocab 500 (token frequencies of the run)" in out.stdout and "1 task enqueued now" in out.stdout
-    eyrie("worker", "train", "--burst", env=env, timeout=1200)
+    # speculators' spawned dataloader workers, as on a GPU host (elsewhere the CPU default: none)
+    eyrie("worker", "train", "--burst", env={**env, "EYRIE_TRAIN_LOADER_WORKERS": "2"}, timeout=1200)
 
     train = status("p", env)["stages"]["train"]
     assert train["state"] == "done" and train["done"] == train["total"] > 0
@@ -217,7 +218,7 @@ def test_sigterm_saves_a_mid_epoch_checkpoint_and_the_trainer_resumes_there(pipe
     store = store_of(env)
     clone_run(store, "p", "term")
     eyrie("train", "--run", "term", "--epochs", "2", *TRAIN, env=env)
-    worker = subprocess.Popen([str(BIN / "eyrie"), "worker", "train"], env={**env, "EYRIE_TRAIN_LOADER_WORKERS": "0"},
+    worker = subprocess.Popen([str(BIN / "eyrie"), "worker", "train"], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     layout = Layout("term")
     deadline = time.monotonic() + 600

@@ -175,7 +175,7 @@ def test_the_training_curve_and_the_charts_eyrie_show_draws(hs_dir, tmp_path):
 
     from eyrie.charts import Curve, chart_series
     from eyrie.display import render_charts
-    from eyrie_inference.verify import summarize
+    from eyrie_trainer.verify import summarize
     from eyrie_trainer.evaluate import summarize_walk
 
     hooks, seen = recording_hooks()

@@ -90,7 +90,7 @@ class TrainRunner:
                              on_step=lambda step: self._on_step(beat), on_start=self._on_start)
         self._report(phase="training", force=True)
         try:
-            path = engine.train_with_fallback(self._argv(train_dir) + base_args, device,
+            path = engine.train_with_fallback(self._argv(train_dir, device) + base_args, device,
                                               self._fast_path(device), hooks, self._say)
         finally:
             self.uploads.drain()  # every checkpoint saved is in the store before the task ends
@@ -136,12 +136,12 @@ class TrainRunner:
         d2t, t2d = save_vocab_mapping(path, self.work / "base-vocab")
         return ["--from-pretrained", str(path), "--d2t-path", str(d2t), "--t2d-path", str(t2d)]
 
-    def _argv(self, train_dir: Path) -> list[str]:
+    def _argv(self, train_dir: Path, device: str) -> list[str]:
         p, extract = self.params, self.manifest.extract
         argv = ["--verifier-name-or-path", self.manifest.target.model, "--data-path", str(train_dir),
                 "--save-path", str(self.work / "checkpoints"), "--epochs", str(p.epochs),
                 "--ttt-steps", str(p.ttt_steps), "--lr", str(p.lr),
-                "--total-seq-len", str(p.total_seq_len), "--num-workers", str(self.settings.train_loader_workers),
+                "--total-seq-len", str(p.total_seq_len), "--num-workers", str(self._loader_workers(device)),
                 "--target-layer-ids", *map(str, extract.aux_layers), "--log-dir", str(self.work / "logs"),
                 "--logger", "", "--hidden-states-backend", "fp8" if extract.dtype == "fp8" else "file",
                 "--checkpoint-freq", "1", "--log-freq", "1"]
@@ -151,6 +151,10 @@ class TrainRunner:
         if p.max_steps:
             argv += ["--max-steps", str(p.max_steps)]
         return argv
+
+    def _loader_workers(self, device: str) -> int:
+        workers = self.settings.train_loader_workers
+        return workers if workers is not None else (2 if device.startswith("cuda") else 0)
 
     def _fast_path(self, device: str) -> bool:
         return {"on": True, "off": False}.get(self.settings.train_fast_path, device.startswith("cuda"))
