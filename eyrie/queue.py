@@ -58,17 +58,20 @@ class EyrieJob(Job):
 
 
 def connect(redis_url: str) -> redis.Redis:
-    """A checked connection: a clear error now beats a stack trace at the first enqueue."""
-    conn = redis.Redis.from_url(redis_url, socket_connect_timeout=5, health_check_interval=30, retry=_patient())
+    """A checked connection: a clear error now (in seconds, not after the minute of patience a
+    running worker gets) beats a stack trace at the first enqueue."""
+    from redis.backoff import ConstantBackoff
+    from redis.retry import Retry as RedisRetry
+
     try:
-        conn.ping()
+        redis.Redis.from_url(redis_url, socket_connect_timeout=5, retry=RedisRetry(ConstantBackoff(0.5), 3)).ping()
     except redis.exceptions.AuthenticationError:
         raise EyrieError(f"Redis at {_safe(redis_url)} rejected the password.",
                          "put the right password in EYRIE_REDIS_URL (redis://:PASSWORD@HOST:PORT/0).") from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
         raise EyrieError(f"cannot reach Redis at {_safe(redis_url)}.",
                          "start redis-server or set EYRIE_REDIS_URL to a reachable Redis.") from None
-    return conn
+    return redis.Redis.from_url(redis_url, socket_connect_timeout=5, health_check_interval=30, retry=_patient())
 
 
 def _patient():
