@@ -48,7 +48,7 @@ chromium:
 test: setup
 	@mkdir -p .eyrie; { $(MAKE) --no-print-directory compose-stack >.eyrie/compose-stack.log 2>&1; \
 	   echo $$? >.eyrie/compose-stack.rc; } & \
-	$(BIN)/pytest -q --durations=15 --ignore=tests/test_compose_e2e.py; rest=$$?; wait; \
+	$(BIN)/pytest -q --durations=30 --ignore=tests/test_compose_e2e.py; rest=$$?; wait; \
 	if [ "$$(cat .eyrie/compose-stack.rc)" != 0 ]; then tail -40 .eyrie/compose-stack.log; exit 1; fi; \
 	$(BIN)/pytest -q tests/test_compose_e2e.py && exit $$rest
 
