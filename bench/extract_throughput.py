@@ -6,7 +6,7 @@ Run on demand (not a test):  .venv/bin/python bench/extract_throughput.py       
 Everything is built in a temporary directory, no server needed: a random-weight Llama
 (`--shape`), a run written straight through the store API (run manifest with `extract` planned,
 one generate shard of `done` records carrying random `prompt_token_ids`/`completion_token_ids`),
-a redis-server of our own, and a FileStore (or `--store s3`: a moto S3 server of our own).
+a redis-server of our own, and a FileStore (or `--store s3`: a SeaweedFS S3 server of our own).
 
 Measured interleaved (the order rotates every round), on the SAME batches
 (`token_budget_batches`, as the extractor forms them), medians over `--rounds`; every contender
@@ -116,21 +116,12 @@ def start_redis(tmp: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
-    import urllib.request
+def start_s3(work: Path) -> tuple[subprocess.Popen, str]:
+    """SeaweedFS on loopback, as the tests start it (tests/seaweed.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import seaweed
 
-    port = free_port()
-    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url + "/", timeout=1)
-            return proc, url
-        except Exception:
-            time.sleep(0.2)
-    raise TimeoutError(url)
+    return seaweed.start(work / "s3", "testing", "testing-secret")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -724,8 +715,8 @@ def main() -> None:
         if args.store == "file":
             env["EYRIE_STORE_URL"] = f"file://{tmp / 'store'}"
         else:
-            moto, endpoint = start_moto()
-            helpers.append(moto)
+            s3, endpoint = start_s3(tmp)
+            helpers.append(s3)
             env.update({"EYRIE_STORE_URL": "s3://eyrie-xbench/prefix", "EYRIE_S3_ENDPOINT": endpoint,
                         "EYRIE_S3_ACCESS_KEY": "testing", "EYRIE_S3_SECRET_KEY": "testing-secret"})
         os.environ.update(env)
@@ -879,7 +870,7 @@ def render(r: dict) -> list[str]:
            f"(pre-norm) = {n_states} states per token; {r['samples']} samples x {r['seq_len']} tokens = "
            f"{r['tokens']:,} tokens in {r['batches']} batches (`token_budget_batches`, EYRIE_EXTRACT_BATCH_TOKENS="
            f"{r['batch_tokens']}); {r['args'].write_threads} write threads; store {r['args'].store} "
-           f"(a {'local directory' if r['args'].store == 'file' else 'moto S3 server on loopback'}). "
+           f"(a {'local directory' if r['args'].store == 'file' else 'SeaweedFS S3 server on loopback'}). "
            f"Every contender ran on the same batches, interleaved (the order rotates each round; each one "
            f"that forwards right after a bare forward, its pair), "
            f"{r['args'].rounds} rounds; medians (range).",

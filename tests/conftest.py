@@ -1,4 +1,4 @@
-"""Real parts for every test: a redis-server and an S3 server (moto) of their own on loopback,
+"""Real parts for every test: a redis-server and an S3 server (SeaweedFS) of their own on loopback,
 both store backends, and the tiny target served by `transformers serve`."""
 
 from __future__ import annotations
@@ -149,13 +149,16 @@ def redis_url(redis_server):
     return redis_server
 
 
+S3_KEYS = {"EYRIE_S3_ACCESS_KEY": "testing", "EYRIE_S3_SECRET_KEY": "testing-secret"}
+
+
 @pytest.fixture(scope="session")
-def s3_server():
-    port = free_port()
-    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_http(f"http://127.0.0.1:{port}/", proc=proc)
-    yield f"http://127.0.0.1:{port}"
+def s3_server(tmp_path_factory):
+    """SeaweedFS serving S3 (tests/seaweed.py) for S3_KEYS; each test its own bucket."""
+    import seaweed
+
+    proc, url = seaweed.start(tmp_path_factory.mktemp("s3"), *S3_KEYS.values())
+    yield url
     stop(proc)
 
 
@@ -166,7 +169,7 @@ def store_env(request, tmp_path) -> dict:
         return {"EYRIE_STORE_URL": f"file://{tmp_path / 'store'}"}
     endpoint = request.getfixturevalue("s3_server")
     return {"EYRIE_STORE_URL": f"s3://eyrie-{uuid.uuid4().hex[:8]}/runs-prefix", "EYRIE_S3_ENDPOINT": endpoint,
-            "EYRIE_S3_ACCESS_KEY": "testing", "EYRIE_S3_SECRET_KEY": "testing-secret"}
+            **S3_KEYS}
 
 
 @pytest.fixture

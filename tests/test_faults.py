@@ -1,5 +1,5 @@
 """The fault suite: the real pipeline on the tiny target (`eyrie run`, one `eyrie worker` process
-per stage, transformers serve, redis-server, moto's S3 server) while faults are injected: workers
+per stage, transformers serve, redis-server, SeaweedFS's S3 server) while faults are injected: workers
 SIGKILLed mid-task, Redis killed, S3 away for 30 s, a lossy network to the inference server, a
 corrupted object, a run started twice, a budget too small. Each scenario ends with `eyrie audit`
 (every sample from the store: in, done, skipped, failed, duplicated, lost) and adds its figures
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from conftest import BIN, ROOT, TRAIN_PROMPTS, Workers, eyrie, free_port, stop, tiny_run_config, wait_for, wait_http
+from conftest import BIN, ROOT, S3_KEYS, TRAIN_PROMPTS, Workers, eyrie, free_port, stop, tiny_run_config, wait_for, wait_http
 from eyrie import progress
 from eyrie.manifest import Layout, ShardManifest
 
@@ -208,8 +208,8 @@ def test_redis_killed_and_restarted_mid_run(env, tiny_server, aof_redis, tmp_pat
 
 @pytest.fixture
 def s3_behind_relay(s3_server):
-    """The S3 server behind a TCP relay the test can take down (moto keeps its objects in memory,
-    so the 'stopped' server is the relay refusing and cutting connections)."""
+    """The S3 server behind a TCP relay the test can take down: S3 'away' is the relay refusing and
+    cutting connections (the session's server, shared by other tests, stays up)."""
     proc, url = fault_proxy("tcp", s3_server.removeprefix("http://"))
     yield proc, url
     stop(proc)
@@ -221,7 +221,7 @@ def test_s3_away_for_30_s_mid_upload(redis_url, tiny_server, s3_behind_relay, tm
     relay, endpoint = s3_behind_relay
     bucket = f"faults-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_url, "EYRIE_STORE_URL": f"s3://{bucket}/s3-away",
-           "EYRIE_S3_ENDPOINT": endpoint, "EYRIE_S3_ACCESS_KEY": "testing", "EYRIE_S3_SECRET_KEY": "testing-secret",
+           "EYRIE_S3_ENDPOINT": endpoint, **S3_KEYS,
            "EYRIE_RETRY_BACKOFF_S": "0.05", "EYRIE_EXTRACT_BATCH_TOKENS": "64"}
     for key, value in env.items():
         monkeypatch.setenv(key, value)

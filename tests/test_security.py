@@ -123,8 +123,9 @@ def assert_no_pickles(store, prefix: str) -> int:
 
 
 @pytest.fixture
-def secrets_env(s3_server, stub_server, tmp_path):
-    """A Redis with a password, S3 keys and an API token, each a distinctive random value."""
+def secrets_env(stub_server, tmp_path):
+    """A Redis with a password, an S3 server for random keys and an API token, each a distinctive
+    random value."""
     import secrets as random
     import shutil
     import subprocess
@@ -141,12 +142,16 @@ def secrets_env(s3_server, stub_server, tmp_path):
                             stdout=subprocess.DEVNULL)
     url = f"redis://:{values['redis']}@127.0.0.1:{port}/0"
     wait_redis(redis.Redis.from_url(url))
+    import seaweed
+
+    s3, s3_server = seaweed.start(tmp_path / "s3", values["access"], values["secret"])
     env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": url, "EYRIE_STORE_URL": f"s3://sec-{port}/pre",
            "EYRIE_S3_ENDPOINT": s3_server, "EYRIE_S3_ACCESS_KEY": values["access"],
            "EYRIE_S3_SECRET_KEY": values["secret"], "EYRIE_INFERENCE_URL": stub_server(tokens=4),
            "EYRIE_SERVER": "vllm", "EYRIE_RETRY_BACKOFF_S": "0.05"}
     yield env, values
     stop(proc)
+    stop(s3)
 
 
 def wait_redis(conn) -> None:

@@ -1,4 +1,4 @@
-"""The same suite against both store backends: a local directory and a real S3 server (moto)."""
+"""The same suite against both store backends: a local directory and a real S3 server (SeaweedFS)."""
 
 import os
 import threading

@@ -15,7 +15,7 @@ import pytest
 import redis
 from safetensors import safe_open
 
-from conftest import BIN, OFFLINE, TINY, TRAIN_PROMPTS, eyrie
+from conftest import BIN, OFFLINE, S3_KEYS, TINY, TRAIN_PROMPTS, eyrie
 from eyrie.manifest import Layout, RunManifest
 from eyrie import keys
 from eyrie.store import open_store
@@ -32,7 +32,7 @@ def pipeline(redis_server, s3_server, tiny_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
     env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_server.replace("/0", "/3"),
            "EYRIE_STORE_URL": f"s3://eyrie-{uuid.uuid4().hex[:8]}/train", "EYRIE_S3_ENDPOINT": s3_server,
-           "EYRIE_S3_ACCESS_KEY": "testing", "EYRIE_S3_SECRET_KEY": "testing-secret",
+           **S3_KEYS,
            "EYRIE_INFERENCE_URL": tiny_server.url, "EYRIE_CACHE_DIR": str(tmp / "cache")}
     eyrie("generate", "--dataset", str(TRAIN_PROMPTS), "--run", "p", "--concurrency", "8", "--max-tokens", "64",
           "--shard-size", "80", env=env)
