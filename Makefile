@@ -57,7 +57,8 @@ faults: setup
 	$(BIN)/pytest -q tests/test_faults.py
 
 # The embedded default: Redis on 127.0.0.1:6379 (started here if none answers), a local
-# file store in .eyrie/store, transformers serve on the tiny target, one generator worker.
+# file store in .eyrie/store, transformers serve on the tiny target, one worker per queue, and
+# `eyrie run` on examples/run.tiny.yaml (run `demo`).
 demo: setup
 	@$(BIN)/python -c "import redis; redis.Redis.from_url('$${EYRIE_REDIS_URL:-redis://127.0.0.1:6379/0}').ping()" 2>/dev/null \
 	  || { mkdir -p .eyrie/redis && redis-server --daemonize yes --port 6379 --bind 127.0.0.1 \

@@ -17,7 +17,7 @@ import orjson
 import typer
 
 from eyrie.errors import EyrieError
-from eyrie.stages import EXTRACT, GENERATE, TRAIN, entry  # services' code by name: eyrie/ imports none
+from eyrie.stages import entry  # services' code by name: eyrie/ imports none
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="eyrie: prompts + target LLM -> EAGLE-3 drafter.")
@@ -56,7 +56,7 @@ def _check_flags(section, **flags):
         raise EyrieError(f"invalid {bad}.", "correct these flags (eyrie COMMAND --help).") from None
 
 
-_FLAG = {"timeout_s": "timeout"}
+_FLAG = {"timeout_s": "timeout", "source": "dataset"}
 
 
 def _context():
@@ -124,17 +124,16 @@ def generate(dataset: str = typer.Option(..., "--dataset", help="Local .jsonl/.p
              shard_size: Optional[int] = typer.Option(None, min=1, help="Rows per task."),
              wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
     """Answer a prompt dataset with the served target; results go to the store as shards."""
+    from eyrie.control import start_stage
     from eyrie.manifest import check_run_name
-    from eyrie.pipeline import GenerateSection
+    from eyrie.pipeline import DatasetSection, GenerateSection
 
     check_run_name(run)
-    _check_flags(GenerateSection, concurrency=concurrency, max_tokens=max_tokens, timeout_s=timeout,
-                 temperature=temperature, shard_size=shard_size)
+    request = _check_flags(GenerateSection, concurrency=concurrency, max_tokens=max_tokens, timeout_s=timeout,
+                           temperature=temperature, shard_size=shard_size)
+    source = _check_flags(DatasetSection, source=dataset, split=split, revision=revision, limit=limit)
     settings, conn, store = _context()
-    params = {"concurrency": concurrency, "max_tokens": max_tokens, "timeout": timeout,
-              "temperature": temperature, "shard_size": shard_size}
-    manifest, enqueued = entry(GENERATE.start)(settings, conn, store, source=dataset, run=run, split=split,
-                                        revision=revision, limit=limit, params=params)
+    manifest, enqueued = start_stage(settings, conn, store, run, "generate", request, source)
     rows = manifest.dataset.row_end - manifest.dataset.row_start
     typer.echo(f"run {run}: {rows} rows in {len(manifest.generate_shards)} shards; "
                f"{enqueued} tasks enqueued now (store {store.url})")
@@ -143,13 +142,11 @@ def generate(dataset: str = typer.Option(..., "--dataset", help="Local .jsonl/.p
 
 
 def _wait(conn, store, run: str, stage: str) -> None:
-    from eyrie.display import live_progress, render_status
-    from eyrie.status import run_status
+    from eyrie.display import follow_stage
 
-    final = live_progress(conn, store, run, stage)
-    render_status(run_status(conn, store, run))
-    if final["state"] in ("failed", "cancelled"):
-        raise typer.Exit(3 if final["state"] == "failed" else 4)
+    code = follow_stage(conn, store, run, stage)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()
@@ -162,9 +159,10 @@ def extract(run: str = typer.Option(..., "--run", help="Run name (its generate s
             backend: str = typer.Option("hf", help="hf (transformers) or vllm (docs/vllm-extraction.md)."),
             wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
     """Record the target's hidden states for every generated sample (speculators' layout)."""
+    from eyrie.budget import human
+    from eyrie.control import start_stage
     from eyrie.manifest import check_run_name
     from eyrie.pipeline import ExtractSection
-    from eyrie.budget import human
 
     check_run_name(run)
     if backend not in ("hf", "vllm"):
@@ -175,10 +173,10 @@ def extract(run: str = typer.Option(..., "--run", help="Run name (its generate s
         aux = [int(x) for x in layers.split(",")] if layers else None
     except ValueError:
         raise EyrieError(f"cannot read --layers {layers!r}.", "give comma-separated ids, e.g. --layers 2,16,29.") from None
-    _check_flags(ExtractSection, layers=aux, max_length=max_length, budget=budget)
-    _, conn, store = _context()
-    manifest, enqueued = entry(EXTRACT.start)(conn, store, run, layers=aux, dtype=dtype, max_length=max_length,
-                                       budget=budget, backend=backend)
+    request = _check_flags(ExtractSection, layers=aux, dtype=dtype, max_length=max_length, budget=budget,
+                           backend=backend)
+    settings, conn, store = _context()
+    manifest, enqueued = start_stage(settings, conn, store, run, "extract", request)
     p = manifest.extract
     typer.echo(f"run {run}: extract {p.samples} samples, {p.tokens:,} tokens, layers {p.aux_layers} + last, "
                f"{p.dtype}: {human(p.projected_bytes)} projected ({p.truncated} truncated); "
@@ -216,6 +214,7 @@ def train(run: str = typer.Option(..., "--run", help="Run name (its extract stag
                                                                  "(default 10%, at most 500)."),
           wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
     """Train an EAGLE-3 drafter (speculators) on the run's hidden states; evaluate; export the best."""
+    from eyrie.control import start_stage
     from eyrie.manifest import check_run_name
     from eyrie.pipeline import TrainSection
 
@@ -224,7 +223,7 @@ def train(run: str = typer.Option(..., "--run", help="Run name (its extract stag
                            max_steps=max_steps, draft_vocab=draft_vocab, lr=lr, seq_len=seq_len,
                            ttt_steps=ttt_steps, heldout=heldout)
     settings, conn, store = _context()
-    manifest, enqueued = entry(TRAIN.start)(conn, store, run, request, Path(settings.cache_dir))
+    manifest, enqueued = start_stage(settings, conn, store, run, "train", request)
     p = manifest.train
     vocab = f"draft vocab {p.draft_vocab} ({'the base drafter' if p.base else 'token frequencies of the run'})"
     typer.echo(f"run {run}: train on {p.train_samples} samples ({p.heldout_samples} held out), {p.epochs} epochs"
@@ -284,13 +283,10 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
     if as_json:
         typer.echo(orjson.dumps(result).decode())
         return
-    typer.echo(f"run {run}: acceptance length (K={result['k']}, {result['prompts']} held-out prompts): "
-               f"vLLM {result['vllm_acceptance_length']:.3f}, eyrie {result['eyrie_acceptance_length']:.3f} "
-               f"({100 * result['relative_difference']:.1f}% apart)")
-    typer.echo("  vLLM per position: " + ", ".join(f"{p:.2f}" for p in result["vllm_per_position_acceptance"]))
-    typer.echo(f"  identical outputs with and without the drafter: {result['identical_outputs']}; "
-               f"tok/s {result['tokens_per_s_target']:.1f} alone, {result['tokens_per_s_drafter']:.1f} with it "
-               f"(speedup {result['speedup']:.2f})")
+    from eyrie.display import verify_lines
+
+    for line in verify_lines(run, result):
+        typer.echo(line)
 
 
 @app.command()
@@ -358,27 +354,27 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
         refuse_unsupported(projection["support"])  # before any GPU work
         return
     refuse_unsupported_config(cfg)  # before Redis is even reached
-    from eyrie.control import start_pipeline
+    from eyrie.control import pipeline_started, start_pipeline
     from eyrie.queue import connect
     from eyrie.store import open_store
 
     settings = load_settings(model=cfg.target.model)
     conn, store = connect(settings.redis_url), open_store(settings)
-    out = start_pipeline(settings, conn, store, cfg)
-    typer.echo(f"run {cfg.run}: {out['rows']} rows; {out['generate_enqueued']} generate tasks enqueued now; "
-               + (f"{out['started']} started" if out["started"] else "stages follow by themselves"))
+    typer.echo(pipeline_started(start_pipeline(settings, conn, store, cfg)))
     if wait:
         _wait(conn, store, cfg.run, "train")
 
 
 @app.command()
 @command
-def demo(run: str = typer.Option("demo", help="Run name."),
-         dataset: str = typer.Option("tests/data/tiny_train_prompts.jsonl", help="Prompt dataset.")):
-    """The pipeline on the embedded default: local processes, CPU, the tiny target."""
+def demo(run: str = typer.Option("demo", help="Run name (the config's is replaced)."),
+         dataset: Optional[str] = typer.Option(None, help="Prompt dataset (default: the config's)."),
+         config: Path = typer.Option(Path("examples/run.tiny.yaml"), "--config", help="The pipeline.")):
+    """`eyrie run` of the tiny pipeline on the embedded default: the server and the workers as
+    local processes, on the CPU, until the drafter is exported (and verified where vLLM runs)."""
     from eyrie.embedded import run_demo
 
-    raise typer.Exit(run_demo(run, dataset))
+    raise typer.Exit(run_demo(config, run, dataset))
 
 
 from eyrie import cli_control  # noqa: E402,F401  the control commands: api, runs, watch, show, cancel, retry, logs

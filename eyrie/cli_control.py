@@ -79,14 +79,19 @@ def show(run: str = typer.Argument(..., help="Run name."),
         render_charts(load_chart_series(store, manifest))
 
 
+def _on_run(action: str, run: str) -> dict:
+    """eyrie.control's `{action}_run` (cancel, retry) on the run, as the API calls it."""
+    from eyrie import control
+
+    _, conn, store = _context()
+    return getattr(control, f"{action}_run")(conn, store, run)
+
+
 @app.command()
 @command
 def cancel(run: str = typer.Argument(..., help="Run name.")):
     """Cancel a run: its waiting tasks are removed, running ones stopped, no stage starts after."""
-    from eyrie.control import cancel_run
-
-    _, conn, store = _context()
-    out = cancel_run(conn, store, run)
+    out = _on_run("cancel", run)
     typer.echo(f"run {run}: cancelled ({len(out['cancelled'])} waiting tasks removed, "
                f"{len(out['stopped'])} running tasks asked to stop); `eyrie retry {run}` resumes it")
 
@@ -95,10 +100,7 @@ def cancel(run: str = typer.Argument(..., help="Run name.")):
 @command
 def retry(run: str = typer.Argument(..., help="Run name.")):
     """Requeue a run's failed, stopped and cancelled tasks and clear a block or a cancel."""
-    from eyrie.control import retry_run
-
-    _, conn, store = _context()
-    out = retry_run(conn, store, run)
+    out = _on_run("retry", run)
     typer.echo(f"run {run}: {len(out['requeued'])} tasks requeued"
                + (f"; {out['started']} started" if out["started"] else ""))
 

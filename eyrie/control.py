@@ -42,8 +42,8 @@ class CancelWatch:
 
 
 def start_pipeline(settings, conn, store, cfg) -> dict:
-    """What `eyrie run` does (and POST /runs): keep the config, start generate (and the base
-    drafter's fetch), then let `advance` start whatever stage is next. A rerun continues."""
+    """What `eyrie run` does (and POST /runs, and `eyrie demo`): keep the config, start generate
+    (and the base drafter's fetch), then let `advance` start whatever stage is next. A rerun continues."""
     from eyrie.pipeline import advance_or_record, save_config
     from eyrie.support import refuse_unsupported_config
 
@@ -51,7 +51,7 @@ def start_pipeline(settings, conn, store, cfg) -> dict:
     save_config(conn, store, cfg)
     conn.delete(keys.cancelled(cfg.run))
     try:
-        manifest, enqueued = _generate(settings, conn, store, cfg)
+        manifest, enqueued = start_generate(settings, conn, store, cfg.run, cfg.dataset, cfg.generate)
     except EyrieError:
         _forget_unstarted(conn, store, cfg.run)
         raise
@@ -64,13 +64,10 @@ def start_pipeline(settings, conn, store, cfg) -> dict:
             "generate_enqueued": enqueued, "started": stage}
 
 
-def _generate(settings, conn, store, cfg):
-    g = cfg.generate
-    return entry(GENERATE.start)(
-        settings, conn, store, source=cfg.dataset.source, run=cfg.run, split=cfg.dataset.split,
-        revision=cfg.dataset.revision, limit=cfg.dataset.limit,
-        params={"concurrency": g.concurrency, "max_tokens": g.max_tokens, "timeout": g.timeout_s,
-                "temperature": g.temperature, "shard_size": g.shard_size})
+def pipeline_started(out: dict) -> str:
+    """The line `eyrie run` (and `eyrie demo`) prints for what start_pipeline returned."""
+    return (f"run {out['run']}: {out['rows']} rows; {out['generate_enqueued']} generate tasks enqueued now; "
+            + (f"{out['started']} started" if out["started"] else "stages follow by themselves"))
 
 
 def _forget_unstarted(conn, store, run: str) -> None:
@@ -83,21 +80,31 @@ def _forget_unstarted(conn, store, run: str) -> None:
         store.delete(config_key(run))
 
 
-def start_stage(settings, conn, store, cfg, stage: str) -> dict:
-    """One stage of the config on its own (what `eyrie generate|extract|train` do): the config is
-    not kept as a pipeline, so nothing starts after it by itself."""
-    from pathlib import Path
+def start_stage(settings, conn, store, run: str, stage: str, section, dataset=None):
+    """One stage on its own (`eyrie generate|extract|train`, POST /runs?stage=), from its section
+    of a run config (generate also reads `dataset`): no pipeline is kept, so nothing starts after
+    it by itself. Returns the run manifest and how many tasks were enqueued now."""
+    from eyrie.pipeline import start_extract
 
     if stage == "generate":
-        _, enqueued = _generate(settings, conn, store, cfg)
+        started = start_generate(settings, conn, store, run, dataset, section)
     elif stage == "extract":
-        from eyrie.pipeline import start_configured_extract
-
-        _, enqueued = start_configured_extract(conn, store, cfg)
+        started = start_extract(conn, store, run, section)
     else:
-        _, enqueued = entry(TRAIN.start)(conn, store, cfg.run, cfg.train, Path(settings.cache_dir))
-    conn.delete(keys.cancelled(cfg.run))
-    return {"run": cfg.run, "stage": stage, "enqueued": enqueued}
+        from pathlib import Path
+
+        started = entry(TRAIN.start)(conn, store, run, section, Path(settings.cache_dir))
+    conn.delete(keys.cancelled(run))
+    return started
+
+
+def start_generate(settings, conn, store, run: str, dataset, generate):
+    """Plan the generate stage (the dataset read, its rows cut into shards) and enqueue its tasks."""
+    return entry(GENERATE.start)(
+        settings, conn, store, source=dataset.source, run=run, split=dataset.split, revision=dataset.revision,
+        limit=dataset.limit, params={"concurrency": generate.concurrency, "max_tokens": generate.max_tokens,
+                                     "timeout": generate.timeout_s, "temperature": generate.temperature,
+                                     "shard_size": generate.shard_size})
 
 
 def run_names(conn) -> list[str]:

@@ -143,6 +143,27 @@ def live_progress(conn, store, run: str, stage: str, poll_s: float = 1.0) -> dic
             time.sleep(poll_s)
 
 
+def follow_stage(conn, store, run: str, stage: str) -> int:
+    """The live view until the stage ends, then the run's status; the exit code `--wait` gives:
+    0 done, 3 failed (or blocked), 4 cancelled."""
+    from eyrie.status import run_status
+
+    final = live_progress(conn, store, run, stage)
+    render_status(run_status(conn, store, run))
+    return {"failed": 3, "cancelled": 4}.get(final["state"], 0)
+
+
+def verify_lines(run: str, result: dict) -> list[str]:
+    """What `eyrie verify` found (the manifest keeps the same object), in three lines."""
+    return [f"run {run}: acceptance length (K={result['k']}, {result['prompts']} held-out prompts): "
+            f"vLLM {result['vllm_acceptance_length']:.3f}, eyrie {result['eyrie_acceptance_length']:.3f} "
+            f"({100 * result['relative_difference']:.1f}% apart)",
+            "  vLLM per position: " + ", ".join(f"{p:.2f}" for p in result["vllm_per_position_acceptance"]),
+            f"  identical outputs with and without the drafter: {result['identical_outputs']}; "
+            f"tok/s {result['tokens_per_s_target']:.1f} alone, {result['tokens_per_s_drafter']:.1f} with it "
+            f"(speedup {result['speedup']:.2f})"]
+
+
 def runs_table(runs: list[dict]) -> None:
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("run", "state", "stages", "created", "target"):

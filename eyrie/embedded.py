@@ -9,12 +9,12 @@ import sys
 import time
 from pathlib import Path
 
-from eyrie import inference
+from eyrie import inference, keys
 from eyrie.config import load_settings, safe_url
 from eyrie.display import console
+from eyrie.pipeline import verify_wanted
 from eyrie.queue import connect
 from eyrie.store import open_store
-from eyrie.vllm import available
 
 LOGS = Path(".eyrie/logs")
 DRAFTERS = Path(".eyrie/drafters")
@@ -38,43 +38,84 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def run_demo(run: str, dataset: str) -> int:
-    settings = load_settings()
+WORKERS = {"generate": "generator", "extract": "extractor", "train": "trainer"}  # queue: its log's name
+
+
+def run_demo(config: Path, run: str, dataset: str | None = None) -> int:
+    """`eyrie run` on the config (its run name and dataset replaced), with the server and one
+    worker per queue started here: the pipeline starts each stage by itself; the server stops
+    once generation has drained (as vLLM hands over the GPUs)."""
+    from eyrie.control import pipeline_started, start_pipeline
+
+    cfg = demo_config(config, run, dataset)
+    settings = load_settings(model=cfg.target.model)
     conn, store = connect(settings.redis_url), open_store(settings)
-    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
-    console.print(f"[bold]eyrie demo[/]: Redis {safe_url(settings.redis_url)}, store {store.url}, "
-                  f"target {settings.model} on transformers serve (CPU); logs in {LOGS}/")
-    procs = [start("inference", ["serve"], env)]
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "EYRIE_SERVE_STOP_WHEN_DRAINED": "1",
+           # the trainer's worker runs the verify stage: vLLM's CPU KV cache, in GiB
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    console.print(f"[bold]eyrie demo[/]: `eyrie run --config {config}` as run {run}: Redis "
+                  f"{safe_url(settings.redis_url)}, store {store.url}, target {cfg.target.model} on "
+                  f"transformers serve (CPU); logs in {LOGS}/")
+    procs = [start("inference", ["serve", "--config", str(config)], env)]
     try:
         started = time.monotonic()
         inference.wait_ready(conn, 300)
         console.print(f"inference ready in {time.monotonic() - started:.1f} s")
-        procs.append(start("generator", ["worker", "generate"], env))
-        code = cli(["generate", "--dataset", dataset, "--run", run, "--concurrency", "8",
-                    "--max-tokens", "256", "--shard-size", "16", "--wait"], env)
-        report(conn, store, run)
-        if code:
-            return code
-        stop(procs.pop(0))  # generation drained: the server goes, the extractor comes
-        procs.append(start("extractor", ["worker", "extract"], env))
-        code = cli(["extract", "--run", run, "--wait"], env)
-        if code:
-            return code
-        stop(procs.pop())  # hidden states stored: the extractor goes, the trainer comes
-        procs.append(start("trainer", ["worker", "train"], env))
-        # the tiny target's corpus is small: short packed batches, a high learning rate, 12 epochs
-        code = cli(["train", "--run", run, "--epochs", "12", "--seq-len", "256", "--lr", "3e-3",
-                    "--draft-vocab", "500", "--wait"], env)
-        if code:
-            return code
-        code = cli(["export", "--run", run, "--out", str(DRAFTERS / run)], env)
-        if code or not available(settings.vllm_command):
-            return code
-        # the drafter served by vLLM (EYRIE_VLLM_COMMAND): its acceptance length beside ours
-        return cli(["verify", "--run", run], {**env, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
+        procs += [start(name, ["worker", queue], env) for queue, name in WORKERS.items()]
+        console.print(pipeline_started(start_pipeline(settings, conn, store, cfg)))
+        return follow(conn, store, cfg)
     finally:
         for proc in reversed(procs):
             stop(proc)
+
+
+def demo_config(config: Path, run: str, dataset: str | None):
+    """The config with the demo's run name (and dataset), checked as `eyrie run` checks a file."""
+    from eyrie.manifest import check_run_name
+    from eyrie.pipeline import load_config
+
+    cfg = load_config(config)
+    return cfg.model_copy(update={"run": check_run_name(run), "dataset": cfg.dataset.model_copy(
+        update={"source": dataset or cfg.dataset.source})})
+
+
+def follow(conn, store, cfg) -> int:
+    """Each stage live as the pipeline starts it; then the drafter exported, and vLLM's verdict."""
+    from eyrie.display import follow_stage
+
+    for stage in ("generate", "extract", "train"):
+        code = follow_stage(conn, store, cfg.run, stage)
+        if stage == "generate":
+            report(conn, store, cfg.run)
+        if code:
+            return code
+    code = cli(["export", "--run", cfg.run, "--out", str(DRAFTERS / cfg.run)], {})
+    if code or not verify_wanted(cfg):
+        return code
+    return wait_verified(conn, store, cfg.run)
+
+
+def wait_verified(conn, store, run: str, poll_s: float = 2.0) -> int:
+    """The verify stage (the trainer's worker serves the drafter with vLLM: two starts, minutes)."""
+    from eyrie.display import verify_lines
+    from eyrie.manifest import load_run_manifest
+    from eyrie.queue import job_errors, job_state
+    from eyrie.stages import VERIFY
+
+    console.print("verify: vLLM serves the target with the exported drafter (EYRIE_VLLM_COMMAND)")
+    task = VERIFY.task_id(run)
+    while (result := load_run_manifest(store, run).verify) is None:
+        state, blocked = job_state(conn, task), conn.get(keys.blocked(run))
+        if state == "canceled" or conn.exists(keys.cancelled(run)):
+            return 4
+        if state == "failed" or blocked:
+            for error in job_errors(conn, [task]) + ([blocked.decode()] if blocked else []):
+                console.print(f"[red]verify error[/] {error}")
+            return 3
+        time.sleep(poll_s)
+    for line in verify_lines(run, result):
+        print(line)
+    return 0
 
 
 def cli(args: list[str], env: dict) -> int:

@@ -50,17 +50,26 @@ def wait_ready(conn: redis.Redis, deadline_s: float, name: str = "default") -> E
 
 def wait_all_ready(conn: redis.Redis, deadline_s: float, name: str = "default") -> list[Endpoint]:
     """Every ready endpoint once one is (the default first where it is ready)."""
+    def ready() -> tuple[list[Endpoint], Endpoint | None]:
+        endpoints = sorted((e for e in read_all(conn) if e.state == "ready"), key=lambda e: e.name != name)
+        return endpoints, None if endpoints else read(conn, name)
+
+    return _wait_ready(ready, deadline_s, "no ready inference endpoint",
+                       "start it with `eyrie serve`, or set EYRIE_INFERENCE_URL to a running "
+                       "OpenAI-compatible server.")
+
+
+def _wait_ready(ready, deadline_s: float, missing: str, fix: str):
+    """Poll `ready()` (what is ready, and the endpoint whose state the error names) every second
+    until it finds something; past the deadline, an error naming what is missing and that state."""
     limit = time.monotonic() + deadline_s
     while True:
-        ready = [e for e in read_all(conn) if e.state == "ready"]
-        if ready:
-            return sorted(ready, key=lambda e: e.name != name)
-        endpoint = read(conn, name)
+        found, endpoint = ready()
+        if found:
+            return found
         if time.monotonic() > limit:
             state = endpoint.state if endpoint else "never published"
-            raise EyrieError(f"no ready inference endpoint after {deadline_s:g} s (state: {state}).",
-                             "start it with `eyrie serve`, or set EYRIE_INFERENCE_URL to a running "
-                             "OpenAI-compatible server.")
+            raise EyrieError(f"{missing} after {deadline_s:g} s (state: {state}).", fix)
         time.sleep(1.0)
 
 
@@ -75,14 +84,11 @@ def read_extract(conn: redis.Redis) -> Endpoint | None:
 
 
 def wait_extract_ready(conn: redis.Redis, deadline_s: float) -> Endpoint:
-    limit = time.monotonic() + deadline_s
-    while True:
+    """The vLLM extraction server once it is ready; a clear error if it isn't by the deadline."""
+    def ready() -> tuple[Endpoint | None, Endpoint | None]:
         endpoint = read_extract(conn)
-        if endpoint and endpoint.state == "ready":
-            return endpoint
-        if time.monotonic() > limit:
-            state = endpoint.state if endpoint else "never published"
-            raise EyrieError(f"no ready vLLM extraction server after {deadline_s:g} s (state: {state}).",
-                             "start the extract-server service (`eyrie serve-extract`), or set "
-                             "EYRIE_EXTRACT_VLLM_URL to a running one (docs/vllm-extraction.md).")
-        time.sleep(1.0)
+        return (endpoint if endpoint and endpoint.state == "ready" else None), endpoint
+
+    return _wait_ready(ready, deadline_s, "no ready vLLM extraction server",
+                       "start the extract-server service (`eyrie serve-extract`), or set "
+                       "EYRIE_EXTRACT_VLLM_URL to a running one (docs/vllm-extraction.md).")

@@ -225,7 +225,7 @@ def _next_stage(conn, store, config: RunConfig) -> str | None:
         enqueue(conn, PLAN_EXTRACT, {"run": config.run})
         return "extract"
     if not _all_extracted(store, manifest, layout):
-        start_configured_extract(conn, store, config)  # planned: this only enqueues what is missing
+        start_extract(conn, store, config.run, config.extract)  # planned: this only enqueues what is missing
         return "extract"
     if manifest.drafter is None:
         # planned by the trainer (which fetches and checks the base drafter in its own cache)
@@ -281,10 +281,12 @@ def _stalled(conn, store, run: str) -> bool:
     return any(job_state(conn, job_id) == "failed" for job_id in ids["extract"] + ids["train"])
 
 
-def start_configured_extract(conn, store, config: RunConfig):
-    e = config.extract
-    return entry(EXTRACT.start)(conn, store, config.run, layers=e.layers, dtype=e.dtype, max_length=e.max_length,
-                         budget=e.budget, backend=e.backend)
+def start_extract(conn, store, run: str, extract: ExtractSection):
+    """Plan the extract stage (or check it against its plan) and enqueue what is missing. A dtype
+    left unset (no --dtype) is, on a rerun, whatever was planned."""
+    dtype = extract.dtype if "dtype" in extract.model_fields_set else None
+    return entry(EXTRACT.start)(conn, store, run, layers=extract.layers, dtype=dtype, max_length=extract.max_length,
+                                budget=extract.budget, backend=extract.backend)
 
 
 def run_plan_extract_task(payload: dict) -> dict:
@@ -299,7 +301,7 @@ def run_plan_extract_task(payload: dict) -> dict:
     settings = load_settings()
     conn, store = connect(settings.redis_url), open_store(settings)
     try:
-        manifest, enqueued = start_configured_extract(conn, store, stored_config(store, run))
+        manifest, enqueued = start_extract(conn, store, run, stored_config(store, run).extract)
     except EyrieError as exc:
         block(conn, run, exc)
         return {"run": run, "status": "refused", "error": str(exc)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -118,6 +119,23 @@ class Store(ABC):
         return data
 
 
+@contextlib.contextmanager
+def _replacing(path: Path):
+    """A temporary file beside `path`, synced and renamed onto it once written: a reader never
+    sees half an object, and a failed write leaves nothing behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 class FileStore(Store):
     """Local directory. Atomic by writing a temporary file beside the target, then rename."""
 
@@ -136,37 +154,17 @@ class FileStore(Store):
         return self.root / _check_key(key)
 
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with _replacing(self._path(key)) as f:
+            f.write(data)
         return ObjectInfo(key, len(data), sha256_bytes(data))
 
     def put_file(self, key: str, path: Path) -> ObjectInfo:
-        target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         digest, size = hashlib.sha256(), 0
-        try:
-            with os.fdopen(fd, "wb") as out, open(path, "rb") as src:
-                for block in iter(lambda: src.read(1 << 22), b""):
-                    digest.update(block)
-                    out.write(block)
-                    size += len(block)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with _replacing(self._path(key)) as out, open(path, "rb") as src:
+            for block in iter(lambda: src.read(1 << 22), b""):
+                digest.update(block)
+                out.write(block)
+                size += len(block)
         return ObjectInfo(key, size, digest.hexdigest())
 
     def _download(self, key: str, dest: Path) -> None:

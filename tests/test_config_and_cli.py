@@ -88,3 +88,9 @@ def test_rerun_with_other_settings_is_refused(env, tmp_path):
     data.write_text(json.dumps({"conversations": [{"from": "human", "value": "changed"}]}) + "\n")
     one_line_error(eyrie("generate", "--dataset", str(data), "--run", "r1", env=env, check=False),
                    "already exists with other settings: dataset")
+
+
+def test_the_demo_is_eyrie_run_on_the_tiny_config(env, tmp_path):
+    """`eyrie demo` loads its run config as `eyrie run` does, and checks the run name it puts in."""
+    one_line_error(eyrie("demo", "--config", str(tmp_path / "none.yaml"), env=env, check=False), "no config file")
+    one_line_error(eyrie("demo", "--run", "../evil", env=env, check=False), "invalid run name")

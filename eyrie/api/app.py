@@ -87,7 +87,9 @@ def routes():
             check_dataset_source(config.dataset.source, state.settings.api_dataset_roots)
         settings = state.settings.model_copy(update={"model": config.target.model})
         if stage:
-            return control.start_stage(settings, state.conn, state.store, config, stage)
+            _, enqueued = control.start_stage(settings, state.conn, state.store, config.run, stage,
+                                              getattr(config, stage), config.dataset)
+            return {"run": config.run, "stage": stage, "enqueued": enqueued}
         return control.start_pipeline(settings, state.conn, state.store, config)
 
     @r.get("/runs/{name}", dependencies=[Depends(can_read)], responses=UNKNOWN, tags=["runs"])
