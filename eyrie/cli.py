@@ -148,8 +148,8 @@ def _wait(conn, store, run: str, stage: str) -> None:
 
     final = live_progress(conn, store, run, stage)
     render_status(run_status(conn, store, run))
-    if final["state"] in ("failed", "cancelled"):
-        raise typer.Exit(3 if final["state"] == "failed" else 4)
+    if final in ("failed", "cancelled"):
+        raise typer.Exit(3 if final == "failed" else 4)
 
 
 @app.command()
@@ -330,7 +330,7 @@ def status(run: str = typer.Argument(..., help="Run name."),
     _, conn, store = _context()
     result = run_status(conn, store, run)
     if as_json:
-        typer.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+        typer.echo(result.model_dump_json(indent=2))
     else:
         render_status(result)
 
