@@ -326,7 +326,7 @@ def status(run: str = typer.Argument(..., help="Run name."),
     _, conn, store = _context()
     result = run_status(conn, store, run)
     if as_json:
-        typer.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+        typer.echo(result.model_dump_json(indent=2))
     else:
         render_status(result)
 

@@ -11,7 +11,8 @@ from eyrie.cli import _context, app, command
 
 
 def _print_json(obj) -> None:
-    typer.echo(orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode())
+    typer.echo(orjson.dumps(obj, default=lambda model: model.model_dump(mode="json"),
+                            option=orjson.OPT_INDENT_2).decode())
 
 
 @app.command()

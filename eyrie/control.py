@@ -15,6 +15,7 @@ from eyrie import keys
 from eyrie.errors import EyrieError
 from eyrie.manifest import load_run_manifest, now_iso
 from eyrie.queue import job_errors, job_state, queue
+from eyrie.status_models import RunStatus, RunSummary, StageSummary
 from eyrie.stages import EXTRACT, FETCH, GENERATE, PLAN_EXTRACT, QUEUES, TRAIN, entry
 
 log = logging.getLogger("eyrie.control")
@@ -111,7 +112,7 @@ def run_names(conn) -> list[str]:
     return sorted(m.decode() for m in conn.sunion(keys.RUNS, keys.ACTIVE_PIPELINES))
 
 
-def list_runs(conn, store) -> list[dict]:
+def list_runs(conn, store) -> list[RunSummary]:
     """One line per run: its stages' states and progress, whether it is active, blocked, cancelled."""
     from eyrie.errors import UnknownRun
     from eyrie.status import run_status
@@ -122,23 +123,22 @@ def list_runs(conn, store) -> list[dict]:
             status = run_status(conn, store, name)
         except UnknownRun:
             continue  # started but its manifest is not written yet, or deleted from the store
-        pipeline = status.get("pipeline") or {}
-        runs.append({"run": name, "created_at": status["created_at"], "target": status["target"]["model"],
-                     "state": overall_state(status), "active": conn.sismember(keys.ACTIVE_PIPELINES, name),
-                     "blocked": pipeline.get("blocked"), "cancelled": status.get("cancelled"),
-                     "stages": {k: {"state": s["state"], "total": s["total"], "done": s["done"],
-                                    "skipped": s["skipped"], "failed": s["failed"], "eta_s": s.get("eta_s")}
-                                for k, s in status["stages"].items()}})
+        summary_fields = set(StageSummary.model_fields)
+        runs.append(RunSummary(
+            run=name, created_at=status.created_at, target=status.target["model"], state=overall_state(status),
+            active=conn.sismember(keys.ACTIVE_PIPELINES, name),
+            blocked=status.pipeline.blocked if status.pipeline else None, cancelled=status.cancelled,
+            stages={k: StageSummary(**s.model_dump(include=summary_fields)) for k, s in status.stages.items()}))
     return runs
 
 
-def overall_state(status: dict) -> str:
-    states = [s["state"] for s in status["stages"].values()]
-    if status.get("cancelled"):
+def overall_state(status: RunStatus) -> str:
+    states = [s.state for s in status.stages.values()]
+    if status.cancelled:
         return "cancelled"
-    if "failed" in states or (status.get("pipeline") or {}).get("blocked"):
+    if "failed" in states or (status.pipeline and status.pipeline.blocked):
         return "failed"
-    if all(s == "done" for s in states) and ("train" in status["stages"] or not status.get("pipeline")):
+    if all(s == "done" for s in states) and ("train" in status.stages or not status.pipeline):
         return "done"  # a pipeline is done once it is exported; a stage started by hand, once it is
     return "in_progress" if any(s != "pending" for s in states) else "pending"
 

@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
+from eyrie.status_models import RunStatus, RunSummary, StageStatus, TrainStatus
+
 console = Console()
 
 
@@ -32,76 +34,80 @@ def _eta(seconds) -> str:
 STATE_STYLE = {"done": "green", "in_progress": "yellow", "failed": "red", "pending": "dim", "cancelled": "magenta"}
 
 
-def stage_table(status: dict) -> Table:
-    table = Table(title=f"run {status['run']}  ·  {status['target']['model']}", title_justify="left",
+def stage_table(status: RunStatus) -> Table:
+    table = Table(title=f"run {status.run}  ·  {status.target['model']}", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("stage", "state", "progress", "done/skip/fail", "tokens", "tok/s", "ETA"):
         table.add_column(column, no_wrap=True, justify="left" if column in ("stage", "state", "progress")
                          else "right")
-    for name, s in status["stages"].items():
-        processed = s["done"] + s["skipped"] + s["failed"]
+    for name, s in status.stages.items():
+        processed = s.done + s.skipped + s.failed
         bar = Progress(BarColumn(bar_width=10), TextColumn("{task.percentage:>3.0f}%"))
-        bar.add_task("", total=max(1, s["total"]), completed=processed)
-        counts = f"step {s['done']} of {s['total'] or '?'}" if name == "train" else \
-            f"{s['done']}/{s['skipped']}/{s['failed']} of {s['total']}"
-        table.add_row(name, f"[{STATE_STYLE.get(s['state'], '')}]{s['state']}[/]", bar, counts, _si(s["tokens"]),
-                      _si(s["tok_per_s"]), "-" if s["state"] == "done" else _eta(s["eta_s"]))
+        bar.add_task("", total=max(1, s.total), completed=processed)
+        counts = f"step {s.done} of {s.total or '?'}" if name == "train" else \
+            f"{s.done}/{s.skipped}/{s.failed} of {s.total}"
+        table.add_row(name, f"[{STATE_STYLE.get(s.state, '')}]{s.state}[/]", bar, counts, _si(s.tokens),
+                      _si(s.tok_per_s), "-" if s.state == "done" else _eta(s.eta_s))
     return table
 
 
-def render_status(status: dict) -> None:
+def render_status(status: RunStatus) -> None:
     console.print(stage_table(status))
-    if status.get("cancelled"):
-        console.print(f"[magenta]run cancelled[/] at {status['cancelled']}; `eyrie retry {status['run']}` resumes it")
-    pipeline = status.get("pipeline")
+    if status.cancelled:
+        console.print(f"[magenta]run cancelled[/] at {status.cancelled}; `eyrie retry {status.run}` resumes it")
+    pipeline = status.pipeline
     if pipeline:
         console.print("pipeline: next stages start by themselves"
-                      + (f"; base drafter {pipeline['fetch_state']}" if pipeline.get("fetch_state") else ""))
-        if pipeline.get("blocked"):
-            console.print(f"[red]pipeline blocked[/] {pipeline['blocked']}")
-        for error in pipeline.get("fetch_errors", []):
+                      + (f"; base drafter {pipeline.fetch_state}" if pipeline.fetch_state else ""))
+        if pipeline.blocked:
+            console.print(f"[red]pipeline blocked[/] {pipeline.blocked}")
+        for error in pipeline.fetch_errors:
             console.print(f"[red]base drafter error[/] {error}")
-        for error in pipeline.get("plan_extract_errors", []):
+        for error in pipeline.plan_extract_errors:
             console.print(f"[red]extract plan error[/] {error}")
-    lease = status.get("gpu_lease")
+    lease = status.gpu_lease
     if lease:
-        holder = lease.get("holder")
+        holder = lease.holder
         console.print("gpu lease: " + (f"held by {holder['owner']} ({holder['devices']})" if holder else "free")
-                      + (f"; waiting: {', '.join(lease['waiting'])}" if lease.get("waiting") else ""))
-    endpoint = status.get("inference")
+                      + (f"; waiting: {', '.join(lease.waiting)}" if lease.waiting else ""))
+    endpoint = status.inference
     if endpoint:
-        console.print(f"inference: {endpoint['state']} at {endpoint['url']} ({endpoint['server']})"
-                      + (f"  {endpoint['progress']}" if endpoint["state"] == "starting" else ""))
-    for name, s in status["stages"].items():
-        if s["state"] == "in_progress" and not s.get("workers"):
-            console.print(f"[yellow]{name}: no worker is listening; start one with `eyrie worker {name}`[/]")
-        for task in s.get("active", []):
-            console.print(f"  {name} shard {task['shard']} on {task['worker']}: {task['done']} done, "
-                          f"{_si(task['tokens'])} tokens, {_si(task['tok_per_s'])} tok/s"
-                          + (f", {_si(task['bytes'])}B" if task["bytes"] else ""))
-        if s.get("bytes"):
-            console.print(f"{name}: {_si(s['bytes'])}B stored"
-                          + (f" of {_si(s['projected_bytes'])}B projected" if s.get("projected_bytes") else ""))
-        for what in s.get("waiting_for", []):
-            console.print(f"[yellow]{name}: waiting for {what}[/]")
-        for error in s.get("errors", []):
-            console.print(f"[red]{name} error[/] {error}")
-        if name == "train":
-            render_train(s)
-        if s.get("skip_reasons"):
-            reasons = ", ".join(f"{k}={v}" for k, v in sorted(s["skip_reasons"].items()))
-            console.print(f"{name} skipped: {reasons}")
+        console.print(f"inference: {endpoint.state} at {endpoint.url} ({endpoint.server})"
+                      + (f"  {endpoint.progress}" if endpoint.state == "starting" else ""))
+    for name, s in status.stages.items():
+        render_stage(name, s)
 
 
-def render_train(s: dict) -> None:
-    if s.get("loss") is not None:
-        acc = " ".join(f"{a:.2f}" for a in s.get("acc") or [])
-        console.print(f"train: epoch {(s.get('epoch') or 0) + 1}/{s['epochs']}, loss {s['loss']:.3f}, "
-                      f"accuracy per TTT step [{acc}]" + (f", val loss {s['val_loss']:.3f}" if s.get("val_loss") else ""))
-    if s.get("path"):
-        console.print(f"train: {s['path']['path']} path ({s['path']['draft_attn_impl']} attention, "
-                      f"{s['path']['loss_implementation']} loss)")
-    evaluation = s.get("evaluation")
+def render_stage(name: str, s: StageStatus) -> None:
+    if s.state == "in_progress" and not s.workers:
+        console.print(f"[yellow]{name}: no worker is listening; start one with `eyrie worker {name}`[/]")
+    for task in s.active:
+        console.print(f"  {name} shard {task.shard} on {task.worker}: {task.done} done, "
+                      f"{_si(task.tokens)} tokens, {_si(task.tok_per_s)} tok/s"
+                      + (f", {_si(task.bytes)}B" if task.bytes else ""))
+    if s.bytes:
+        console.print(f"{name}: {_si(s.bytes)}B stored"
+                      + (f" of {_si(s.projected_bytes)}B projected" if s.projected_bytes else ""))
+    for what in s.waiting_for:
+        console.print(f"[yellow]{name}: waiting for {what}[/]")
+    for error in s.errors:
+        console.print(f"[red]{name} error[/] {error}")
+    if isinstance(s, TrainStatus):
+        render_train(s)
+    if s.skip_reasons:
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(s.skip_reasons.items()))
+        console.print(f"{name} skipped: {reasons}")
+
+
+def render_train(s: TrainStatus) -> None:
+    if s.loss is not None:
+        acc = " ".join(f"{a:.2f}" for a in s.acc or [])
+        console.print(f"train: epoch {(s.epoch or 0) + 1}/{s.epochs}, loss {s.loss:.3f}, "
+                      f"accuracy per TTT step [{acc}]" + (f", val loss {s.val_loss:.3f}" if s.val_loss else ""))
+    if s.path:
+        console.print(f"train: {s.path['path']} path ({s.path['draft_attn_impl']} attention, "
+                      f"{s.path['loss_implementation']} loss)")
+    evaluation = s.evaluation
     if evaluation:
         taus = ", ".join(f"{c['label']}: {c['tau']:.2f}" + (" (best)" if c["label"] == evaluation["best"] else "")
                          for c in evaluation["checkpoints"])
@@ -110,19 +116,19 @@ def render_train(s: dict) -> None:
         if best.get("per_position_acceptance"):
             console.print("evaluate: acceptance per draft position (best) "
                           + " ".join(f"{p:.2f}" for p in best["per_position_acceptance"] if p is not None))
-    verify = s.get("verify")
+    verify = s.verify
     if verify and verify.get("vllm_acceptance_length"):
         console.print(f"verify: vLLM acceptance length {verify['vllm_acceptance_length']:.3f} "
                       f"(eyrie {verify['eyrie_acceptance_length']:.3f}), per position "
                       + " ".join(f"{p:.2f}" for p in verify["vllm_per_position_acceptance"] if p is not None)
                       + f"; identical outputs {verify['identical_outputs']}, speedup {verify['speedup']}")
-    if s.get("drafter"):
-        console.print(f"export: {s['drafter']['files']['model.safetensors']['key'].rsplit('/', 1)[0]}/ "
+    if s.drafter:
+        console.print(f"export: {s.drafter['files']['model.safetensors']['key'].rsplit('/', 1)[0]}/ "
                       f"(`eyrie export --run RUN --out DIR`)")
 
 
-def live_progress(conn, store, run: str, stage: str, poll_s: float = 1.0) -> dict:
-    """Redraw the status until the stage is done or failed; returns its last status."""
+def live_progress(conn, store, run: str, stage: str, poll_s: float = 1.0) -> str:
+    """Redraw the status until the stage is done or failed; returns its last state."""
     from rich.live import Live
 
     from eyrie.status import run_status
@@ -131,15 +137,15 @@ def live_progress(conn, store, run: str, stage: str, poll_s: float = 1.0) -> dic
         while True:
             status = run_status(conn, store, run)
             live.update(stage_table(status))
-            current = status["stages"].get(stage)  # a pipeline's later stages appear as they start
-            if current and current["state"] in ("done", "failed", "cancelled"):
-                return current
-            if status.get("cancelled"):
-                return {"state": "cancelled"}
-            pipeline = status.get("pipeline") or {}
-            if any(s["state"] == "failed" for s in status["stages"].values()) or pipeline.get("blocked") \
-                    or "failed" in (pipeline.get("fetch_state"), pipeline.get("plan_extract_state")):
-                return {"state": "failed"}
+            current = status.stages.get(stage)  # a pipeline's later stages appear as they start
+            if current and current.state in ("done", "failed", "cancelled"):
+                return current.state
+            if status.cancelled:
+                return "cancelled"
+            pipeline = status.pipeline
+            if any(s.state == "failed" for s in status.stages.values()) or pipeline and (
+                    pipeline.blocked or "failed" in (pipeline.fetch_state, pipeline.plan_extract_state)):
+                return "failed"
             time.sleep(poll_s)
 
 
@@ -150,7 +156,7 @@ def follow_stage(conn, store, run: str, stage: str) -> int:
 
     final = live_progress(conn, store, run, stage)
     render_status(run_status(conn, store, run))
-    return {"failed": 3, "cancelled": 4}.get(final["state"], 0)
+    return {"failed": 3, "cancelled": 4}.get(final, 0)
 
 
 def verify_lines(run: str, result: dict) -> list[str]:
@@ -164,22 +170,21 @@ def verify_lines(run: str, result: dict) -> list[str]:
             f"(speedup {result['speedup']:.2f})"]
 
 
-def runs_table(runs: list[dict]) -> None:
+def runs_table(runs: list[RunSummary]) -> None:
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("run", "state", "stages", "created", "target"):
         table.add_column(column, no_wrap=column != "target")
     for r in runs:
-        stages = "  ".join(f"{name} {_percent(s)}" for name, s in r["stages"].items())
-        table.add_row(r["run"], f"[{STATE_STYLE.get(r['state'], '')}]{r['state']}[/]", stages,
-                      r["created_at"], r["target"])
+        stages = "  ".join(f"{name} {_percent(s)}" for name, s in r.stages.items())
+        table.add_row(r.run, f"[{STATE_STYLE.get(r.state, '')}]{r.state}[/]", stages, r.created_at, r.target)
     console.print(table if runs else "no runs")
 
 
-def _percent(s: dict) -> str:
-    return f"{100 * (s['done'] + s['skipped'] + s['failed']) / max(1, s['total']):.0f}%"
+def _percent(s) -> str:
+    return f"{100 * (s.done + s.skipped + s.failed) / max(1, s.total):.0f}%"
 
 
-def watch_status(conn, store, run: str, poll_s: float) -> dict:
+def watch_status(conn, store, run: str, poll_s: float) -> RunStatus:
     """Redraw the whole run until it is done, failed or cancelled; returns its last status."""
     from rich.live import Live
 

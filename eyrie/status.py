@@ -9,44 +9,38 @@ from eyrie.charts import chart_series
 from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest
 from eyrie.queue import job_errors, job_state, workers_on
 from eyrie.stages import FETCH, PLAN_EXTRACT, TRAIN, task_id
+from eyrie.status_models import ActiveTask, GpuHolder, PipelineStatus, RunStatus, StageStatus, TrainStatus
 
 LIVE_JOB_STATES = {"queued", "started", "scheduled", "deferred"}
 
 
-def run_status(conn, store, run: str) -> dict:
+def run_status(conn, store, run: str) -> RunStatus:
     manifest = load_run_manifest(store, run)
-    endpoint = inference.read(conn)
     stages = {"generate": stage_status(conn, store, manifest, "generate",
                                        manifest.dataset.row_end - manifest.dataset.row_start)}
     if manifest.extract:
         stages["extract"] = stage_status(conn, store, manifest, "extract", manifest.extract.samples)
-        stages["extract"]["projected_bytes"] = manifest.extract.projected_bytes
+        stages["extract"].projected_bytes = manifest.extract.projected_bytes
     if manifest.train:
         stages["train"] = train_status(conn, store, manifest)
     cancelled = conn.get(keys.cancelled(run))
     if cancelled:
         _mark_cancelled(stages)
-    return {
-        "run": run,
-        "created_at": manifest.created_at,
-        "target": manifest.target.model_dump(),
-        "dataset": manifest.dataset.model_dump(),
-        "stages": stages,
-        "inference": endpoint.model_dump() if endpoint else None,
-        "gpu_lease": gpu.holder(conn),
-        "pipeline": pipeline_status(conn, store, run),
-        "cancelled": cancelled.decode() if cancelled else None,
-    }
+    lease = gpu.holder(conn)
+    return RunStatus(run=run, created_at=manifest.created_at, target=manifest.target.model_dump(),
+                     dataset=manifest.dataset.model_dump(), stages=stages, inference=inference.read(conn),
+                     gpu_lease=GpuHolder(**lease) if lease else None, pipeline=pipeline_status(conn, store, run),
+                     cancelled=cancelled.decode() if cancelled else None)
 
 
-def _mark_cancelled(stages: dict) -> None:
+def _mark_cancelled(stages: dict[str, StageStatus]) -> None:
     """A cancelled run's unfinished stages with no task still running read `cancelled`."""
     for s in stages.values():
-        if s["state"] != "done" and not set(s.get("jobs", {})) & LIVE_JOB_STATES:
-            s["state"] = "cancelled"
+        if s.state != "done" and not set(s.jobs) & LIVE_JOB_STATES:
+            s.state = "cancelled"
 
 
-def pipeline_status(conn, store, run: str) -> dict | None:
+def pipeline_status(conn, store, run: str) -> PipelineStatus | None:
     """Set for runs started by `eyrie run`: whether the chain is blocked, and the base drafter's fetch."""
     from eyrie.pipeline import config_key
 
@@ -54,12 +48,12 @@ def pipeline_status(conn, store, run: str) -> dict | None:
         return None
     fetch, plan = FETCH.task_id(run), PLAN_EXTRACT.task_id(run)
     blocked = conn.get(keys.blocked(run))
-    return {"blocked": blocked.decode() if blocked else None, "fetch_state": job_state(conn, fetch),
-            "fetch_errors": job_errors(conn, [fetch]), "plan_extract_state": job_state(conn, plan),
-            "plan_extract_errors": job_errors(conn, [plan])}
+    return PipelineStatus(blocked=blocked.decode() if blocked else None, fetch_state=job_state(conn, fetch),
+                          fetch_errors=job_errors(conn, [fetch]), plan_extract_state=job_state(conn, plan),
+                          plan_extract_errors=job_errors(conn, [plan]))
 
 
-def stage_status(conn, store, manifest: RunManifest, stage: str, total: int) -> dict:
+def stage_status(conn, store, manifest: RunManifest, stage: str, total: int) -> StageStatus:
     """One task per generate shard, in every stage; counts from finished shards' manifests
     (the record) plus live progress of the others."""
     layout, run = Layout(manifest.run), manifest.run
@@ -86,21 +80,19 @@ def stage_status(conn, store, manifest: RunManifest, stage: str, total: int) -> 
                 waiting.update([entry["waiting_for"]] if entry.get("waiting_for") else [])
     counts.total = total
     state = _state(done_shards, len(manifest.generate_shards), jobs, counts)
-    return {
-        "state": state, **counts.model_dump(), "in_flight": in_flight, "waiting_for": sorted(waiting),
-        "shards_total": len(manifest.generate_shards), "shards_done": done_shards, "jobs": jobs,
-        "workers": workers_on(conn, stage), "active": active, "skip_reasons": skip_reasons,
-        "errors": job_errors(conn, [task_id(stage, run, p.index) for p in manifest.generate_shards]),
-        **_rates(conn, run, stage, counts, state),
-    }
+    return StageStatus(
+        state=state, **counts.model_dump(), in_flight=in_flight, waiting_for=sorted(waiting),
+        shards_total=len(manifest.generate_shards), shards_done=done_shards, jobs=jobs,
+        workers=workers_on(conn, stage), active=active, skip_reasons=skip_reasons,
+        errors=job_errors(conn, [task_id(stage, run, p.index) for p in manifest.generate_shards]),
+        **_rates(conn, run, stage, counts, state))
 
 
-def _active(shard: int, entry: dict) -> dict:
-    """One running task, by worker: what it has done and its own rate."""
+def _active(shard: int, entry: dict) -> ActiveTask:
     elapsed = max(1e-6, entry.get("updated_at", 0) - entry.get("started", 0))
-    return {"shard": shard, "worker": entry.get("worker"), "done": entry.get("done", 0),
-            "tokens": entry.get("tokens", 0), "bytes": entry.get("bytes", 0),
-            "tok_per_s": round(entry.get("tokens", 0) / elapsed, 1)}
+    return ActiveTask(shard=shard, worker=entry.get("worker"), done=entry.get("done", 0),
+                      tokens=entry.get("tokens", 0), bytes=entry.get("bytes", 0),
+                      tok_per_s=round(entry.get("tokens", 0) / elapsed, 1))
 
 
 def _state(done: int, total: int, jobs: dict, counts: Counts) -> str:
@@ -126,7 +118,7 @@ def _rates(conn, run: str, stage: str, counts: Counts, state: str) -> dict:
             "eta_s": 0.0 if state == "done" else round(max(0, counts.total - processed) / rate, 1)}
 
 
-def train_status(conn, store, manifest: RunManifest) -> dict:
+def train_status(conn, store, manifest: RunManifest) -> TrainStatus:
     """The one training task: steps as its progress, the latest loss and per-TTT-step accuracy,
     checkpoints, τ per checkpoint once evaluated, the exported drafter, and the charts' series."""
     run, layout = manifest.run, Layout(manifest.run)
@@ -140,17 +132,16 @@ def train_status(conn, store, manifest: RunManifest) -> dict:
     rate = steps_this_attempt / elapsed if steps_this_attempt > 0 else None
     evaluation, curve = (store.get_json(key) if store.exists(key) else None
                          for key in (layout.evaluation, layout.train_curve))
-    return {
-        "state": "done" if done else _state(0, 1, {state: 1}, Counts(done=step)),
-        "total": total, "done": step, "skipped": 0, "failed": 0, "tokens": live.get("tokens", 0),
-        "tok_per_s": round(live.get("tokens", 0) / elapsed, 1) if live.get("tokens") else None,
-        "eta_s": 0.0 if done else (round((total - step) / rate, 1) if rate and total else None),
-        "phase": "done" if done else live.get("phase", "pending"), "epoch": live.get("epoch"),
-        "epochs": manifest.train.epochs, "loss": live.get("loss"), "val_loss": live.get("val_loss"),
-        "acc": live.get("acc"), "path": live.get("path"), "notes": live.get("notes", []),
-        "checkpoints": live.get("checkpoints", []), "evaluation": evaluation, "drafter": manifest.drafter,
-        "verify": manifest.verify, "charts": chart_series(evaluation, manifest.verify, curve),
-        "waiting_for": [live["waiting_for"]] if live.get("waiting_for") and live.get("phase") == "waiting" else [],
-        "workers": workers_on(conn, "train"), "errors": job_errors(conn, [job]), "active": [], "jobs": {state: 1},
-        "params": manifest.train.model_dump(),
-    }
+    return TrainStatus(
+        state="done" if done else _state(0, 1, {state: 1}, Counts(done=step)),
+        total=total, done=step, tokens=live.get("tokens", 0),
+        tok_per_s=round(live.get("tokens", 0) / elapsed, 1) if live.get("tokens") else None,
+        eta_s=0.0 if done else (round((total - step) / rate, 1) if rate and total else None),
+        phase="done" if done else live.get("phase", "pending"), epoch=live.get("epoch"),
+        epochs=manifest.train.epochs, loss=live.get("loss"), val_loss=live.get("val_loss"),
+        acc=live.get("acc"), path=live.get("path"), notes=live.get("notes", []),
+        checkpoints=live.get("checkpoints", []), evaluation=evaluation, drafter=manifest.drafter,
+        verify=manifest.verify, charts=chart_series(evaluation, manifest.verify, curve),
+        waiting_for=[live["waiting_for"]] if live.get("waiting_for") and live.get("phase") == "waiting" else [],
+        workers=workers_on(conn, "train"), errors=job_errors(conn, [job]), jobs={state: 1},
+        params=manifest.train.model_dump())

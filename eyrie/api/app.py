@@ -18,6 +18,7 @@ from eyrie.errors import EyrieError, UnknownRun
 from eyrie.manifest import RUN_NAME
 from eyrie.pipeline import RunConfig
 from eyrie.stages import STARTABLE
+from eyrie.status_models import RunStatus, RunSummary
 
 STATIC = FilePath(__file__).parent / "static"
 RunName = Annotated[str, Path(pattern=RUN_NAME.pattern, description="Run name.")]
@@ -74,7 +75,7 @@ def routes():
         return JSONResponse({"ok": True})
 
     @r.get("/runs", dependencies=[Depends(can_read)], responses=ERRORS, tags=["runs"])
-    def list_runs(request: Request) -> list[dict]:
+    def list_runs(request: Request) -> list[RunSummary]:
         """Every known run: state, and each stage's state and counts."""
         return control.list_runs(request.app.state.conn, request.app.state.store)
 
@@ -93,7 +94,7 @@ def routes():
         return control.start_pipeline(settings, state.conn, state.store, config)
 
     @r.get("/runs/{name}", dependencies=[Depends(can_read)], responses=UNKNOWN, tags=["runs"])
-    def status(name: RunName, request: Request) -> dict:
+    def status(name: RunName, request: Request) -> RunStatus:
         """The same object as `eyrie status NAME --json`."""
         return run_status(request.app.state.conn, request.app.state.store, name)
 

@@ -10,6 +10,7 @@ from eyrie.control import overall_state, run_names
 from eyrie.errors import UnknownRun
 from eyrie.queue import queue, workers_on
 from eyrie.stages import QUEUES
+from eyrie.status_models import RunStatus, StageStatus, TrainStatus
 
 RUN_STATES = ("pending", "in_progress", "done", "failed", "cancelled")
 
@@ -58,7 +59,7 @@ class EyrieCollector:
             state = overall_state(status)
             for value in RUN_STATES:
                 families["state"].add_metric([run, value], 1 if state == value else 0)
-            for stage, s in status["stages"].items():
+            for stage, s in status.stages.items():
                 _stage_metrics(families, run, stage, s)
             _acceptance(families["acceptance"], run, status)
         yield from families.values()
@@ -82,24 +83,25 @@ def _run_families() -> dict[str, GaugeMetricFamily]:
     }
 
 
-def _acceptance(family: GaugeMetricFamily, run: str, status: dict) -> None:
-    drafter = (status["stages"].get("train") or {}).get("drafter") or {}
+def _acceptance(family: GaugeMetricFamily, run: str, status: RunStatus) -> None:
+    train = status.stages.get("train")
+    drafter = (train.drafter if isinstance(train, TrainStatus) else None) or {}
     for source, key in (("eyrie", "tau"), ("vllm", "vllm_acceptance_length")):
         if isinstance(drafter.get(key), (int, float)):
             family.add_metric([run, source], drafter[key])
 
 
-def _stage_metrics(families: dict, run: str, stage: str, s: dict) -> None:
+def _stage_metrics(families: dict, run: str, stage: str, s: StageStatus) -> None:
     labels = [run, stage]
     for outcome in ("total", "done", "skipped", "failed"):
-        families["samples"].add_metric([*labels, outcome], s.get(outcome) or 0)
-    families["tokens"].add_metric(labels, s.get("tokens") or 0)
-    families["tok_per_s"].add_metric(labels, s.get("tok_per_s") or 0)
-    families["in_flight"].add_metric(labels, s.get("in_flight") or 0)
-    families["bytes"].add_metric(labels, s.get("bytes") or 0)
-    if s.get("eta_s") is not None:
-        families["eta"].add_metric(labels, s["eta_s"])
-    families["failures"].add_metric(labels, (s.get("jobs") or {}).get("failed", 0))
+        families["samples"].add_metric([*labels, outcome], getattr(s, outcome))
+    families["tokens"].add_metric(labels, s.tokens)
+    families["tok_per_s"].add_metric(labels, s.tok_per_s or 0)
+    families["in_flight"].add_metric(labels, s.in_flight)
+    families["bytes"].add_metric(labels, s.bytes)
+    if s.eta_s is not None:
+        families["eta"].add_metric(labels, s.eta_s)
+    families["failures"].add_metric(labels, s.jobs.get("failed", 0))
 
 
 def metrics_response(conn, store) -> Response:

@@ -1,0 +1,117 @@
+"""A run's status as typed models: what `eyrie status --json`, the API, /metrics and the dashboard read."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from eyrie.inference import Endpoint
+
+State = Literal["pending", "in_progress", "done", "failed", "cancelled"]
+
+
+class ActiveTask(BaseModel):
+    """One running task, by worker: what it has done and its own rate."""
+
+    shard: int
+    worker: str | None = None
+    done: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    tok_per_s: float = 0.0
+
+
+class StageStatus(BaseModel):
+    """One stage of a run: the record (finished shards' manifests) plus live progress of the rest."""
+
+    state: State
+    total: int = 0
+    done: int = 0
+    skipped: int = 0
+    failed: int = 0
+    tokens: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    bytes: int = 0
+    in_flight: int = 0
+    waiting_for: list[str] = Field(default_factory=list)
+    shards_total: int | None = None
+    shards_done: int | None = None
+    jobs: dict[str, int] = Field(default_factory=dict, description="Unfinished tasks by RQ state.")
+    workers: int = 0
+    active: list[ActiveTask] = Field(default_factory=list)
+    skip_reasons: dict[str, int] = Field(default_factory=dict)
+    errors: list[str] = Field(default_factory=list, description="Last line of each failed task's error.")
+    tok_per_s: float | None = None
+    samples_per_s: float | None = None
+    eta_s: float | None = None
+    projected_bytes: int | None = None
+
+
+class TrainStatus(StageStatus):
+    """The one training task: steps as its progress, loss and accuracy, evaluation and export."""
+
+    phase: str = "pending"
+    epoch: int | None = None
+    epochs: int | None = None
+    loss: float | None = None
+    val_loss: float | None = None
+    acc: list[float] | None = None
+    path: dict | None = Field(None, description="The attention/loss path speculators took.")
+    notes: list[str] = Field(default_factory=list)
+    checkpoints: list = Field(default_factory=list)
+    evaluation: dict | None = None
+    drafter: dict | None = None
+    verify: dict | None = None
+    charts: dict | None = None
+    params: dict = Field(default_factory=dict)
+
+
+class PipelineStatus(BaseModel):
+    """Set for runs started by `eyrie run`: whether the chain is blocked, and the base drafter's fetch."""
+
+    blocked: str | None = None
+    fetch_state: str | None = None
+    fetch_errors: list[str] = Field(default_factory=list)
+    plan_extract_state: str | None = None
+    plan_extract_errors: list[str] = Field(default_factory=list)
+
+
+class GpuHolder(BaseModel):
+    holder: dict | None = None
+    waiting: list[str] = Field(default_factory=list)
+
+
+class RunStatus(BaseModel):
+    run: str
+    created_at: str
+    target: dict
+    dataset: dict
+    stages: dict[str, TrainStatus | StageStatus]
+    inference: Endpoint | None = None
+    gpu_lease: GpuHolder | None = None
+    pipeline: PipelineStatus | None = None
+    cancelled: str | None = None
+
+
+class StageSummary(BaseModel):
+    state: State
+    total: int
+    done: int
+    skipped: int
+    failed: int
+    eta_s: float | None = None
+
+
+class RunSummary(BaseModel):
+    """One line of `GET /runs` and `eyrie runs`."""
+
+    run: str
+    created_at: str
+    target: str
+    state: State
+    active: bool
+    blocked: str | None = None
+    cancelled: str | None = None
+    stages: dict[str, StageSummary]
