@@ -50,7 +50,7 @@ def build(work: Path, a) -> None:
                                 ShardManifest, ShardPlan, TargetRef, code_version, now_iso)
     from eyrie.layers import default_aux_layers
     from eyrie_extractor.shard import sample_tensors
-    from eyrie.pipeline import TrainSection
+    from eyrie.train_settings import TrainSettings
     from eyrie_trainer.plan import _require_extract_done, plan
 
     target, g = work / "target", torch.Generator().manual_seed(0)
@@ -94,8 +94,8 @@ def build(work: Path, a) -> None:
             failure_errors={}, started_at=started, finished_at=now_iso(), worker=socket.gethostname(),
             samples=entries).model_dump())
     _require_extract_done(store, manifest, layout)
-    request = TrainSection(epochs=a.epochs, max_steps=a.max_steps or None, heldout=a.heldout, draft_vocab=a.draft_vocab,
-                           seq_len=a.total_seq_len)
+    request = TrainSettings(epochs=a.epochs, max_steps=a.max_steps or None, heldout=a.heldout, draft_vocab=a.draft_vocab,
+                            seq_len=a.total_seq_len)
     manifest.train = plan(store, manifest, request, work / "cache")
     store.put_json(layout.manifest, manifest.model_dump())
     (work / "manifest.json").write_text(json.dumps(manifest.model_dump()))

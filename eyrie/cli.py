@@ -16,8 +16,10 @@ import click
 import orjson
 import typer
 
+from eyrie.cli_options import model_options
 from eyrie.errors import EyrieError
 from eyrie.stages import entry  # services' code by name: eyrie/ imports none
+from eyrie.train_settings import TrainSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="eyrie: prompts + target LLM -> EAGLE-3 drafter.")
@@ -199,29 +201,16 @@ def fetch(repo_id: str = typer.Argument(..., help="HF repo id (or local director
 
 @app.command()
 @command
+@model_options(TrainSettings, into="asked")
 def train(run: str = typer.Option(..., "--run", help="Run name (its extract stage must be done)."),
-          base: Optional[str] = typer.Option(None, help="Finetune from this drafter: HF repo id or directory "
-                                                        "(legacy EAGLE-3 format is converted)."),
-          base_revision: Optional[str] = typer.Option(None, help="Revision of --base on the hub."),
-          epochs: Optional[int] = typer.Option(None, min=1, help="Epochs (default 10)."),
-          max_steps: Optional[int] = typer.Option(None, min=1, help="Stop after this many steps in total."),
-          draft_vocab: Optional[int] = typer.Option(None, min=2, help="Draft vocabulary (default 32000, "
-                                                                       "capped at the target's)."),
-          lr: Optional[float] = typer.Option(None, min=0, help="Learning rate (default 1e-4)."),
-          seq_len: Optional[int] = typer.Option(None, min=16, help="Tokens per packed batch (default 8192)."),
-          ttt_steps: Optional[int] = typer.Option(None, min=1, max=16, help="Draft steps trained and evaluated: K (default 3)."),
-          heldout: Optional[int] = typer.Option(None, min=1, help="Samples held out for evaluation "
-                                                                 "(default 10%, at most 500)."),
+          asked: dict = None,  # the options TrainSettings makes, given
           wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
     """Train an EAGLE-3 drafter (speculators) on the run's hidden states; evaluate; export the best."""
     from eyrie.control import start_stage
     from eyrie.manifest import check_run_name
-    from eyrie.pipeline import TrainSection
 
     check_run_name(run)
-    request = _check_flags(TrainSection, base=base, base_revision=base_revision, epochs=epochs,
-                           max_steps=max_steps, draft_vocab=draft_vocab, lr=lr, seq_len=seq_len,
-                           ttt_steps=ttt_steps, heldout=heldout)
+    request = _check_flags(TrainSettings, **asked)
     settings, conn, store = _context()
     manifest, enqueued = start_stage(settings, conn, store, run, "train", request)
     p = manifest.train

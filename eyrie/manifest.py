@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 
 import eyrie
 from eyrie.errors import EyrieError, UnknownRun
+from eyrie.train_settings import TrainSettings
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -159,19 +160,28 @@ class BaseDrafter(BaseModel):
 
 
 class TrainParams(BaseModel):
+    """The train plan: eyrie.train_settings.TrainSettings resolved (defaults, the target's or the
+    base's vocabulary, the held-out count), under the names manifests have always used."""
+
     epochs: int
     max_steps: int | None = Field(None, description="Total optimizer steps (all epochs).")
     draft_vocab: int
     vocab_mapping: str = Field(description="frequency: built from the run's loss-masked tokens; "
                                            "base: the base drafter's own d2t/t2d.")
     num_layers: int = 1
-    ttt_steps: int = 3
+    ttt_steps: int = TrainSettings.model_fields["ttt_steps"].default  # a plan from before K was planned
     lr: float
     total_seq_len: int
     train_samples: int
     heldout_samples: int
     base: BaseDrafter | None = None
     speculators_version: str
+
+    def settings(self) -> dict:
+        """What was planned, by the names of TrainSettings (a rerun's request is checked against it)."""
+        return {"base": self.base.source if self.base else None, "epochs": self.epochs, "max_steps": self.max_steps,
+                "draft_vocab": self.draft_vocab, "lr": self.lr, "seq_len": self.total_seq_len,
+                "ttt_steps": self.ttt_steps, "heldout": self.heldout_samples}
 
 
 class ShardPlan(BaseModel):

@@ -8,27 +8,17 @@ import logging
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError
 
 from eyrie import keys
 from eyrie.errors import EyrieError
 from eyrie.manifest import RUN_NAME, Layout, check_run_name
 from eyrie.queue import enqueue
+from eyrie.section import Section as _Section
 from eyrie.stages import EXTRACT, PLAN_EXTRACT, TRAIN, VERIFY, entry
+from eyrie.train_settings import TrainSettings
 
 log = logging.getLogger("eyrie.pipeline")
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf would be stored as null
-
-    @field_validator("*")
-    @classmethod
-    def _fits_64_bits(cls, value):
-        """Integers beyond 64 bits cannot be stored (JSON in the store, Redis)."""
-        if any(isinstance(x, int) and abs(x) >= 2**63 for x in (value if isinstance(value, list) else [value])):
-            raise ValueError("must be below 2**63")
-        return value
 
 
 class TargetShape(_Section):
@@ -96,28 +86,6 @@ class ExtractSection(_Section):
     backend: str = Field("hf", pattern="^(hf|vllm)$")
 
 
-# The train stage's defaults: the trainer plans with them, `--plan` projects with them.
-DEFAULT_DRAFT_VOCAB = 32000
-DEFAULT_EPOCHS = 10
-DEFAULT_SEQ_LEN = 8192  # speculators' --total-seq-len: longer samples are cut there
-MAX_HELDOUT = 500
-
-
-class TrainSection(_Section):
-    """What the train stage asks for (`eyrie train` flags, a config's train section, a train task's
-    request); None: the default, or on a rerun what was planned."""
-
-    base: str | None = None
-    base_revision: str | None = None
-    epochs: int | None = Field(None, ge=1)
-    max_steps: int | None = Field(None, ge=1)
-    draft_vocab: int | None = Field(None, ge=2)
-    lr: float | None = Field(None, gt=0)
-    seq_len: int | None = Field(None, ge=16)
-    ttt_steps: int | None = Field(None, ge=1, le=16)
-    heldout: int | None = Field(None, ge=1)
-
-
 class VerifySection(_Section):
     """The exported drafter served by vLLM (`eyrie verify`) after export; None: wherever vLLM can
     run (EYRIE_VLLM_COMMAND names an executable or Python that exists)."""
@@ -145,7 +113,7 @@ class RunConfig(_Section):
     serve: ServeSection = Field(default_factory=ServeSection)
     generate: GenerateSection = Field(default_factory=GenerateSection)
     extract: ExtractSection = Field(default_factory=ExtractSection)
-    train: TrainSection = Field(default_factory=TrainSection)
+    train: TrainSettings = Field(default_factory=TrainSettings)
     verify: VerifySection = Field(default_factory=VerifySection)
     plan: PlanSection = Field(default_factory=PlanSection)
 
@@ -229,7 +197,7 @@ def _next_stage(conn, store, config: RunConfig) -> str | None:
         return "extract"
     if manifest.drafter is None:
         # planned by the trainer (which fetches and checks the base drafter in its own cache)
-        enqueue(conn, TRAIN, {"run": config.run, "request": config.train.model_dump()})
+        enqueue(conn, TRAIN, {"run": config.run, "request": config.train.model_dump()})  # the settings given
         return "train"
     if manifest.verify is None and verify_wanted(config):
         enqueue(conn, VERIFY, {"run": config.run})

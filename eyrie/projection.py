@@ -11,7 +11,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from eyrie.errors import EyrieError
-from eyrie.pipeline import DEFAULT_EPOCHS, DEFAULT_SEQ_LEN, RunConfig
+from eyrie.pipeline import RunConfig
 
 RECORD_BYTES_PER_TOKEN = 4  # a generated JSONL record: text + token ids, about 4 bytes a token
 
@@ -127,7 +127,7 @@ def measured_generation(config: RunConfig, settings) -> tuple[float, str] | None
 def lengths(config: RunConfig, n: int, longest: int) -> dict:
     """Training must see what extraction stored: the tokens past train.seq_len are stored, then cut."""
     extract_len = min(config.extract.max_length or longest, longest)
-    train_len = config.train.seq_len or DEFAULT_SEQ_LEN
+    train_len = config.train.seq_len
     unseen = n * max(0, extract_len - train_len)
     return {"extract_max_length": extract_len, "train_seq_len": train_len, "unseen_tokens_upper_bound": unseen}
 
@@ -179,7 +179,7 @@ def hours(config: RunConfig, p: dict) -> dict:
     mean = p["mean_tokens"] or p["prompt_tokens_estimate"] + p["max_tokens"]
     completion = n * max(1, mean - p["prompt_tokens_estimate"])
     stored = n * min(mean, p["lengths"]["extract_max_length"])
-    epochs = config.train.epochs or DEFAULT_EPOCHS
+    epochs = config.train.epochs
     trained = n * min(mean, p["lengths"]["train_seq_len"]) * epochs
     measured = p.get("generate_measured")  # once the run has generated, its own rate beats a guess
     stages = {"generate": _stage(completion, None if measured else config.plan.generate_tokens_per_s, measured,

@@ -10,8 +10,9 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -159,37 +160,74 @@ def speculators_patched(device: str, hooks: Hooks) -> Iterator[None]:
         logging.getLogger().removeHandler(handler)
 
 
-def train(argv: list[str], device: str, hooks: Hooks) -> None:
-    """speculators' `train` entry, in this process, with our Trainer subclass."""
-    from speculators.train.cli import main
+def speculators_config(options: Mapping[str, Any]):
+    """speculators' own TrainConfig from its settings by name (`total_seq_len`, not a flag), built
+    and checked by its argv-free core as its CLI would (each one counts as given)."""
+    from speculators.train.config import TrainConfig
+    from speculators.train.config.schema import CONFIG_DESTS
+
+    unknown = sorted(set(options) - CONFIG_DESTS)
+    if unknown:
+        raise RuntimeError(f"speculators {SPECULATORS_VERSION} has no training settings {unknown}")
+    try:  # the command recorded in the checkpoints' train_command.txt: the `speculators train` equivalent
+        return TrainConfig.from_sources(cli=dict(options), argv=["speculators", "train", *as_argv(options)])
+    except ValueError as exc:  # pydantic's ValidationError, speculators' ConfigError (e.g. a draft-init conflict)
+        raise RuntimeError(f"speculators refused the training settings: {exc}") from None
+
+
+def resolve_argv(argv: list[str]):
+    """speculators' TrainConfig from a `speculators train` command line (its own parser)."""
     from speculators.train.config import TrainConfig
 
     try:
-        cfg = TrainConfig.resolve(argv)
+        return TrainConfig.resolve(argv)
     except SystemExit:  # argparse's way of refusing; its message is in the log above
         raise RuntimeError(f"speculators refused the training arguments {argv}") from None
+
+
+def train(config, device: str, hooks: Hooks) -> None:
+    """speculators' `train` entry, in this process, with our Trainer subclass. `config`: its
+    TrainConfig, or a `speculators train` command line."""
+    from speculators.train.cli import main
+
+    cfg = resolve_argv(config) if isinstance(config, list) else config
     with speculators_patched(device, hooks):
         main(cfg)
 
 
-def train_with_fallback(argv: list[str], device: str, fast_path: bool, hooks: Hooks,
+def train_with_fallback(settings: Mapping[str, Any] | list[str], device: str, fast_path: bool, hooks: Hooks,
                         log: Callable[[str], None]) -> dict:
     """The fast path (flex attention, fused loss, torch.compile) where asked; if it fails before
-    its first step, speculators' sdpa + eager path, said out loud. Returns the path taken."""
+    its first step, speculators' sdpa + eager path, said out loud. Returns the path taken.
+    `settings`: speculators' settings by name, or a `speculators train` command line."""
     if fast_path:
         hooks.state["steps"] = 0
         try:
-            train(argv + path_flags(FAST_PATH), device, hooks)
+            train(_with_path(settings, FAST_PATH), device, hooks)
             return {"path": "fast", **FAST_PATH}
         except Exception as exc:
             if hooks.state.get("steps", 0) > 0:
                 raise
             reason = f"{type(exc).__name__}: {str(exc)[:300]}"
             log(f"fast path failed before its first step ({reason}); falling back to sdpa + eager loss")
-            train(argv + path_flags(SAFE_PATH), device, hooks)
+            train(_with_path(settings, SAFE_PATH), device, hooks)
             return {"path": "fallback", **SAFE_PATH, "fast_path_error": reason}
-    train(argv + path_flags(SAFE_PATH), device, hooks)
+    train(_with_path(settings, SAFE_PATH), device, hooks)
     return {"path": "safe", **SAFE_PATH}
+
+
+def _with_path(settings: Mapping[str, Any] | list[str], path: dict):
+    if isinstance(settings, list):
+        return settings + path_flags(path)
+    return speculators_config({**settings, **path})
+
+
+def as_argv(options: Mapping[str, Any]) -> list[str]:
+    """speculators' settings as its command line: `--total-seq-len 8192`, a list as its items."""
+    argv = []
+    for name, value in options.items():
+        argv += [f"--{name.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
+    return argv
 
 
 def path_flags(path: dict) -> list[str]:

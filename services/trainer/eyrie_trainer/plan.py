@@ -10,10 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from eyrie import progress
 from eyrie.errors import EyrieError
 from eyrie.manifest import BaseDrafter, Layout, RunManifest, TrainParams, load_run_manifest
-from eyrie.pipeline import DEFAULT_DRAFT_VOCAB, DEFAULT_EPOCHS, DEFAULT_SEQ_LEN, MAX_HELDOUT, TrainSection
 from eyrie.queue import enqueue
 from eyrie.stages import TRAIN
-
+from eyrie.train_settings import TrainSettings
 
 
 class TrainTask(BaseModel):
@@ -22,10 +21,10 @@ class TrainTask(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-    request: TrainSection | None = None
+    request: TrainSettings | None = None
 
 
-def ensure_plan(conn, store, run: str, request: TrainSection, cache_dir: Path) -> RunManifest:
+def ensure_plan(conn, store, run: str, request: TrainSettings, cache_dir: Path) -> RunManifest:
     """The run's train plan: made now (base drafter fetched and checked), or checked against."""
     manifest, layout = load_run_manifest(store, run), Layout(run)
     _require_extract_done(store, manifest, layout)
@@ -38,7 +37,7 @@ def ensure_plan(conn, store, run: str, request: TrainSection, cache_dir: Path) -
     return manifest
 
 
-def start_train(conn, store, run: str, request: TrainSection, cache_dir: Path) -> tuple[RunManifest, int]:
+def start_train(conn, store, run: str, request: TrainSettings, cache_dir: Path) -> tuple[RunManifest, int]:
     manifest, layout = ensure_plan(conn, store, run, request, cache_dir), Layout(run)
     if store.exists(layout.drafter_manifest):
         return manifest, 0
@@ -55,35 +54,35 @@ def _require_extract_done(store, manifest: RunManifest, layout: Layout) -> None:
                          f"run `eyrie extract --run {manifest.run} --wait` first, then train.")
 
 
-def plan(store, manifest: RunManifest, request: TrainSection, cache_dir: Path) -> TrainParams:
+def plan(store, manifest: RunManifest, request: TrainSettings, cache_dir: Path) -> TrainParams:
     from importlib.metadata import version
 
     from eyrie_trainer.data import done_samples
 
     samples = len(done_samples(store, manifest.run))
-    heldout = request.heldout or max(1, min(MAX_HELDOUT, samples // 10))
+    heldout = request.heldout_for(samples)
     if samples - heldout < 1:
         raise EyrieError(f"run {manifest.run} has {samples} extracted samples: too few to train on "
                          f"and hold {heldout} out for evaluation.",
                          "generate more samples, or pass a smaller --heldout.")
     target_vocab = _target_vocab(manifest.target.model)
     base = check_base_drafter(manifest, request, cache_dir) if request.base else None
-    draft_vocab = base.draft_vocab if base else min(request.draft_vocab or DEFAULT_DRAFT_VOCAB, target_vocab)
+    draft_vocab = base.draft_vocab if base else min(request.draft_vocab, target_vocab)
     return TrainParams(
-        epochs=request.epochs or DEFAULT_EPOCHS, max_steps=request.max_steps, draft_vocab=draft_vocab,
-        vocab_mapping="base" if request.base else "frequency", lr=request.lr or 1e-4,
-        total_seq_len=request.seq_len or DEFAULT_SEQ_LEN, ttt_steps=request.ttt_steps or 3,
+        epochs=request.epochs, max_steps=request.max_steps, draft_vocab=draft_vocab,
+        vocab_mapping="base" if request.base else "frequency", lr=request.lr,
+        total_seq_len=request.seq_len, ttt_steps=request.ttt_steps,
         train_samples=samples - heldout, heldout_samples=heldout,
         base=base, speculators_version=version("speculators"))
 
 
-def check_base_drafter(manifest: RunManifest, request: TrainSection, cache_dir: Path) -> BaseDrafter:
+def check_base_drafter(manifest: RunManifest, request: TrainSettings, cache_dir: Path) -> BaseDrafter:
     """Fetched, converted and checked against the target and the run's layers now, before any
     training is planned: a mismatch is refused here, naming both values."""
     from eyrie_trainer.base import prepare_base
 
     _, info = prepare_base(request.base, request.base_revision, manifest.target.model,
-                           manifest.extract.aux_layers, request.draft_vocab, cache_dir / "base")
+                           manifest.extract.aux_layers, request.given().get("draft_vocab"), cache_dir / "base")
     return BaseDrafter(**info.model_dump(exclude={"path"}))
 
 
@@ -93,18 +92,15 @@ def _target_vocab(model: str) -> int:
     return text_config(model).vocab_size
 
 
-def _check_same(params: TrainParams, request: TrainSection) -> None:
-    planned = {"epochs": params.epochs, "max_steps": params.max_steps, "lr": params.lr,
-               "seq_len": params.total_seq_len, "ttt_steps": params.ttt_steps,
-               "heldout": params.heldout_samples, "base": params.base.source if params.base else None}
-    changed = [f"{name} {getattr(request, name)} vs {old}" for name, old in planned.items()
-               if getattr(request, name) is not None and getattr(request, name) != old]
-    if request.draft_vocab is not None and min(request.draft_vocab, params.draft_vocab) != params.draft_vocab:
-        changed.append(f"draft_vocab {request.draft_vocab} vs {params.draft_vocab}")
+def _check_same(params: TrainParams, request: TrainSettings) -> None:
+    planned, asked = params.settings(), request.given()
+    changed = [f"{name} {value} vs {planned[name]}" for name, value in asked.items()
+               if name in planned and name != "draft_vocab" and value != planned[name]]
+    if "draft_vocab" in asked and min(asked["draft_vocab"], params.draft_vocab) != params.draft_vocab:
+        changed.append(f"draft_vocab {asked['draft_vocab']} vs {params.draft_vocab}")
     if changed:
         raise EyrieError(f"train of this run was planned with other settings: {'; '.join(changed)}.",
                          "rerun with the original settings to continue it, or start a new run.")
-
 
 
 def run_fetch_task(payload: dict) -> dict:
@@ -125,7 +121,7 @@ def run_fetch_task(payload: dict) -> dict:
     try:
         layers = resolve_aux_layers(config.extract.layers, text_config(config.target.model).num_hidden_layers)
         path, info = prepare_base(config.train.base, config.train.base_revision, config.target.model, layers,
-                                  config.train.draft_vocab, Path(settings.cache_dir) / "base")
+                                  config.train.given().get("draft_vocab"), Path(settings.cache_dir) / "base")
     except EyrieError as exc:  # a base that cannot be had or does not fit: the user's to fix
         from eyrie.pipeline import block
         from eyrie.queue import connect

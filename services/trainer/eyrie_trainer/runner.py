@@ -78,7 +78,7 @@ class TrainRunner:
             train_dir, eval_dir = self._prepare_data()
         except CorruptObject as exc:
             return self._extract_again(exc)
-        base_args = self._prepare_base() if self.params.base else []
+        base = self._prepare_base() if self.params.base else {}
         restored = checkpoints.restore(self.store, self.layout, self.work / "checkpoints", self._say)
         if restored:
             self._say(f"resuming from checkpoint {restored['label']} (step {restored['local_step']} of epoch "
@@ -90,7 +90,7 @@ class TrainRunner:
                              on_step=lambda step: self._on_step(beat), on_start=self._on_start)
         self._report(phase="training", force=True)
         try:
-            path = engine.train_with_fallback(self._argv(train_dir, device) + base_args, device,
+            path = engine.train_with_fallback({**self._options(train_dir, device), **base}, device,
                                               self._fast_path(device), hooks, self._say)
         finally:
             self.uploads.drain()  # every checkpoint saved is in the store before the task ends
@@ -126,7 +126,7 @@ class TrainRunner:
         self._report(phase="waiting", waiting_for=f"extract shard {shard}", force=True)
         return {"status": "extracting_again", "shard": shard, "corrupt": exc.key}
 
-    def _prepare_base(self) -> list[str]:
+    def _prepare_base(self) -> dict:
         """The base as planned (fetched and converted again on a new host), checked again here."""
         from eyrie_trainer.base import prepare_base, save_vocab_mapping
 
@@ -134,23 +134,26 @@ class TrainRunner:
         path, _ = prepare_base(ref.source, ref.revision, self.manifest.target.model, self.manifest.extract.aux_layers,
                                ref.draft_vocab, Path(self.settings.cache_dir) / "base")
         d2t, t2d = save_vocab_mapping(path, self.work / "base-vocab")
-        return ["--from-pretrained", str(path), "--d2t-path", str(d2t), "--t2d-path", str(t2d)]
+        return {"from_pretrained": str(path), "d2t_path": str(d2t), "t2d_path": str(t2d)}
+
+    def _options(self, train_dir: Path, device: str) -> dict:
+        """speculators' training settings, by its names, from the plan (engine builds its TrainConfig)."""
+        p, extract = self.params, self.manifest.extract
+        options = {"verifier_name_or_path": self.manifest.target.model, "data_path": str(train_dir),
+                   "save_path": str(self.work / "checkpoints"), "epochs": p.epochs, "ttt_steps": p.ttt_steps,
+                   "lr": p.lr, "total_seq_len": p.total_seq_len, "num_workers": self._loader_workers(device),
+                   "target_layer_ids": list(extract.aux_layers), "log_dir": str(self.work / "logs"), "logger": "",
+                   "hidden_states_backend": "fp8" if extract.dtype == "fp8" else "file",
+                   "checkpoint_freq": 1, "log_freq": 1, "draft_vocab_size": p.draft_vocab}
+        if not p.base:  # a base drafter defines its own decoder (speculators refuses both)
+            options["num_layers"] = p.num_layers
+        if p.max_steps:
+            options["max_steps"] = p.max_steps
+        return options
 
     def _argv(self, train_dir: Path, device: str) -> list[str]:
-        p, extract = self.params, self.manifest.extract
-        argv = ["--verifier-name-or-path", self.manifest.target.model, "--data-path", str(train_dir),
-                "--save-path", str(self.work / "checkpoints"), "--epochs", str(p.epochs),
-                "--ttt-steps", str(p.ttt_steps), "--lr", str(p.lr),
-                "--total-seq-len", str(p.total_seq_len), "--num-workers", str(self._loader_workers(device)),
-                "--target-layer-ids", *map(str, extract.aux_layers), "--log-dir", str(self.work / "logs"),
-                "--logger", "", "--hidden-states-backend", "fp8" if extract.dtype == "fp8" else "file",
-                "--checkpoint-freq", "1", "--log-freq", "1"]
-        argv += ["--draft-vocab-size", str(p.draft_vocab)]
-        if not p.base:  # a base drafter defines its own decoder (speculators refuses both)
-            argv += ["--num-layers", str(p.num_layers)]
-        if p.max_steps:
-            argv += ["--max-steps", str(p.max_steps)]
-        return argv
+        """The same settings as a `speculators train` command line (bench/train_throughput.py)."""
+        return engine.as_argv(self._options(train_dir, device))
 
     def _loader_workers(self, device: str) -> int:
         workers = self.settings.train_loader_workers
