@@ -71,6 +71,7 @@ def status(run, env) -> dict:
     return json.loads(eyrie("status", run, "--json", env=env).stdout)
 
 
+@pytest.mark.timeout(1500)  # the first test of the module also pays for `pipeline` (306 prompts generated)
 def test_pipeline_trains_evaluates_and_exports_a_drafter_vllm_loads(pipeline, tmp_path):
     env, _ = pipeline
     out = eyrie("train", "--run", "p", "--epochs", "12", *TRAIN, env=env)
