@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from eyrie.api import metrics
 from eyrie import k8s_jobs
+from eyrie.status_models import RunStatus, TrainStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "eyrie.json"
@@ -49,8 +50,10 @@ def test_dashboard_reads_only_metrics_that_exist(redis_url):
 
 def test_acceptance_is_exported_per_run_and_source():
     family = metrics._run_families()["acceptance"]
-    metrics._acceptance(family, "r1", {"stages": {"train": {"drafter": {"tau": 2.78, "vllm_acceptance_length": 3.07}}}})
-    metrics._acceptance(family, "r2", {"stages": {"train": {"drafter": None}}})
+    for run, drafter in (("r1", {"tau": 2.78, "vllm_acceptance_length": 3.07}), ("r2", None)):
+        status = RunStatus(run=run, created_at="2026-12-01T00:00:00Z", target={"model": "t"}, dataset={},
+                           stages={"train": TrainStatus(state="done", drafter=drafter)})
+        metrics._acceptance(family, run, status)
     assert [(s.labels, s.value) for s in family.samples] == [
         ({"run": "r1", "source": "eyrie"}, 2.78), ({"run": "r1", "source": "vllm"}, 3.07)]
 
