@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from eyrie import progress
 from eyrie.errors import EyrieError
+from eyrie.executor import RunTask
 from eyrie.manifest import BaseDrafter, Layout, RunManifest, TrainParams, load_run_manifest
 from eyrie.pipeline import DEFAULT_DRAFT_VOCAB, DEFAULT_EPOCHS, DEFAULT_SEQ_LEN, MAX_HELDOUT, TrainSection
 from eyrie.queue import enqueue
@@ -16,12 +15,10 @@ from eyrie.stages import TRAIN
 
 
 
-class TrainTask(BaseModel):
+class TrainTask(RunTask):
     """The JSON payload of a train task on the queue; `request` when the trainer is to plan it
     (the pipeline's train stage: the base drafter is fetched and checked by the trainer)."""
 
-    model_config = ConfigDict(extra="forbid")
-    run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     request: TrainSection | None = None
 
 
