@@ -18,7 +18,7 @@ ratio is taken pair by pair, so that the machine's drift cancels:
   write_<dt>     store.put_bytes of blobs the size of the sample files, with the extractor's
                  number of write threads (and, reference only, one thread): tokens / wall is
                  the write ceiling = write bandwidth / bytes per token
-  extract_<dt>   ExtractRunner(settings, conn, store, run, shard).run(), in-process, timed
+  extract_<dt>   execute(ExtractRunner, {run, shard}, Context(settings, conn, store)), in-process, timed
                  around run() (the outputs of the previous round are deleted, untimed, before)
   naive_<dt>     forward, then per sample .cpu(), safetensors save, put_bytes, one after another
 
@@ -189,7 +189,7 @@ def load_capture(settings, conn, store, warm_run: str, config, device: str, from
     if not from_disk:
         cls.from_pretrained = random_init
     try:
-        result = xs.ExtractRunner(settings, conn, store, warm_run, 0).run()
+        result = run_shard(xs, settings, conn, store, warm_run)
     finally:
         xs.HFCapture = original_cls
         cls.from_pretrained = original_fp
@@ -215,6 +215,16 @@ def extractor_cache_misses() -> int:
     from eyrie_extractor import shard as xs
 
     return xs.loaded_capture.cache_info().misses
+
+
+def run_shard(module, settings, conn, store, run: str) -> dict:
+    """Shard 0 of `run` through `module`'s ExtractRunner (shard.py now, or at --ref): by the
+    executor where that shard.py has one, else by its own run()."""
+    if hasattr(module, "execute"):
+        from eyrie.executor import Context
+
+        return module.execute(module.ExtractRunner, {"run": run, "shard": 0}, Context(settings, conn, store))
+    return module.ExtractRunner(settings, conn, store, run, 0).run()
 
 
 def make_records(samples: int, seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -413,15 +423,15 @@ class Bench:
         return {"bytes": sum(self.sizes[dtype])}
 
     def extract(self, dtype: str) -> dict:
-        from eyrie_extractor.shard import ExtractRunner
+        import eyrie_extractor.shard as xs
 
-        result = ExtractRunner(self.settings, self.conn, self.store, self.runs[dtype], 0).run()
+        result = run_shard(xs, self.settings, self.conn, self.store, self.runs[dtype])
         assert result["status"] == "done" and result["tokens"] == self.tokens, result
         return {"own_wall_s": result["wall_s"], "bytes": result["bytes"]}
 
     def ref(self, dtype: str) -> dict:
         """ExtractRunner from shard.py at --ref (the rest of the tree as it is), same model object."""
-        result = self.ref_module.ExtractRunner(self.settings, self.conn, self.store, self.runs[dtype], 0).run()
+        result = run_shard(self.ref_module, self.settings, self.conn, self.store, self.runs[dtype])
         assert result["status"] == "done" and result["tokens"] == self.tokens, result
         return {"own_wall_s": result["wall_s"], "bytes": result["bytes"]}
 

@@ -10,8 +10,8 @@ speculators' drafter reads from a verifier: embed_tokens, lm_head, model.norm); 
 _finish write, sample files from eyrie_extractor.shard.sample_tensors: random token ids and bf16 hidden states
 [L, n_aux+1, H]); a redis-server. TrainRunner._prepare_data materializes it once; both sides train on that
 directory with the argv TrainRunner._argv builds (+ sdpa, eager loss), each in a fresh process, interleaved:
-  eyrie  TrainRunner(settings, redis, store, run).run(): the real train task (restore, Redis progress per step,
-         heartbeat, checkpoint upload after each epoch; evaluation and export follow, untimed)
+  eyrie  execute(TrainRunner, {run}, Context(settings, redis, store)): the real train task (restore, Redis
+         progress per step, heartbeat, checkpoint upload after each epoch; evaluation and export follow, untimed)
   ref    CPU: speculators.train.cli.main(TrainConfig.resolve(argv)) under eyrie's device shim with no-op hooks
          (engine.train(argv, "cpu", Hooks())): the CLI as shipped calls CUDA. GPU: `speculators train ARGV`.
 Alike on both sides: speculators logs a dict per step on "speculators.metrics" (log-freq 1) right after the
@@ -123,10 +123,11 @@ def child(a) -> None:
     t0 = time.perf_counter()
     if a.child == "eyrie":
         from eyrie.config import load_settings
+        from eyrie.executor import Context, execute
         from eyrie_trainer.runner import TrainRunner
         settings = load_settings()
-        result = TrainRunner(settings, redis.Redis.from_url(settings.redis_url), FileStore(Path(a.work) / "store"),
-                             RUN).run()
+        result = execute(TrainRunner, {"run": RUN}, Context(settings, redis.Redis.from_url(settings.redis_url),
+                                                            FileStore(Path(a.work) / "store")))
     else:
         from eyrie_trainer import engine
         result = engine.train(json.loads(a.argv), a.device, engine.Hooks())
@@ -219,8 +220,11 @@ def main() -> None:
         build(work, a)
         from eyrie.config import load_settings
         from eyrie_trainer import engine
+        from eyrie.executor import Context
+        from eyrie_trainer.plan import TrainTask
         from eyrie_trainer.runner import TrainRunner
-        runner = TrainRunner(load_settings(), redis.Redis(port=port), FileStore(work / "store"), RUN)
+        runner = TrainRunner(Context(load_settings(), redis.Redis(port=port), FileStore(work / "store")),
+                             TrainTask(run=RUN))
         train_dir, _ = runner._prepare_data()
         argv = runner._argv(train_dir, a.device) + engine.path_flags(engine.SAFE_PATH)
         argv[argv.index("--save-path") + 1], argv[argv.index("--log-dir") + 1] = "SAVE", "LOGS"
@@ -270,7 +274,7 @@ def report(a, res, argv, load0, load1, total) -> list[str]:
            f"samples x {a.seq_len} random tokens with random bf16 hidden states [{a.seq_len}, 4, {a.hidden}] as an "
            f"eyrie run in a FileStore; {a.heldout} held out by eyrie's plan; speculators trains on 90% of the rest.",
            f"- The same argv on both sides (SAVE/LOGS: a fresh directory per run): `{argv_text}`.",
-           f"- eyrie: `TrainRunner(settings, redis, store, run).run()` in a subprocess. Reference: {ref}.",
+           f"- eyrie: `execute(TrainRunner, {{'run': run}}, Context(settings, redis, store))` in a subprocess. Reference: {ref}.",
            "- tokens/s = tokens of steps 2..N / time from step 1's metrics record to step N's (epoch boundaries: "
            "checkpoint save, validation, eyrie's upload, in; 'steps only': out). "
            f"{a.rounds} rounds, interleaved, the order alternating by round.", "",

@@ -18,19 +18,20 @@ import redis
 import torch
 from safetensors.torch import save
 
-from eyrie import progress
 from eyrie.config import Settings
-from eyrie.control import CancelWatch, Cancelled
+from eyrie.control import Cancelled
 from eyrie.errors import EyrieError
+from eyrie.executor import Context, StageTask, execute, outcomes
 from eyrie.gpu import pick_device
 from eyrie.gpu_admission import gpu_lease
 from eyrie.manifest import Counts, Layout, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
-from eyrie.queue import LEASE_TTL_S, Heartbeat, held_task
+from eyrie.queue import LEASE_TTL_S
 from eyrie.stages import EXTRACT
 from eyrie_extractor.capture import HFCapture, token_budget_batches
 from eyrie_extractor.plan import generated_records, load_tokenizer
 from eyrie_extractor.render import fit, render
+from eyrie_extractor.tasks import ExtractTask
 
 MAX_PENDING_BATCHES = 2
 
@@ -69,45 +70,35 @@ def extractor_gpu_lease(settings: Settings, conn: redis.Redis, device: str):
     return gpu_lease(settings, conn, f"extractor@{socket.gethostname()}", device, caches=(loaded_capture,))
 
 
-class ExtractRunner:
-    def __init__(self, settings: Settings, conn: redis.Redis, store, run: str, shard: int):
-        self.settings, self.conn, self.store = settings, conn, store
-        self.layout, self.run_name, self.shard = Layout(run), run, shard
-        self.manifest = load_run_manifest(store, run)
+class ExtractRunner(StageTask):
+    """One extract shard; the executor (eyrie.executor) holds its leases and checks for its manifest."""
+
+    stage, Payload = EXTRACT, ExtractTask
+    gpu_owner, gpu_caches = "extractor", (loaded_capture,)
+
+    def __init__(self, ctx: Context, payload: ExtractTask):
+        super().__init__(ctx, payload)
+        self.layout = Layout(self.run_name)
+        self.manifest = load_run_manifest(self.store, self.run_name)
         self.params = self.manifest.extract
-        self.parts = PartLog(store, self.layout.extract_parts(shard))
+        self.parts = PartLog(self.store, self.layout.extract_parts(self.shard))
         self.entries: dict[str, dict] = {}
         self.pending: list[dict] = []
-        self.lease = None
-        self.cancelled = CancelWatch(conn, run)
-        self._started = time.time()
 
-    def run(self) -> dict:
-        if self.store.exists(self.layout.extract_shard_manifest(self.shard)):
-            return {"shard": self.shard, "status": "already_done"}
-        with held_task(self.conn, EXTRACT.task_id(self.run_name, self.shard)) as lease:
-            if lease is None:
-                return {"shard": self.shard, "status": "held_by_another_worker"}
-            self.lease = lease
-            try:
-                with Heartbeat(lease) as self.beat:  # through the GPU wait, tokenizing, the model load
-                    return self._on_device()
-            except Cancelled:
-                self._report()
-                return {"shard": self.shard, "status": "cancelled", **self._counts().model_dump()}
+    def done_key(self) -> str:
+        return self.layout.extract_shard_manifest(self.shard)
 
-    def _on_device(self) -> dict:
+    def devices(self) -> str | None:
         # vLLM holds the GPUs itself when it extracts: this worker then needs no lease
-        device = "cpu" if self.params.backend == "vllm" else pick_device(self.settings.device)
-        if not device.startswith("cuda"):  # CPU-only runs need no GPU lease
-            return self._run(device, None)
-        gpu = self.beat.gpu = extractor_gpu_lease(self.settings, self.conn, device)
-        self._report(waiting_for="gpu_lease")
-        gpu.acquire()
-        try:
-            return self._run(device, gpu)
-        finally:
-            gpu.release()  # drops the cached target first: the next holder needs its memory
+        self.device = "cpu" if self.params.backend == "vllm" else pick_device(self.settings.device)
+        return self.device if self.device.startswith("cuda") else None  # CPU-only runs need no GPU lease
+
+    def report_waiting(self, what: str) -> None:
+        self._report(waiting_for=what)
+
+    def on_cancel(self) -> dict:
+        self._report()
+        return self.result("cancelled", **self._counts().model_dump())
 
     def _vllm_url(self) -> str | None:
         """The configured vLLM extraction server, else the one the stack's extract-server published."""
@@ -118,7 +109,8 @@ class ExtractRunner:
         self._report(waiting_for="extract-server")
         return inference.wait_extract_ready(self.conn, self.settings.serve_deadline_s).url
 
-    def _run(self, device: str, gpu) -> dict:
+    def run(self) -> dict:
+        device, gpu = self.device, self.gpu
         started_at, t0 = now_iso(), time.monotonic()
         for entry in self.parts.load():
             self.entries.setdefault(entry["sample_id"], entry)
@@ -215,38 +207,26 @@ class ExtractRunner:
                       bytes=sum(e["bytes"] for e in done))
 
     def _report(self, final: bool = False, waiting_for: str | None = None) -> None:
-        progress.report(self.conn, self.run_name, "extract", str(self.shard), self._started,
-                        **self._counts().model_dump(),
-                        worker=socket.gethostname(), final=final, waiting_for=waiting_for)
+        self.progress.report(**self._counts().model_dump(), final=final, waiting_for=waiting_for)
 
     def _finish(self, started_at: str, wall: float) -> dict:
         entries = sorted(self.entries.values(), key=lambda e: e["row"])
         counts = self._counts()
         manifest = ShardManifest(
             run=self.run_name, stage="extract", shard=self.shard, bytes=counts.bytes, counts=counts,
-            skip_reasons=dict(Counter(e["reason"] for e in entries if e["status"] == "skipped")),
-            failure_errors=dict(Counter(e["error"][:80] for e in entries if e["status"] == "failed")),
-            started_at=started_at, finished_at=now_iso(), worker=socket.gethostname(),
+            **outcomes(entries), started_at=started_at, finished_at=now_iso(), worker=socket.gethostname(),
             samples=[e for e in entries if e["status"] == "done"],
             not_done=[{k: e[k] for k in ("sample_id", "status", "reason", "error") if k in e}
                       for e in entries if e["status"] != "done"],
             mismatches=sum(1 for e in entries if e.get("mismatch")),
             truncated=sum(1 for e in entries if e.get("truncated")))
-        self.store.put_json(self.layout.extract_shard_manifest(self.shard), manifest.model_dump())
+        self.write_manifest(manifest)
         self.parts.clear()
         self._report(final=True)
-        return {"shard": self.shard, "status": "done", **counts.model_dump(), "wall_s": round(wall, 3),
-                "tok_per_s": round(counts.tokens / max(wall, 1e-9), 1)}
+        return self.result("done", **counts.model_dump(), wall_s=round(wall, 3),
+                           tok_per_s=round(counts.tokens / max(wall, 1e-9), 1))
 
 
 def run_extract_shard(payload: dict) -> dict:
-    """RQ entry point. The payload is JSON, validated before anything runs."""
-    from eyrie.config import load_settings
-    from eyrie.queue import connect
-    from eyrie.store import open_store
-    from eyrie_extractor.tasks import ExtractTask
-
-    task = ExtractTask.model_validate(payload)
-    settings = load_settings()
-    return ExtractRunner(settings, connect(settings.redis_url), open_store(settings), task.run,
-                         task.shard).run()
+    """RQ entry point."""
+    return execute(ExtractRunner, payload)

@@ -1,10 +1,7 @@
 """The JSON payloads of extract tasks on the queue."""
 
-from pydantic import BaseModel, ConfigDict, Field
+from eyrie.executor import ShardTask
 
 
-class ExtractTask(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-    shard: int = Field(ge=0)
+class ExtractTask(ShardTask):
+    """One generate shard's samples to extract: {"run": ..., "shard": ...}."""

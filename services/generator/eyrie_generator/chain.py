@@ -22,6 +22,7 @@ from eyrie.queue import LEASE_TTL_S, enqueue, queue, task_lease
 from eyrie.stages import GENERATE
 from eyrie_generator.client import ChatClient
 from eyrie_generator.shard import ShardRunner, split_lanes
+from eyrie_generator.tasks import GenerateTask
 
 
 def recover_claims(conn, store, manifest, task: str) -> int:
@@ -156,7 +157,7 @@ class Chain:
                 self.conn.srem(keys.generate_claims(first.task), plan.index)
                 continue
             job.set_status(JobStatus.STARTED)
-            runner = ShardRunner(first.settings, self.conn, first.store, first.run_name, plan.index)
+            runner = ShardRunner(first.ctx, GenerateTask(run=first.run_name, shard=plan.index))
             # that task's own earlier attempt may have died on shards it had taken on: requeue them
             recover_claims(self.conn, first.store, first.manifest, job_id)
             rows = runner.prepare()

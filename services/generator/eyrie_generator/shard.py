@@ -13,51 +13,55 @@ import time
 from collections import Counter
 
 import orjson
-import redis
 
-from eyrie import inference, progress
-from eyrie.config import Settings, parse_endpoints
+from eyrie import inference
+from eyrie.config import parse_endpoints
+from eyrie.executor import Context, StageTask, execute, outcomes
 from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
-from eyrie.queue import held_task
 from eyrie.stages import GENERATE
-from eyrie.store import Store
 from eyrie.target import check_served
 from eyrie_generator.client import ChatClient, Completion
 from eyrie_generator.prompt_budget import PromptBudget
 from eyrie_generator.prompts import Skip, to_prompt
+from eyrie_generator.tasks import GenerateTask
 
 FLUSH_EVERY = 64
 FLUSH_SECONDS = 10.0
 
 
-class ShardRunner:
-    def __init__(self, settings: Settings, conn: redis.Redis, store: Store, run: str, shard: int):
-        self.settings, self.conn, self.store = settings, conn, store
-        self.layout = Layout(run)
-        self.manifest: RunManifest = load_run_manifest(store, run)
-        self.plan = self.manifest.generate_shards[shard]
-        self.run_name, self.shard, self.task = run, shard, GENERATE.task_id(run, shard)
+class ShardRunner(StageTask):
+    """One generate shard (the executor, eyrie.executor, holds its lease and checks for its
+    manifest); its lanes go on to other queued shards of the run (eyrie_generator.chain)."""
+
+    stage, Payload = GENERATE, GenerateTask
+
+    def __init__(self, ctx: Context, payload: GenerateTask):
+        super().__init__(ctx, payload)
+        self.layout = Layout(self.run_name)
+        self.manifest: RunManifest = load_run_manifest(self.store, self.run_name)
+        self.plan = self.manifest.generate_shards[self.shard]
         self.records: dict[str, dict] = {}
         self.pending: list[dict] = []
         self.flushes: list[asyncio.Future] = []
         self._last_flush = time.monotonic()
-        self._started = time.time()
-        self.parts = PartLog(store, self.layout.generate_parts(shard))
+        self.parts = PartLog(self.store, self.layout.generate_parts(self.shard))
         self.in_flight = 0
         self.in_flight_area = 0.0
         self._last_tick = time.monotonic()
 
-    def run(self) -> dict:
-        from eyrie_generator.chain import Chain, recover_claims
+    def recover(self) -> None:
+        from eyrie_generator.chain import recover_claims
 
         recover_claims(self.conn, self.store, self.manifest, self.task)  # shards an earlier, dead attempt had taken on
-        if self.store.exists(self.layout.generate_shard_manifest(self.shard)):
-            return {"shard": self.shard, "status": "already_done"}
-        with held_task(self.conn, self.task) as lease:
-            if lease is None:
-                return {"shard": self.shard, "status": "held_by_another_worker"}
-            return asyncio.run(Chain(self, lease).run())
+
+    def done_key(self) -> str:
+        return self.layout.generate_shard_manifest(self.shard)
+
+    def run(self) -> dict:
+        from eyrie_generator.chain import Chain
+
+        return asyncio.run(Chain(self, self.lease).run())
 
     def prepare(self) -> list[dict]:
         """The rows still to answer (a retried task reads its parts back first)."""
@@ -147,10 +151,8 @@ class ShardRunner:
 
     def _report(self, final: bool = False, waiting_for: str | None = None) -> None:
         counts = self._counts()
-        progress.report(self.conn, self.run_name, "generate", str(self.shard), self._started,
-                        **counts.model_dump(),
-                        in_flight=self.in_flight, worker=socket.gethostname(), final=final,
-                        waiting_for=waiting_for)
+        self.progress.report(**counts.model_dump(), in_flight=self.in_flight, final=final,
+                             waiting_for=waiting_for)
 
     def _counts(self) -> Counts:
         statuses = Counter(r["status"] for r in self.records.values())
@@ -173,17 +175,15 @@ class ShardRunner:
         counts = self._counts()
         shard_manifest = ShardManifest(
             run=self.run_name, stage="generate", shard=self.shard, object=info.key, sha256=info.sha256,
-            bytes=info.size, counts=counts,
-            skip_reasons=dict(Counter(r["reason"] for r in records if r["status"] == "skipped")),
-            failure_errors=dict(Counter((r["error"] or "")[:80] for r in records if r["status"] == "failed")),
-            started_at=started_at, finished_at=now_iso(), worker=socket.gethostname())
-        self.store.put_json(self.layout.generate_shard_manifest(self.shard), shard_manifest.model_dump())
+            bytes=info.size, counts=counts, **outcomes(records), started_at=started_at, finished_at=now_iso(),
+            worker=socket.gethostname())
+        self.write_manifest(shard_manifest)
         self.parts.clear()
         self._report(final=True)
         self._tick(0)
         wall = max(1e-9, time.monotonic() - self._t0)
-        return {"shard": self.shard, "status": "done", **counts.model_dump(), "wall_s": round(wall, 3),
-                "mean_in_flight": round(self.in_flight_area / wall, 2)}
+        return self.result("done", **counts.model_dump(), wall_s=round(wall, 3),
+                           mean_in_flight=round(self.in_flight_area / wall, 2))
 
 
 def split_lanes(concurrency: int, weights: list[int]) -> list[int]:
@@ -203,13 +203,5 @@ def split_lanes(concurrency: int, weights: list[int]) -> list[int]:
 
 
 def run_generate_shard(payload: dict) -> dict:
-    """RQ entry point. The payload is JSON, validated before anything runs."""
-    from eyrie.config import load_settings
-    from eyrie.queue import connect
-    from eyrie.store import open_store
-    from eyrie_generator.tasks import GenerateTask
-
-    task = GenerateTask.model_validate(payload)
-    settings = load_settings()
-    return ShardRunner(settings, connect(settings.redis_url), open_store(settings), task.run,
-                       task.shard).run()
+    """RQ entry point."""
+    return execute(ShardRunner, payload)

@@ -5,22 +5,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from eyrie import progress
 from eyrie.errors import EyrieError
+from eyrie.executor import RunTask
 from eyrie.manifest import BaseDrafter, Layout, RunManifest, TrainParams, load_run_manifest
 from eyrie.queue import enqueue
 from eyrie.stages import TRAIN
 from eyrie.train_settings import TrainSettings
 
 
-class TrainTask(BaseModel):
+class TrainTask(RunTask):
     """The JSON payload of a train task on the queue; `request` when the trainer is to plan it
     (the pipeline's train stage: the base drafter is fetched and checked by the trainer)."""
 
-    model_config = ConfigDict(extra="forbid")
-    run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     request: TrainSettings | None = None
 
 

@@ -7,26 +7,20 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
-import threading
 import time
 from pathlib import Path
 
-import redis
-
-from eyrie import progress
 from eyrie.charts import Curve, per_position
-from eyrie.config import Settings
-from eyrie.control import CancelWatch
 from eyrie.errors import EyrieError
+from eyrie.executor import Context, StageTask, execute
 from eyrie.gpu import pick_device
-from eyrie.gpu_admission import gpu_lease
 from eyrie.manifest import Layout, load_run_manifest
-from eyrie.queue import Heartbeat, enqueue, held_task
+from eyrie.queue import enqueue
 from eyrie.stages import EXTRACT, TRAIN
 from eyrie.store import CorruptObject
 from eyrie_trainer import checkpoints, engine
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
+from eyrie_trainer.plan import TrainTask, ensure_plan
 
 log = logging.getLogger("eyrie.trainer")
 
@@ -39,40 +33,39 @@ class Interrupted(RuntimeError):
     """SIGTERM: the checkpoint was saved; the task is retried from it."""
 
 
-class TrainRunner:
-    def __init__(self, settings: Settings, conn: redis.Redis, store, run: str):
-        self.settings, self.conn, self.store = settings, conn, store
-        self.run_name, self.layout = run, Layout(run)
-        self.manifest = load_run_manifest(store, run)
-        self.params = self.manifest.train
-        self.work = Path(settings.cache_dir) / "runs" / run
-        self.live: dict = {"phase": "starting", "step": 0, "tokens": 0, "checkpoints": []}
-        self._started, self._last_report = time.time(), 0.0
-        self.cancelled = CancelWatch(conn, run)
+class TrainRunner(StageTask):
+    """The run's one train task; the executor (eyrie.executor) holds its leases and checks for
+    the exported drafter's manifest."""
 
-    def run(self) -> dict:
+    stage, Payload, gpu_owner = TRAIN, TrainTask, "trainer"
+
+    def __init__(self, ctx: Context, payload: TrainTask):
+        super().__init__(ctx, payload)
+        if payload.request is not None:  # the pipeline's train stage: the trainer plans it
+            ensure_plan(self.conn, self.store, self.run_name, payload.request, Path(self.settings.cache_dir))
+        self.layout = Layout(self.run_name)
+        self.manifest = load_run_manifest(self.store, self.run_name)
+        self.params = self.manifest.train
         if self.params is None:
             raise EyrieError(f"run {self.run_name} has no train plan.", f"run `eyrie train --run {self.run_name}`.")
-        if self.store.exists(self.layout.drafter_manifest):
-            return {"status": "already_done"}
-        with held_task(self.conn, TRAIN.task_id(self.run_name)) as lease:
-            if lease is None:
-                return {"status": "held_by_another_worker"}
-            device = pick_device(self.settings.device)
-            gpu = gpu_lease(self.settings, self.conn, f"trainer@{socket.gethostname()}", device) if device.startswith("cuda") else None
-            with Heartbeat(lease, gpu) as beat:  # the task lease lives through the wait for the GPU
-                if gpu:
-                    self._report(phase="waiting", waiting_for="gpu_lease", force=True)
-                    gpu.acquire()
-                try:
-                    return self._run(device, beat)
-                finally:
-                    if gpu:  # frees the device memory first
-                        gpu.release()
+        self.work = Path(self.settings.cache_dir) / "runs" / self.run_name
+        self.live: dict = {"phase": "starting", "step": 0, "tokens": 0, "checkpoints": []}
+        self._last_report = 0.0
 
-    def _run(self, device: str, beat: Heartbeat) -> dict:
+    def done_key(self) -> str:
+        return self.layout.drafter_manifest
+
+    def devices(self) -> str | None:
+        self.device = pick_device(self.settings.device)
+        return self.device if self.device.startswith("cuda") else None
+
+    def report_waiting(self, what: str) -> None:
+        self._report(phase="waiting", waiting_for=what, force=True)
+
+    def run(self) -> dict:
         from eyrie_trainer.export import evaluate_and_export
 
+        device = self.device
         self._report(phase="data", force=True)
         try:
             train_dir, eval_dir = self._prepare_data()
@@ -87,7 +80,7 @@ class TrainRunner:
         stored_curve = self.layout.train_curve
         self.curve = Curve(self.store.get_json(stored_curve) if self.store.exists(stored_curve) else None)
         hooks = engine.Hooks(on_metrics=self._on_metrics, on_checkpoint=self._on_checkpoint,
-                             on_step=lambda step: self._on_step(beat), on_start=self._on_start)
+                             on_step=lambda step: self._on_step(), on_start=self._on_start)
         self._report(phase="training", force=True)
         try:
             path = engine.train_with_fallback({**self._options(train_dir, device), **base}, device,
@@ -191,8 +184,8 @@ class TrainRunner:
         self._say(f"checkpoint {label} stored ({sum(f['bytes'] for f in entry['files'].values()):,} bytes)")
         self._report(force=True)
 
-    def _on_step(self, beat: Heartbeat) -> None:
-        if beat.lost:
+    def _on_step(self) -> None:
+        if self.beat.lost:
             raise TaskLost("the task lease was lost (another worker took the task over)")
         if self.cancelled():  # speculators saves a resumable checkpoint, then training returns
             from speculators.train.graceful_shutdown import TrainingInterruptedError
@@ -209,26 +202,13 @@ class TrainRunner:
         self.live.update(fields)
         if force or time.monotonic() - self._last_report > 0.5:
             self._last_report = time.monotonic()
-            progress.report(self.conn, self.run_name, "train", "0", self._started,
-                            worker=socket.gethostname(), **self.live)
+            self.progress.report(**self.live)
 
 
 def run_train_task(payload: dict) -> dict:
-    """RQ entry point. The payload is JSON, validated before anything runs."""
-    from eyrie.config import load_settings
-    from eyrie.queue import connect
-    from eyrie.store import open_store
-    from eyrie_trainer.plan import TrainTask
-
-    task = TrainTask.model_validate(payload)
-    settings = load_settings()
-    conn, store = connect(settings.redis_url), open_store(settings)
-    if task.request is not None:  # the pipeline's train stage: the trainer plans it
-        from eyrie_trainer.plan import ensure_plan
-
-        ensure_plan(conn, store, task.run, task.request, Path(settings.cache_dir))
+    """RQ entry point."""
     try:
-        return TrainRunner(settings, conn, store, task.run).run()
+        return execute(TrainRunner, payload)
     except Interrupted:
         # speculators' handler took the SIGTERM meant for the worker: hand it on, so the worker
         # stops after this (failed, retried) task instead of taking the next one

@@ -17,7 +17,6 @@ import shlex
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +24,9 @@ from pathlib import Path
 import requests
 
 from eyrie.errors import EyrieError
+from eyrie.executor import StageTask, execute
 from eyrie.manifest import Layout, load_run_manifest, now_iso
+from eyrie.stages import VERIFY
 from eyrie.vllm import serve_argv, serve_env
 
 COUNTER = re.compile(r'^vllm:spec_decode_num_(drafts|accepted_tokens|accepted_tokens_per_pos)_total\{([^}]*)\} (\S+)$')
@@ -183,33 +184,21 @@ def summarize(before: dict, after: dict, k: int) -> dict:
             "vllm_accepted_tokens": int(accepted), "vllm_per_position_acceptance": per_pos, "k": k}
 
 
+class VerifyRunner(StageTask):
+    """The pipeline's verify stage (train queue), under the GPU lease: vLLM takes the GPUs, as
+    `eyrie serve --server vllm` does, never beside another owner."""
+
+    stage, gpu_owner = VERIFY, "verify"
+
+    def devices(self) -> str:
+        return "all"
+
+    def run(self) -> dict:
+        result = verify(self.settings, self.store, self.run_name)
+        return {"run": self.run_name, **{k: result[k] for k in ("vllm_acceptance_length", "eyrie_acceptance_length",
+                                                                "identical_outputs", "speedup")}}
+
+
 def run_verify_task(payload: dict) -> dict:
-    """RQ entry point (train queue): the pipeline's verify stage, with the GPU lease held."""
-    import socket as _socket
-
-    from eyrie.config import load_settings
-    from eyrie.gpu_admission import gpu_lease
-    from eyrie.manifest import check_run_name
-    from eyrie.queue import connect
-    from eyrie.store import open_store
-
-    run = check_run_name(str(payload.get("run")))
-    settings = load_settings()
-    conn, store = connect(settings.redis_url), open_store(settings)
-    lease, done = gpu_lease(settings, conn, f"verify@{_socket.gethostname()}"), threading.Event()
-    lease.acquire()  # vLLM takes the GPUs: as `eyrie serve --server vllm`, never beside another owner
-
-    def renew() -> None:
-        while not done.wait(10):
-            lease.renew()
-
-    renewing = threading.Thread(target=renew, daemon=True)
-    renewing.start()
-    try:
-        result = verify(settings, store, run)
-    finally:
-        done.set()
-        renewing.join()
-        lease.release()
-    return {"run": run, **{k: result[k] for k in ("vllm_acceptance_length", "eyrie_acceptance_length",
-                                                  "identical_outputs", "speedup")}}
+    """RQ entry point."""
+    return execute(VerifyRunner, payload)
