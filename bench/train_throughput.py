@@ -50,7 +50,7 @@ def build(work: Path, a) -> None:
                                 ShardManifest, ShardPlan, TargetRef, code_version, now_iso)
     from eyrie.layers import default_aux_layers
     from eyrie_extractor.shard import sample_tensors
-    from eyrie.train_settings import TrainSettings
+    from eyrie.stage_settings import TrainSettings
     from eyrie_trainer.plan import _require_extract_done, plan
 
     target, g = work / "target", torch.Generator().manual_seed(0)

@@ -16,10 +16,10 @@ import click
 import orjson
 import typer
 
-from eyrie.cli_options import model_options
+from eyrie.cli_options import checked, model_options
 from eyrie.errors import EyrieError
 from eyrie.stages import entry  # services' code by name: eyrie/ imports none
-from eyrie.train_settings import TrainSettings
+from eyrie.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="eyrie: prompts + target LLM -> EAGLE-3 drafter.")
@@ -43,22 +43,6 @@ def command(func):
                        "for the traceback and report it.", err=True)
             raise typer.Exit(1) from None
     return wrapper
-
-
-def _check_flags(section, **flags):
-    """A stage's flags, checked by the model its run.yaml section and the API check (64-bit
-    integers, finite numbers, ranges): one line naming each bad flag."""
-    from pydantic import ValidationError
-
-    try:
-        return section(**{k: v for k, v in flags.items() if v is not None})
-    except ValidationError as exc:
-        bad = "; ".join(f"--{_FLAG.get(e['loc'][0], str(e['loc'][0]).replace('_', '-'))} "
-                        f"{str(e.get('input'))[:40]}: {e['msg']}" for e in exc.errors())
-        raise EyrieError(f"invalid {bad}.", "correct these flags (eyrie COMMAND --help).") from None
-
-
-_FLAG = {"timeout_s": "timeout", "source": "dataset"}
 
 
 def _context():
@@ -114,28 +98,20 @@ def serve_extract(port: Optional[int] = typer.Option(None, help="Port (EYRIE_POR
 
 @app.command()
 @command
-def generate(dataset: str = typer.Option(..., "--dataset", help="Local .jsonl/.parquet, or HF dataset id."),
-             run: str = typer.Option(..., "--run", help="Run name."),
-             split: str = typer.Option("train", help="Dataset split (HF datasets)."),
-             revision: Optional[str] = typer.Option(None, help="Dataset revision (HF datasets)."),
-             limit: Optional[int] = typer.Option(None, min=1, help="Use only the first N rows."),
-             concurrency: Optional[int] = typer.Option(None, min=1, help="Requests in flight per worker."),
-             max_tokens: Optional[int] = typer.Option(None, min=1, help="Completion token limit."),
-             timeout: Optional[float] = typer.Option(None, min=1, help="Per-request timeout, seconds."),
-             temperature: Optional[float] = typer.Option(None, min=0, help="Sampling temperature."),
-             shard_size: Optional[int] = typer.Option(None, min=1, help="Rows per task."),
+@model_options(DatasetSection, into="prompts")
+@model_options(GenerateSettings, into="asked")
+def generate(run: str = typer.Option(..., "--run", help="Run name."),
+             prompts: dict = None,  # the options DatasetSection makes, given
+             asked: dict = None,  # the options GenerateSettings makes, given
              wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
     """Answer a prompt dataset with the served target; results go to the store as shards."""
     from eyrie.control import start_stage
     from eyrie.manifest import check_run_name
-    from eyrie.pipeline import DatasetSection, GenerateSection
 
     check_run_name(run)
-    request = _check_flags(GenerateSection, concurrency=concurrency, max_tokens=max_tokens, timeout_s=timeout,
-                           temperature=temperature, shard_size=shard_size)
-    source = _check_flags(DatasetSection, source=dataset, split=split, revision=revision, limit=limit)
+    request, dataset = checked(GenerateSettings, asked), checked(DatasetSection, prompts)
     settings, conn, store = _context()
-    manifest, enqueued = start_stage(settings, conn, store, run, "generate", request, source)
+    manifest, enqueued = start_stage(settings, conn, store, run, "generate", request, dataset)
     rows = manifest.dataset.row_end - manifest.dataset.row_start
     typer.echo(f"run {run}: {rows} rows in {len(manifest.generate_shards)} shards; "
                f"{enqueued} tasks enqueued now (store {store.url})")
@@ -153,30 +129,17 @@ def _wait(conn, store, run: str, stage: str) -> None:
 
 @app.command()
 @command
+@model_options(ExtractSettings, into="asked")
 def extract(run: str = typer.Option(..., "--run", help="Run name (its generate stage must be done)."),
-            layers: Optional[str] = typer.Option(None, help="Aux layer ids, e.g. 2,16,29 (default [2, n//2, n-3])."),
-            dtype: Optional[str] = typer.Option(None, help="bf16 (default) or fp8 (e4m3, per-token scales)."),
-            max_length: Optional[int] = typer.Option(None, min=2, help="Longer samples are truncated (or skipped if the prompt alone is longer)."),
-            budget: Optional[str] = typer.Option(None, help="Refuse if the projection exceeds this, e.g. 2.8TB."),
-            backend: str = typer.Option("hf", help="hf (transformers) or vllm (docs/vllm-extraction.md)."),
+            asked: dict = None,  # the options ExtractSettings makes, given
             wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
     """Record the target's hidden states for every generated sample (speculators' layout)."""
     from eyrie.budget import human
     from eyrie.control import start_stage
     from eyrie.manifest import check_run_name
-    from eyrie.pipeline import ExtractSection
 
     check_run_name(run)
-    if backend not in ("hf", "vllm"):
-        raise EyrieError(f"unknown --backend {backend!r}.", "use --backend hf or --backend vllm.")
-    if dtype not in (None, "bf16", "fp8"):
-        raise EyrieError(f"unknown --dtype {dtype!r}.", "use --dtype bf16 or --dtype fp8.")
-    try:
-        aux = [int(x) for x in layers.split(",")] if layers else None
-    except ValueError:
-        raise EyrieError(f"cannot read --layers {layers!r}.", "give comma-separated ids, e.g. --layers 2,16,29.") from None
-    request = _check_flags(ExtractSection, layers=aux, dtype=dtype, max_length=max_length, budget=budget,
-                           backend=backend)
+    request = checked(ExtractSettings, asked)
     settings, conn, store = _context()
     manifest, enqueued = start_stage(settings, conn, store, run, "extract", request)
     p = manifest.extract
@@ -210,7 +173,7 @@ def train(run: str = typer.Option(..., "--run", help="Run name (its extract stag
     from eyrie.manifest import check_run_name
 
     check_run_name(run)
-    request = _check_flags(TrainSettings, **asked)
+    request = checked(TrainSettings, asked)
     settings, conn, store = _context()
     manifest, enqueued = start_stage(settings, conn, store, run, "train", request)
     p = manifest.train

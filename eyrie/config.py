@@ -49,13 +49,6 @@ class Settings(BaseSettings):
         None, description="Stop the server once a pipeline's generation has drained and its later stages "
                           "wait (handing over the GPU lease); unset: yes for vLLM, which holds the GPUs.")
 
-    concurrency: int = Field(200, ge=1, le=10000)
-    max_tokens: int = Field(8192, ge=1)
-    request_timeout_s: float = Field(1800.0, gt=0)
-    max_retries: int = Field(5, ge=0, le=50)
-    retry_backoff_s: float = Field(2.0, ge=0, description="First retry delay; doubles, capped at 60 s.")
-    shard_size: int = Field(1000, ge=1)
-
     device: str = Field("auto", description="Extractor device: auto (cuda if present), cpu, cuda, cuda:N, or "
                                             "cuda:0,cuda:1,... (the HF backend spreads the target over them; "
                                             "with cuda it does so over every GPU when one cannot hold it).")

@@ -101,11 +101,7 @@ def start_stage(settings, conn, store, run: str, stage: str, section, dataset=No
 
 def start_generate(settings, conn, store, run: str, dataset, generate):
     """Plan the generate stage (the dataset read, its rows cut into shards) and enqueue its tasks."""
-    return entry(GENERATE.start)(
-        settings, conn, store, source=dataset.source, run=run, split=dataset.split, revision=dataset.revision,
-        limit=dataset.limit, params={"concurrency": generate.concurrency, "max_tokens": generate.max_tokens,
-                                     "timeout": generate.timeout_s, "temperature": generate.temperature,
-                                     "shard_size": generate.shard_size})
+    return entry(GENERATE.start)(settings, conn, store, run, dataset, generate)
 
 
 def run_names(conn) -> list[str]:

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 import eyrie
 from eyrie.errors import EyrieError, UnknownRun
-from eyrie.train_settings import TrainSettings
+from eyrie.stage_settings import TrainSettings
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -160,7 +160,7 @@ class BaseDrafter(BaseModel):
 
 
 class TrainParams(BaseModel):
-    """The train plan: eyrie.train_settings.TrainSettings resolved (defaults, the target's or the
+    """The train plan: eyrie.stage_settings.TrainSettings resolved (defaults, the target's or the
     base's vocabulary, the held-out count), under the names manifests have always used."""
 
     epochs: int

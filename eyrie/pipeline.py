@@ -16,7 +16,7 @@ from eyrie.manifest import RUN_NAME, Layout, check_run_name
 from eyrie.queue import enqueue
 from eyrie.section import Section as _Section
 from eyrie.stages import EXTRACT, PLAN_EXTRACT, TRAIN, VERIFY, entry
-from eyrie.train_settings import TrainSettings
+from eyrie.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
 
 log = logging.getLogger("eyrie.pipeline")
 
@@ -62,30 +62,6 @@ class ServeSection(_Section):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-class DatasetSection(_Section):
-    source: str = Field(min_length=1, description="Local .jsonl/.parquet/dataset directory, or HF id.")
-    split: str = Field("train", min_length=1)
-    revision: str | None = None
-    limit: int | None = Field(None, ge=1)
-
-
-class GenerateSection(_Section):
-    concurrency: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
-    timeout_s: float | None = Field(None, gt=0)
-    temperature: float | None = Field(None, ge=0)
-    shard_size: int | None = Field(None, ge=1)
-    prompt_tokens_estimate: int = Field(512, ge=1, description="For --plan only: mean prompt length.")
-
-
-class ExtractSection(_Section):
-    layers: list[int] | None = None
-    dtype: str = Field("bf16", pattern="^(bf16|fp8)$")
-    max_length: int | None = Field(None, ge=2)
-    budget: str | None = None
-    backend: str = Field("hf", pattern="^(hf|vllm)$")
-
-
 class VerifySection(_Section):
     """The exported drafter served by vLLM (`eyrie verify`) after export; None: wherever vLLM can
     run (EYRIE_VLLM_COMMAND names an executable or Python that exists)."""
@@ -111,8 +87,8 @@ class RunConfig(_Section):
     target: TargetSection
     dataset: DatasetSection
     serve: ServeSection = Field(default_factory=ServeSection)
-    generate: GenerateSection = Field(default_factory=GenerateSection)
-    extract: ExtractSection = Field(default_factory=ExtractSection)
+    generate: GenerateSettings = Field(default_factory=GenerateSettings)
+    extract: ExtractSettings = Field(default_factory=ExtractSettings)
     train: TrainSettings = Field(default_factory=TrainSettings)
     verify: VerifySection = Field(default_factory=VerifySection)
     plan: PlanSection = Field(default_factory=PlanSection)
@@ -249,12 +225,9 @@ def _stalled(conn, store, run: str) -> bool:
     return any(job_state(conn, job_id) == "failed" for job_id in ids["extract"] + ids["train"])
 
 
-def start_extract(conn, store, run: str, extract: ExtractSection):
-    """Plan the extract stage (or check it against its plan) and enqueue what is missing. A dtype
-    left unset (no --dtype) is, on a rerun, whatever was planned."""
-    dtype = extract.dtype if "dtype" in extract.model_fields_set else None
-    return entry(EXTRACT.start)(conn, store, run, layers=extract.layers, dtype=dtype, max_length=extract.max_length,
-                                budget=extract.budget, backend=extract.backend)
+def start_extract(conn, store, run: str, extract: ExtractSettings):
+    """Plan the extract stage (or check it against its plan) and enqueue what is missing."""
+    return entry(EXTRACT.start)(conn, store, run, extract)
 
 
 def run_plan_extract_task(payload: dict) -> dict:

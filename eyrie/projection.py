@@ -75,7 +75,8 @@ def project(config: RunConfig, settings) -> dict:
     hidden, num_layers, vocab, shape_from, architecture = target_shape(config)
     aux = resolve_aux_layers(config.extract.layers, num_layers)
     n = samples(config)
-    max_tokens = config.generate.max_tokens or settings.max_tokens
+    generate = config.generate.with_host_defaults()
+    max_tokens = generate.max_tokens
     prompt = config.generate.prompt_tokens_estimate
     tokens = n * (prompt + max_tokens)
     mean = config.plan.mean_tokens
@@ -88,7 +89,7 @@ def project(config: RunConfig, settings) -> dict:
     p = {"per_1k_tokens_per_sample": per_1k, "run": config.run, "target": config.target.model,
          "shape_from": shape_from, "hidden_size": hidden, "num_layers": num_layers, "vocab_size": vocab,
          "architecture": architecture, "aux_layers": aux, "samples": n, "max_tokens": max_tokens,
-         "concurrency": config.generate.concurrency or settings.concurrency, "prompt_tokens_estimate": prompt,
+         "concurrency": generate.concurrency, "prompt_tokens_estimate": prompt,
          "mean_tokens": mean, "tokens_upper_bound": tokens, "hidden_states_bytes": sizes,
          "hidden_states_bytes_expected": expected, "records_bytes": n * max_tokens * RECORD_BYTES_PER_TOKEN,
          "dtype": config.extract.dtype, "budget_bytes": budget, "fits": None if budget is None else chosen <= budget}

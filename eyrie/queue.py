@@ -203,12 +203,20 @@ def held_task(conn: redis.Redis, task_id: str) -> Iterator[Lock | None]:
 class Heartbeat(threading.Thread):
     """Renews a task lease, and the GPU lease once it is set, in the background: through the wait
     for the GPU, tokenizing, a slow model load and the work itself. `lost`: another worker took
-    the task over."""
+    the task over. `hold(lease)`: renew another task's lease with it (a generate task's lanes
+    taking on the next queued shard) until `drop(lease)`."""
 
     def __init__(self, task_lease: Lock, gpu=None, every_s: float = LEASE_TTL_S / 3):
         super().__init__(daemon=True, name="eyrie-heartbeat")
         self.task_lease, self.gpu, self.every_s = task_lease, gpu, every_s
         self.lost, self.done = False, threading.Event()
+        self.held: set[Lock] = set()
+
+    def hold(self, lease: Lock) -> None:
+        self.held.add(lease)
+
+    def drop(self, lease: Lock) -> None:
+        self.held.discard(lease)
 
     def run(self) -> None:
         while not self.done.wait(self.every_s):
@@ -221,6 +229,16 @@ class Heartbeat(threading.Thread):
                 return
             except redis.exceptions.ConnectionError:
                 continue  # Redis away for a moment: the lease lasts LEASE_TTL_S
+            self._renew_held()
+
+    def _renew_held(self) -> None:
+        for lease in list(self.held):
+            try:
+                lease.extend(LEASE_TTL_S, replace_ttl=True)
+            except redis.exceptions.LockError:
+                self.held.discard(lease)  # lapsed and taken over: that shard is its new holder's
+            except redis.exceptions.ConnectionError:
+                return
 
     def __enter__(self) -> "Heartbeat":
         self.start()

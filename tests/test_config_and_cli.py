@@ -7,26 +7,47 @@ import pytest
 from conftest import eyrie
 from eyrie.config import load_settings
 from eyrie.errors import EyrieError
+from eyrie.stage_settings import GenerateSettings
 
 
 def test_defaults_are_the_embedded_default(monkeypatch):
     for key in ("EYRIE_REDIS_URL", "EYRIE_STORE_URL", "EYRIE_INFERENCE_URL"):
         monkeypatch.delenv(key, raising=False)
+    for key in ("EYRIE_CONCURRENCY", "EYRIE_MAX_TOKENS", "EYRIE_REQUEST_TIMEOUT_S"):
+        monkeypatch.delenv(key, raising=False)
     settings = load_settings()
-    assert settings.store_url.startswith("file://") and settings.concurrency == 200
-    assert settings.max_tokens == 8192 and settings.request_timeout_s == 1800
+    assert settings.store_url.startswith("file://")
+    generate = GenerateSettings().with_host_defaults()
+    assert generate.concurrency == 200 and generate.max_tokens == 8192 and generate.request_timeout_s == 1800
+
+
+def test_a_stage_setting_not_given_takes_the_hosts_default(monkeypatch):
+    """EYRIE_<FIELD> is this host's default for a generate setting the run does not give; what
+    the run gives wins, and the host's default does not count as asked (a rerun is not checked on it)."""
+    monkeypatch.setenv("EYRIE_MAX_RETRIES", "1")
+    monkeypatch.setenv("EYRIE_MAX_TOKENS", "64")
+    generate = GenerateSettings(max_tokens=32).with_host_defaults()
+    assert (generate.max_retries, generate.max_tokens) == (1, 32) and generate.given() == {"max_tokens": 32}
+    monkeypatch.setenv("EYRIE_CONCURRENCY", "0")
+    with pytest.raises(EyrieError, match=r"EYRIE_CONCURRENCY='0': Input should be greater than or equal to 1"):
+        GenerateSettings().with_host_defaults()
+
+
+def test_the_old_name_of_the_request_timeout_still_reads():
+    """A run config (or a stored pipeline.json) from before the rename: timeout_s."""
+    assert GenerateSettings.model_validate({"timeout_s": 60}).request_timeout_s == 60
 
 
 def test_every_bad_value_is_named(monkeypatch):
     monkeypatch.setenv("EYRIE_REDIS_URL", "http://localhost")
     monkeypatch.setenv("EYRIE_STORE_URL", "ftp://x")
-    monkeypatch.setenv("EYRIE_CONCURRENCY", "0")
+    monkeypatch.setenv("EYRIE_PORT", "0")
     monkeypatch.setenv("EYRIE_INFERENCE_URL", "localhost:8000")
     with pytest.raises(EyrieError) as err:
         load_settings()
     text = str(err.value)
     for name in ("EYRIE_REDIS_URL='http://localhost'", "EYRIE_STORE_URL='ftp://x'",
-                 "EYRIE_CONCURRENCY='0'", "EYRIE_INFERENCE_URL='localhost:8000'"):
+                 "EYRIE_PORT='0'", "EYRIE_INFERENCE_URL='localhost:8000'"):
         assert name in text
     assert "Fix:" in text
 

@@ -32,7 +32,7 @@ ROWS = 48
 
 # --- the parts -------------------------------------------------------------------------------
 
-FAULT_RUN = {"dataset": {"limit": ROWS}, "generate": {"max_tokens": 32, "shard_size": 16, "timeout_s": 60}}
+FAULT_RUN = {"dataset": {"limit": ROWS}, "generate": {"max_tokens": 32, "shard_size": 16, "request_timeout_s": 60}}
 
 
 def run_config(tmp_path: Path, run: str, **sections) -> str:
@@ -274,7 +274,7 @@ def test_lossy_network_to_the_inference_server(env, flaky_inference, tmp_path, w
     env = {**env, "EYRIE_INFERENCE_URL": flaky_inference, "EYRIE_MAX_RETRIES": "1"}
     workers.env = env
     workers.start("generate", "extract", "train")
-    eyrie("run", "--config", run_config(tmp_path, "lossy", generate={"timeout_s": 5}, train={"epochs": 1}), env=env)
+    eyrie("run", "--config", run_config(tmp_path, "lossy", generate={"request_timeout_s": 5}, train={"epochs": 1}), env=env)
     wait_for(lambda: stage_done("lossy", env), "the drafter exported despite the lossy network", timeout=600)
     faults = requests.get(f"{flaky_inference}/_faults", timeout=5).json()
     assert all(faults.get(kind, 0) > 0 for kind in ("http_503", "hang", "drop", "drop_mid_answer")), faults

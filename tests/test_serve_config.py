@@ -13,6 +13,7 @@ from eyrie.errors import EyrieError
 from eyrie.pipeline import load_config
 from eyrie.store import open_store
 from eyrie.target import describe
+from eyrie.stage_settings import DatasetSection, GenerateSettings
 from eyrie_generator.plan import start_generate
 from eyrie_inference.server import command
 
@@ -36,7 +37,8 @@ def _publish(conn, model: str, served_as: str | None = None) -> None:
 
 def _start(conn, tmp_path, model: str, run: str = "r1"):
     settings = load_settings(model=model, store_url=f"file://{tmp_path / 'store'}")
-    return start_generate(settings, conn, open_store(settings), source=str(TRAIN_PROMPTS), run=run, limit=4)
+    return start_generate(settings, conn, open_store(settings), run, DatasetSection(source=str(TRAIN_PROMPTS), limit=4),
+                          GenerateSettings())
 
 
 def test_the_run_keeps_its_own_target_when_the_server_published_a_relative_name(conn, tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ from eyrie import progress
 from eyrie.errors import EyrieError
 from eyrie.manifest import ExtractParams, Layout, RunManifest, ShardManifest, load_run_manifest
 from eyrie.queue import enqueue
+from eyrie.stage_settings import ExtractSettings
 from eyrie.stages import EXTRACT
 from eyrie.target import text_config
 from eyrie.budget import check_fits, parse_size
@@ -34,9 +35,8 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(model)
 
 
-def start_extract(conn, store, run: str, *, layers: list[int] | None = None, dtype: str | None = None,
-                  max_length: int | None = None, budget: str | None = None,
-                  backend: str = "hf") -> tuple[RunManifest, int]:
+def start_extract(conn, store, run: str, request: ExtractSettings) -> tuple[RunManifest, int]:
+    """Plan the stage from `request` (or check what it asks against the plan); enqueue what is missing."""
     manifest, layout = load_run_manifest(store, run), Layout(run)
     missing = [p.index for p in manifest.generate_shards
                if not store.exists(layout.generate_shard_manifest(p.index))]
@@ -45,20 +45,21 @@ def start_extract(conn, store, run: str, *, layers: list[int] | None = None, dty
                          f"{len(manifest.generate_shards)} shards to go).",
                          f"wait for it (`eyrie status {run}`), then run extract again.")
     if manifest.extract is None:
-        manifest.extract = _plan(store, manifest, layers, dtype or "bf16", max_length, budget, backend)
+        manifest.extract = _plan(store, manifest, request)
         store.put_json(layout.manifest, manifest.model_dump())
         progress.reset(conn, run, "extract")
     else:
-        _check_same(manifest.extract, layers, dtype, max_length)
+        _check_same(manifest.extract, request)
     enqueued = sum(
         enqueue(conn, EXTRACT, {"run": run, "shard": p.index}, p.index)
         for p in manifest.generate_shards if not store.exists(layout.extract_shard_manifest(p.index)))
     return manifest, enqueued
 
 
-def _plan(store, manifest, layers, dtype, max_length, budget, backend) -> ExtractParams:
+def _plan(store, manifest, request: ExtractSettings) -> ExtractParams:
     num_layers, hidden = target_shape(manifest.target.model)
-    aux = resolve_aux_layers(layers, num_layers)
+    aux = resolve_aux_layers(request.layers, num_layers)
+    max_length, dtype = request.max_length, request.dtype
     tokenizer = load_tokenizer(manifest.target.model)
     think = (manifest.generate.think_start, manifest.generate.think_end)
     samples = tokens = truncated = 0
@@ -68,19 +69,18 @@ def _plan(store, manifest, layers, dtype, max_length, budget, backend) -> Extrac
             if rendered is not None:
                 samples, tokens = samples + 1, tokens + len(rendered.input_ids)
                 truncated += note == "truncated"
-    budget_bytes = parse_size(budget) if budget else None
+    budget_bytes = parse_size(request.budget) if request.budget else None
     need = check_fits(tokens, samples, len(aux) + 1, hidden, dtype, budget_bytes, store.free_bytes())
-    return ExtractParams(backend=backend, aux_layers=aux, dtype=dtype, max_length=max_length,
+    return ExtractParams(backend=request.backend, aux_layers=aux, dtype=dtype, max_length=max_length,
                          num_layers=num_layers, hidden_size=hidden, samples=samples, tokens=tokens,
                          truncated=truncated, projected_bytes=need, budget_bytes=budget_bytes)
 
 
-def _check_same(params: ExtractParams, layers, dtype, max_length) -> None:
-    changed = [f"{name} {new} vs {old}" for name, new, old in
-               (("layers", layers, params.aux_layers), ("max_length", max_length, params.max_length))
-               if new is not None and new != old]
-    if dtype is not None and dtype != params.dtype:
-        changed.append(f"dtype {dtype} vs {params.dtype}")
+def _check_same(params: ExtractParams, request: ExtractSettings) -> None:
+    """What a rerun asks (not its defaults) must be what was planned."""
+    planned = {"layers": params.aux_layers, "max_length": params.max_length, "dtype": params.dtype}
+    changed = [f"{name} {value} vs {planned[name]}" for name, value in request.given().items()
+               if name in planned and value is not None and value != planned[name]]
     if changed:
         raise EyrieError(f"extract of this run was planned with other settings: {'; '.join(changed)}.",
                          "rerun with the original settings to continue it, or start a new run.")

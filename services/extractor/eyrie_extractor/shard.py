@@ -117,7 +117,7 @@ class ExtractRunner(StageTask):
         todo = self._render_todo()
         capture = loaded_capture(self.manifest.target.model, tuple(self.params.aux_layers), device,
                                  self.params.backend, self.params.num_layers, self.params.hidden_size,
-                                 self._vllm_url(), self.settings.request_timeout_s)
+                                 self._vllm_url(), self.manifest.generate.request_timeout_s)
         lengths = [len(r["input_ids"]) for r in todo]
         batches = token_budget_batches(todo, lengths, self.settings.extract_batch_tokens)
         # On a GPU, host copies and serialization run in threads while the device computes. On a

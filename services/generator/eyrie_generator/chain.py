@@ -2,7 +2,8 @@
 same run as soon as the current shard has no row left to ask for, while its last answers arrive.
 
 Exactly-once stays per shard: a shard taken on is removed from the queue (LREM: one taker only),
-held under its own task lease (renewed here, lapsing if this worker dies), marked started, and
+held under its own task lease (renewed by the task's heartbeat, eyrie.queue.Heartbeat, lapsing
+if this worker dies), marked started, and
 written as its own shard with its own manifest. The shards a task took on are listed in Redis under
 that task; if the worker dies, the task is requeued (its alive key lapses) and, first thing,
 requeues every listed shard without a manifest, whose lease has lapsed by then."""
@@ -18,7 +19,7 @@ from rq.serializers import JSONSerializer
 
 from eyrie import keys
 from eyrie.manifest import Layout
-from eyrie.queue import LEASE_TTL_S, enqueue, queue, task_lease
+from eyrie.queue import enqueue, queue, task_lease
 from eyrie.stages import GENERATE
 from eyrie_generator.client import ChatClient
 from eyrie_generator.shard import ShardRunner, split_lanes
@@ -36,7 +37,7 @@ def recover_claims(conn, store, manifest, task: str) -> int:
             continue
         lease = task_lease(conn, claimed)
         if lease.acquire(blocking=True):  # waits out a dead holder's lease (LEASE_TTL_S)
-            _release(lease)
+            release(lease)
             requeued += enqueue(conn, GENERATE, {"run": manifest.run, "shard": shard}, shard)
     conn.delete(keys.generate_claims(task))
     return requeued
@@ -45,11 +46,11 @@ def recover_claims(conn, store, manifest, task: str) -> int:
 class Chain:
     """One task's lanes over its own shard, then over every shard it can take on."""
 
-    def __init__(self, first, lease):
-        self.first, self.conn = first, first.conn
+    def __init__(self, first):
+        self.first, self.conn, self.beat = first, first.conn, first.beat
         self.todo = first.prepare()
         self.current, self.rows = first, iter(self.todo)
-        self.leases = {first.shard: lease}
+        self.leases = {}  # the shards taken on (the first one's lease is the executor's)
         self.outstanding = {first.shard: 0}
         self.closing: list[asyncio.Task] = []
         self.results: list[dict] = []
@@ -60,7 +61,6 @@ class Chain:
 
     async def run(self) -> dict:
         t0 = time.monotonic()
-        keeper = asyncio.create_task(self._keep_leases())
         reporter = asyncio.create_task(self._report_loop())
         try:
             if any("messages" in row for row in self.todo):
@@ -71,11 +71,9 @@ class Chain:
                 self._close(self.first)
             await asyncio.gather(*self.closing)
         finally:
-            keeper.cancel()
             reporter.cancel()
-            for shard, lease in self.leases.items():
-                if shard != self.first.shard:
-                    _release(lease)
+            for lease in self.leases.values():
+                self._release(lease)
             # all done: only forgets the list; after an error, requeues what was taken on and not done
             recover_claims(self.conn, self.first.store, self.first.manifest, self.first.task)
         own = next(r for r in self.results if r["shard"] == self.first.shard)
@@ -135,7 +133,7 @@ class Chain:
         """Take on the next queued shard of the run (None when there is none): out of the queue,
         under its lease, listed under this task, marked started; then its rows to ask for."""
         first, q = self.first, queue(self.conn, "generate")
-        if self.conn.exists(keys.cancelled(first.run_name)):
+        if first.cancelled():
             return None  # a cancelled run's shards stay where the cancel left them
         for plan in first.manifest.generate_shards:
             job_id = GENERATE.task_id(first.run_name, plan.index)
@@ -146,14 +144,14 @@ class Chain:
                 self.conn.srem(keys.generate_claims(first.task), plan.index)
                 continue  # not waiting in the queue (done, running, scheduled)
             lease = task_lease(self.conn, job_id)
-            if not lease.acquire(blocking=False):
+            if not lease.acquire(blocking=False):  # renewed by self.beat from here on
                 q.push_job_id(job_id)  # another holder (a dead worker's lease not yet lapsed): leave it
                 self.conn.srem(keys.generate_claims(first.task), plan.index)
                 continue
             job = Job.fetch(job_id, connection=self.conn, serializer=JSONSerializer)
             if first.store.exists(first.layout.generate_shard_manifest(plan.index)):
                 job.set_status(JobStatus.FINISHED)  # a duplicate of a finished task: nothing to do
-                _release(lease)
+                release(lease)
                 self.conn.srem(keys.generate_claims(first.task), plan.index)
                 continue
             job.set_status(JobStatus.STARTED)
@@ -161,6 +159,7 @@ class Chain:
             # that task's own earlier attempt may have died on shards it had taken on: requeue them
             recover_claims(self.conn, first.store, first.manifest, job_id)
             rows = runner.prepare()
+            self.beat.hold(lease)
             self.leases[plan.index], self.outstanding[plan.index] = lease, 0
             self.active[plan.index] = runner
             self.current, self.rows = runner, iter(rows)
@@ -182,18 +181,16 @@ class Chain:
         if runner is not self.first:
             job = Job.fetch(runner.task, connection=self.conn, serializer=JSONSerializer)
             job.set_status(JobStatus.FINISHED)
-            _release(self.leases.pop(runner.shard))
+            self._release(self.leases.pop(runner.shard))
 
     def _tick(self, delta: int) -> None:
         now = time.monotonic()
         self.in_flight_area += self.in_flight * (now - self._last_tick)
         self._last_tick, self.in_flight = now, self.in_flight + delta
 
-    async def _keep_leases(self) -> None:
-        while True:
-            await asyncio.sleep(LEASE_TTL_S / 3)
-            for lease in list(self.leases.values()):  # every shard until it is written, its own too
-                lease.extend(LEASE_TTL_S, replace_ttl=True)
+    def _release(self, lease) -> None:
+        self.beat.drop(lease)
+        release(lease)
 
     async def _report_loop(self) -> None:
         while True:
@@ -203,7 +200,7 @@ class Chain:
                 runner.flush_if_stale()
 
 
-def _release(lease) -> None:
+def release(lease) -> None:
     import redis
 
     try:

@@ -18,6 +18,7 @@ from eyrie.manifest import (GenerateParams, Layout, RunManifest, SamplingParams,
                             code_version, now_iso)
 from eyrie.queue import enqueue
 from eyrie.stages import GENERATE
+from eyrie.stage_settings import DatasetSection, GenerateSettings
 from eyrie.store import Store
 from eyrie.target import check_served, describe
 from eyrie import dataset
@@ -29,16 +30,15 @@ def sample_id(ref, row: int) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def start_generate(settings: Settings, conn, store: Store, *, source: str, run: str,
-                   split: str = "train", revision: str | None = None, limit: int | None = None,
-                   params: dict | None = None) -> tuple[RunManifest, int]:
+def start_generate(settings: Settings, conn, store: Store, run: str, source: DatasetSection,
+                   request: GenerateSettings) -> tuple[RunManifest, int]:
     """Returns the run manifest and how many tasks were enqueued now."""
     layout = Layout(run)
     if store.exists(layout.manifest):
         manifest = RunManifest.model_validate(store.get_json(layout.manifest))
-        _check_same(manifest, source, limit, params or {})
+        _check_same(manifest, source, request)
     else:
-        manifest = _new_run(settings, conn, store, layout, source, split, revision, limit, params or {})
+        manifest = _new_run(settings, conn, store, layout, source, request.with_host_defaults())
     conn.sadd(keys.RUNS, run)  # the runs list: no listing of the store
     enqueued = sum(
         enqueue(conn, GENERATE, {"run": run, "shard": plan.index}, plan.index)
@@ -48,17 +48,12 @@ def start_generate(settings: Settings, conn, store: Store, *, source: str, run: 
     return manifest, enqueued
 
 
-def _new_run(settings, conn, store, layout, source, split, revision, limit, params) -> RunManifest:
-    ref = dataset.resolve(source, split, revision, limit)
+def _new_run(settings, conn, store, layout, source: DatasetSection, request: GenerateSettings) -> RunManifest:
+    ref = dataset.resolve(source.source, source.split, source.revision, source.limit)
     generate = GenerateParams(
-        sampling=SamplingParams(max_tokens=params.get("max_tokens") or settings.max_tokens,
-                                temperature=params.get("temperature"), top_p=params.get("top_p")),
-        concurrency=params.get("concurrency") or settings.concurrency,
-        request_timeout_s=params.get("timeout") or settings.request_timeout_s,
-        max_retries=settings.max_retries if params.get("max_retries") is None else params["max_retries"],
-        retry_backoff_s=settings.retry_backoff_s,
-        shard_size=params.get("shard_size") or settings.shard_size,
-    )
+        sampling=SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p),
+        concurrency=request.concurrency, request_timeout_s=request.request_timeout_s,
+        max_retries=request.max_retries, retry_backoff_s=request.retry_backoff_s, shard_size=request.shard_size)
     _check_usable(ref)
     shards, skips = _write_inputs(store, layout, ref, generate.shard_size)
     manifest = RunManifest(run=layout.run, created_at=now_iso(), code_version=code_version(),
@@ -125,19 +120,19 @@ def _check_usable(ref) -> None:
                      "(convert a JSON array or CSV to JSON Lines).")
 
 
-def _check_same(manifest: RunManifest, source: str, limit: int | None, params: dict) -> None:
+def _check_same(manifest: RunManifest, source: DatasetSection, request: GenerateSettings) -> None:
     """A rerun continues the run; it may not silently change what the run is."""
     ref = manifest.dataset
-    wanted = dataset.resolve(source, ref.split, None, limit) if source else None
+    wanted = dataset.resolve(source.source, ref.split, None, source.limit)
     problems = []
-    if wanted and (wanted.source, wanted.revision) != (ref.source, ref.revision):
+    if (wanted.source, wanted.revision) != (ref.source, ref.revision):
         problems.append(f"dataset {wanted.source}@{wanted.revision[:12]} vs {ref.source}@{ref.revision[:12]}")
-    if wanted and limit is not None and wanted.row_end != ref.row_end:
+    if source.limit is not None and wanted.row_end != ref.row_end:
         problems.append(f"rows {wanted.row_end} vs {ref.row_end}")
     sampling = manifest.generate.sampling
-    for name in ("max_tokens", "temperature", "top_p"):
-        if params.get(name) is not None and params[name] != getattr(sampling, name):
-            problems.append(f"{name} {params[name]} vs {getattr(sampling, name)}")
+    for name, value in request.given().items():
+        if name in SamplingParams.model_fields and value is not None and value != getattr(sampling, name):
+            problems.append(f"{name} {value} vs {getattr(sampling, name)}")
     if problems:
         raise EyrieError(f"run {manifest.run} already exists with other settings: {'; '.join(problems)}.",
                          "rerun with the original settings to continue it, or choose a new --run name.")

@@ -61,7 +61,7 @@ class ShardRunner(StageTask):
     def run(self) -> dict:
         from eyrie_generator.chain import Chain
 
-        return asyncio.run(Chain(self, self.lease).run())
+        return asyncio.run(Chain(self).run())
 
     def prepare(self) -> list[dict]:
         """The rows still to answer (a retried task reads its parts back first)."""

@@ -11,7 +11,7 @@ from eyrie.executor import RunTask
 from eyrie.manifest import BaseDrafter, Layout, RunManifest, TrainParams, load_run_manifest
 from eyrie.queue import enqueue
 from eyrie.stages import TRAIN
-from eyrie.train_settings import TrainSettings
+from eyrie.stage_settings import TrainSettings
 
 
 class TrainTask(RunTask):

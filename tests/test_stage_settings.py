@@ -1,5 +1,5 @@
-"""The train stage's settings declared once (eyrie.train_settings.TrainSettings): the run config's
-section, the `eyrie train` options and the plan's check come from it; speculators' trainer gets its
+"""Each stage's settings declared once (eyrie.stage_settings): the run config's section, the
+`eyrie generate|extract|train` options and the plan's check come from it; speculators' trainer gets its
 own TrainConfig built from settings by name, the same one its CLI makes from the command line."""
 
 import pytest
@@ -7,7 +7,8 @@ from typer.testing import CliRunner
 
 from conftest import TINY
 from eyrie.pipeline import RunConfig
-from eyrie.train_settings import TrainSettings
+from eyrie.cli_options import flag
+from eyrie.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
 
 
 def test_a_setting_not_given_takes_the_default_and_is_not_written_out():
@@ -34,6 +35,46 @@ def test_the_train_options_are_the_settings_fields():
         assert field.default is None or f"(default {field.default})" in options[name].help
     result = CliRunner().invoke(app, ["train", "--run", "r", "--ttt-steps", "17"])
     assert result.exit_code == 2  # the field's bound, checked by click as before
+
+
+@pytest.mark.parametrize("command,models", [("generate", (DatasetSection, GenerateSettings)),
+                                            ("extract", (ExtractSettings,))])
+def test_the_generate_and_extract_options_are_their_settings_fields(command, models):
+    from typer.main import get_command
+
+    from eyrie.cli import app
+
+    options = {p.name: p for p in get_command(app).commands[command].params}
+    for model in models:
+        for name, field in model.model_fields.items():
+            if (field.json_schema_extra or {}).get("cli") is False:  # read by `eyrie run --plan` only
+                assert name not in options
+                continue
+            assert options[name].opts == [f"--{flag(model, name)}"]
+            assert options[name].help.startswith(field.description.rstrip("."))
+    if command == "generate":
+        assert options["request_timeout_s"].opts == ["--timeout"] and options["source"].opts == ["--dataset"]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["extract", "--run", "r", "--dtype", "fp4"], "--dtype fp4: Input should be 'bf16' or 'fp8'"),
+    (["extract", "--run", "r", "--layers", "2,x"], "--layers 2,x: Value error, give comma-separated layer ids"),
+    (["extract", "--run", "r", "--budget", "lots"], "--budget lots: Value error, write a size like 2.8TB"),
+    (["extract", "--run", "r", "--backend", "tgi"], "--backend tgi: Input should be 'hf' or 'vllm'"),
+    (["generate", "--run", "r", "--dataset", "d", "--split", ""], "--split : String should have at least 1"),
+])
+def test_a_bad_option_is_refused_by_its_field_before_redis_is_reached(args, words, monkeypatch):
+    from eyrie.cli import app
+
+    monkeypatch.setenv("EYRIE_REDIS_URL", "redis://127.0.0.1:1/0")  # nothing listens: must not be reached
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1 and words in result.stderr, result.stderr
+
+
+def test_extract_layers_read_from_a_config_or_the_command_line_alike():
+    assert ExtractSettings.model_validate({"layers": "2,16,29"}).layers == [2, 16, 29]
+    assert ExtractSettings.model_validate({"layers": [2, 16, 29]}).layers == [2, 16, 29]
+    assert ExtractSettings().given() == {} and ExtractSettings(dtype="fp8").given() == {"dtype": "fp8"}
 
 
 def test_a_rerun_is_checked_against_the_settings_given_only():
