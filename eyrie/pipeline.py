@@ -230,25 +230,6 @@ def start_extract(conn, store, run: str, extract: ExtractSettings):
     return entry(EXTRACT.start)(conn, store, run, extract)
 
 
-def run_plan_extract_task(payload: dict) -> dict:
-    """RQ entry point (extract queue): plan the pipeline's extract stage (storage checked first)."""
-    from eyrie.config import load_settings
-    from eyrie.queue import connect
-    from eyrie.store import open_store
-
-    run = check_run_name(str(payload.get("run")))
-    if set(payload) != {"run"}:
-        raise EyrieError(f"unexpected fields in a plan task: {sorted(set(payload) - {'run'})}.", "enqueue {run} only.")
-    settings = load_settings()
-    conn, store = connect(settings.redis_url), open_store(settings)
-    try:
-        manifest, enqueued = start_extract(conn, store, run, stored_config(store, run).extract)
-    except EyrieError as exc:
-        block(conn, run, exc)
-        return {"run": run, "status": "refused", "error": str(exc)}
-    return {"run": run, "samples": manifest.extract.samples, "enqueued": enqueued}
-
-
 def _all_extracted(store, manifest, layout) -> bool:
     return all(store.exists(layout.extract_shard_manifest(p.index)) for p in manifest.generate_shards)
 

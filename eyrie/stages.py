@@ -30,7 +30,7 @@ class Stage:
 GENERATE = Stage("generate", "generate", "eyrie_generator.shard.run_generate_shard", gpu=False,
                  start="eyrie_generator.plan.start_generate")
 # planned by the extractor's workers (the tokenizer and the model config are theirs)
-PLAN_EXTRACT = Stage("plan-extract", "extract", "eyrie.pipeline.run_plan_extract_task", gpu=False)
+PLAN_EXTRACT = Stage("plan-extract", "extract", "eyrie_extractor.plan.run_plan_extract_task", gpu=False)
 EXTRACT = Stage("extract", "extract", "eyrie_extractor.shard.run_extract_shard", gpu=True,
                 start="eyrie_extractor.plan.start_extract")
 # the base drafter, fetched and checked by the trainer while the target still serves

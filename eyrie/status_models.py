@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from eyrie.inference import Endpoint
+from eyrie.manifest import Counts
 
 State = Literal["pending", "in_progress", "done", "failed", "cancelled"]
 
@@ -22,18 +23,13 @@ class ActiveTask(BaseModel):
     tok_per_s: float = 0.0
 
 
-class StageStatus(BaseModel):
+class _Stated(BaseModel):
+    state: State  # first in the JSON, before the counts (fields come in the reverse order of the bases)
+
+
+class StageStatus(Counts, _Stated):  # its counts: the shard manifests' own, summed
     """One stage of a run: the record (finished shards' manifests) plus live progress of the rest."""
 
-    state: State
-    total: int = 0
-    done: int = 0
-    skipped: int = 0
-    failed: int = 0
-    tokens: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    bytes: int = 0
     in_flight: int = 0
     waiting_for: list[str] = Field(default_factory=list)
     shards_total: int | None = None

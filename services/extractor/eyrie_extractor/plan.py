@@ -1,20 +1,24 @@
 """Start (or continue) the extract stage of a run: check the layers and the storage budget
-before any forward pass, record the plan in the run manifest, enqueue one task per shard."""
+before any forward pass, record the plan in the run manifest, enqueue one task per shard. A
+pipeline's extract stage is planned here too, by the extractor's workers (`PlanExtract`: the
+tokenizer and the target's config are theirs)."""
 
 from __future__ import annotations
 
 import orjson
 
-from eyrie import progress
+from eyrie import pipeline, progress
 from eyrie.errors import EyrieError
+from eyrie.executor import StageTask, execute
 from eyrie.manifest import ExtractParams, Layout, RunManifest, ShardManifest, load_run_manifest
 from eyrie.queue import enqueue
 from eyrie.stage_settings import ExtractSettings
-from eyrie.stages import EXTRACT
+from eyrie.stages import EXTRACT, PLAN_EXTRACT
 from eyrie.target import text_config
 from eyrie.budget import check_fits, parse_size
 from eyrie.layers import resolve_aux_layers
 from eyrie_extractor.render import fit, render
+
 
 def generated_records(store, manifest: RunManifest, shard: int) -> list[dict]:
     """The done records of one generate shard, checksum-verified."""
@@ -84,3 +88,26 @@ def _check_same(params: ExtractParams, request: ExtractSettings) -> None:
     if changed:
         raise EyrieError(f"extract of this run was planned with other settings: {'; '.join(changed)}.",
                          "rerun with the original settings to continue it, or start a new run.")
+
+
+class PlanExtract(StageTask):
+    """A pipeline's extract stage planned (storage checked first) from its run config, its
+    missing shards enqueued; a refusal (the storage budget, other settings) blocks the run until
+    the user's `eyrie run`. No done-check: a plan made already is checked and its missing shards
+    enqueued again."""
+
+    stage = PLAN_EXTRACT
+
+    def run(self) -> dict:
+        run = self.run_name
+        try:
+            manifest, enqueued = start_extract(self.conn, self.store, run, pipeline.stored_config(self.store, run).extract)
+        except EyrieError as exc:
+            pipeline.block(self.conn, run, exc)
+            return {"run": run, "status": "refused", "error": str(exc)}
+        return {"run": run, "samples": manifest.extract.samples, "enqueued": enqueued}
+
+
+def run_plan_extract_task(payload: dict) -> dict:
+    """RQ entry point (extract queue)."""
+    return execute(PlanExtract, payload)

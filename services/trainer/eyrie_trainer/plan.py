@@ -1,5 +1,6 @@
 """Start (or continue) the train stage of a run: check extract is done, fix the settings in the
-run manifest (a rerun must match them), enqueue the one training task."""
+run manifest (a rerun must match them), enqueue the one training task; and a pipeline's base
+drafter fetched and checked ahead of it (`FetchBase`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from pathlib import Path
 
 from eyrie import progress
 from eyrie.errors import EyrieError
-from eyrie.executor import RunTask
+from eyrie.executor import RunTask, StageTask, execute
 from eyrie.manifest import BaseDrafter, Layout, RunManifest, TrainParams, load_run_manifest
+from eyrie.pipeline import block, stored_config
 from eyrie.queue import enqueue
-from eyrie.stages import TRAIN
+from eyrie.stages import FETCH, TRAIN
 from eyrie.stage_settings import TrainSettings
 
 
@@ -100,29 +102,35 @@ def _check_same(params: TrainParams, request: TrainSettings) -> None:
                          "rerun with the original settings to continue it, or start a new run.")
 
 
-def run_fetch_task(payload: dict) -> dict:
-    """RQ entry point (train queue): a pipeline's base drafter fetched, converted and checked by
-    the trainer while the target is still serving, so a mismatch shows before any GPU work."""
-    from eyrie.config import load_settings
-    from eyrie.pipeline import stored_config
-    from eyrie.store import open_store
-    from eyrie.target import text_config
-    from eyrie.layers import resolve_aux_layers
-    from eyrie_trainer.base import prepare_base
+class FetchBase(StageTask):
+    """A pipeline's base drafter fetched, converted and checked by the trainer while the target is
+    still serving, so a mismatch shows before any GPU work; one that cannot be had or does not
+    fit blocks the run (the user's to fix). No done-check: the conversion is cached (base.py)."""
 
-    task = TrainTask.model_validate({"run": payload.get("run")} if set(payload) == {"run"} else payload)
-    settings = load_settings()
-    config = stored_config(open_store(settings), task.run)
-    if config is None or not config.train.base:
-        return {"status": "no_base"}
-    try:
+    stage = FETCH
+
+    def run(self) -> dict:
+        config = stored_config(self.store, self.run_name)
+        if config is None or not config.train.base:
+            return self.result("no_base")
+        try:
+            path, info = self._prepare(config)
+        except EyrieError as exc:
+            block(self.conn, self.run_name, exc)
+            return self.result("refused", error=str(exc))
+        return self.result("ready", path=str(path), **info.model_dump(exclude={"path"}))
+
+    def _prepare(self, config):
+        from eyrie.layers import resolve_aux_layers
+        from eyrie.target import text_config
+        from eyrie_trainer.base import prepare_base
+
+        train = config.train
         layers = resolve_aux_layers(config.extract.layers, text_config(config.target.model).num_hidden_layers)
-        path, info = prepare_base(config.train.base, config.train.base_revision, config.target.model, layers,
-                                  config.train.given().get("draft_vocab"), Path(settings.cache_dir) / "base")
-    except EyrieError as exc:  # a base that cannot be had or does not fit: the user's to fix
-        from eyrie.pipeline import block
-        from eyrie.queue import connect
+        return prepare_base(train.base, train.base_revision, config.target.model, layers,
+                            train.given().get("draft_vocab"), Path(self.settings.cache_dir) / "base")
 
-        block(connect(settings.redis_url), task.run, exc)
-        return {"status": "refused", "error": str(exc)}
-    return {"status": "ready", "path": str(path), **info.model_dump(exclude={"path"})}
+
+def run_fetch_task(payload: dict) -> dict:
+    """RQ entry point (train queue)."""
+    return execute(FetchBase, payload)
