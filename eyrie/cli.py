@@ -105,18 +105,27 @@ def generate(run: str = typer.Option(..., "--run", help="Run name."),
              asked: dict = None,  # the options GenerateSettings makes, given
              wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
     """Answer a prompt dataset with the served target; results go to the store as shards."""
+    def line(manifest, enqueued, store) -> str:
+        rows = manifest.dataset.row_end - manifest.dataset.row_start
+        return (f"run {run}: {rows} rows in {len(manifest.generate_shards)} shards; "
+                f"{enqueued} tasks enqueued now (store {store.url})")
+
+    _start_alone("generate", run, (GenerateSettings, asked), line, wait, dataset=(DatasetSection, prompts))
+
+
+def _start_alone(stage: str, run: str, asked: tuple, line, wait: bool, dataset: tuple | None = None) -> None:
+    """`eyrie generate|extract|train`: the run's name and the options given checked (by the stage's
+    settings model), the stage started through control.start_stage, `line` printed, then `--wait`."""
     from eyrie.control import start_stage
     from eyrie.manifest import check_run_name
 
     check_run_name(run)
-    request, dataset = checked(GenerateSettings, asked), checked(DatasetSection, prompts)
+    request, source = checked(*asked), checked(*dataset) if dataset else None
     settings, conn, store = _context()
-    manifest, enqueued = start_stage(settings, conn, store, run, "generate", request, dataset)
-    rows = manifest.dataset.row_end - manifest.dataset.row_start
-    typer.echo(f"run {run}: {rows} rows in {len(manifest.generate_shards)} shards; "
-               f"{enqueued} tasks enqueued now (store {store.url})")
+    manifest, enqueued = start_stage(settings, conn, store, run, stage, request, source)
+    typer.echo(line(manifest, enqueued, store))
     if wait:
-        _wait(conn, store, run, "generate")
+        _wait(conn, store, run, stage)
 
 
 def _wait(conn, store, run: str, stage: str) -> None:
@@ -135,19 +144,14 @@ def extract(run: str = typer.Option(..., "--run", help="Run name (its generate s
             wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
     """Record the target's hidden states for every generated sample (speculators' layout)."""
     from eyrie.budget import human
-    from eyrie.control import start_stage
-    from eyrie.manifest import check_run_name
 
-    check_run_name(run)
-    request = checked(ExtractSettings, asked)
-    settings, conn, store = _context()
-    manifest, enqueued = start_stage(settings, conn, store, run, "extract", request)
-    p = manifest.extract
-    typer.echo(f"run {run}: extract {p.samples} samples, {p.tokens:,} tokens, layers {p.aux_layers} + last, "
-               f"{p.dtype}: {human(p.projected_bytes)} projected ({p.truncated} truncated); "
-               f"{enqueued} tasks enqueued now")
-    if wait:
-        _wait(conn, store, run, "extract")
+    def line(manifest, enqueued, store) -> str:
+        p = manifest.extract
+        return (f"run {run}: extract {p.samples} samples, {p.tokens:,} tokens, layers {p.aux_layers} + last, "
+                f"{p.dtype}: {human(p.projected_bytes)} projected ({p.truncated} truncated); "
+                f"{enqueued} tasks enqueued now")
+
+    _start_alone("extract", run, (ExtractSettings, asked), line, wait)
 
 
 @app.command()
@@ -169,20 +173,14 @@ def train(run: str = typer.Option(..., "--run", help="Run name (its extract stag
           asked: dict = None,  # the options TrainSettings makes, given
           wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
     """Train an EAGLE-3 drafter (speculators) on the run's hidden states; evaluate; export the best."""
-    from eyrie.control import start_stage
-    from eyrie.manifest import check_run_name
+    def line(manifest, enqueued, store) -> str:
+        p = manifest.train
+        vocab = f"draft vocab {p.draft_vocab} ({'the base drafter' if p.base else 'token frequencies of the run'})"
+        return (f"run {run}: train on {p.train_samples} samples ({p.heldout_samples} held out), {p.epochs} epochs"
+                + (f", at most {p.max_steps} steps" if p.max_steps else "") + f", {vocab}"
+                + (f", from {p.base.source}" if p.base else "") + f"; {enqueued} task enqueued now")
 
-    check_run_name(run)
-    request = checked(TrainSettings, asked)
-    settings, conn, store = _context()
-    manifest, enqueued = start_stage(settings, conn, store, run, "train", request)
-    p = manifest.train
-    vocab = f"draft vocab {p.draft_vocab} ({'the base drafter' if p.base else 'token frequencies of the run'})"
-    typer.echo(f"run {run}: train on {p.train_samples} samples ({p.heldout_samples} held out), {p.epochs} epochs"
-               + (f", at most {p.max_steps} steps" if p.max_steps else "") + f", {vocab}"
-               + (f", from {p.base.source}" if p.base else "") + f"; {enqueued} task enqueued now")
-    if wait:
-        _wait(conn, store, run, "train")
+    _start_alone("train", run, (TrainSettings, asked), line, wait)
 
 
 @app.command()

@@ -17,6 +17,7 @@ import yaml
 
 from eyrie import k8s_jobs
 from eyrie.config import Settings
+from eyrie.stage_settings import GenerateSettings
 from eyrie.queue import queue
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,9 +201,10 @@ def test_servicemonitor_scrapes_the_api(rendered):
 
 
 def test_the_environment_is_eyries_own_settings(rendered, monkeypatch):
-    """Every EYRIE_* variable the chart sets is a setting, and the literal values validate."""
+    """Every EYRIE_* variable the chart sets is a setting (of the host, or a generate setting's
+    host default), and the literal values validate."""
     _, _, _, docs = rendered
-    fields = {f"EYRIE_{name.upper()}" for name in Settings.model_fields}
+    fields = {f"EYRIE_{name.upper()}" for name in (*Settings.model_fields, *GenerateSettings.model_fields)}
     extra = {"EYRIE_REDIS_PASSWORD", "EYRIE_JOB_RUN"}  # used inside the pod (URL, downward API)
     templates = gpu_jobs(docs)
     pods = [pod for _, pod in pod_specs(docs)]
@@ -219,6 +221,7 @@ def test_the_environment_is_eyries_own_settings(rendered, monkeypatch):
                 if key.startswith("EYRIE_") and value is not None and key not in extra:
                     monkeypatch.setenv(key, value.replace("$(EYRIE_REDIS_PASSWORD)", "pw"))
             Settings()  # raises on any value eyrie would refuse at start
+            GenerateSettings().with_host_defaults()  # ... or when it plans a run's generate stage
 
 
 @pytest.mark.parametrize("values, problem", [
