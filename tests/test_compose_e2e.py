@@ -71,6 +71,15 @@ class Stack:
         except requests.RequestException:
             return False
 
+    def diagnosis(self) -> str:
+        """What a failed wait shows: the run's state and the last lines of the services it waits on."""
+        logs = self.compose("logs", "--no-color", "--tail=60", "generator", "inference", "api", check=False)
+        try:
+            state = json.dumps(self.run_state(), indent=1)
+        except requests.RequestException as exc:
+            state = f"(the API did not answer: {exc})"
+        return f"run state: {state}\n{logs.stdout[-12000:]}"
+
     def run_state(self) -> dict:
         return next((r for r in self.api("/runs") if r["run"] == RUN), {})
 
@@ -99,7 +108,10 @@ def test_make_run_through_the_stack_survives_a_killed_generator_and_scales(stack
     result = stack.make_run("examples/run.tiny.yaml")
     assert result.returncode == 0 and f"run {RUN}:" in result.stdout, result.stdout + result.stderr
     generate = lambda: stack.run_state().get("stages", {}).get("generate", {})  # noqa: E731
-    wait_for(lambda: generate().get("done", 0) >= 1, "a first generated sample", timeout=300, every=1)
+    try:
+        wait_for(lambda: generate().get("done", 0) >= 1, "a first generated sample", timeout=300, every=1)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{stack.diagnosis()}") from None
     assert generate()["done"] < generate()["total"], "generation ended before the kill: grow the run"
     stack.compose("kill", "-s", "SIGKILL", "generator")  # mid-run
     stack.compose("up", "-d", "--no-deps", "--scale", "generator=2", "generator")  # back, and a second one
