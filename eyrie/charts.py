@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 
+from eyrie.manifest import Layout
+
 MAX_POINTS = 512  # a curve this long has its neighbouring points averaged in pairs
 
 
@@ -102,8 +104,6 @@ def chart_series(evaluation: dict | None, verify: dict | None, curve: dict | Non
 
 def load_chart_series(store, manifest) -> dict:
     """chart_series of a run, read from the store (`manifest`: its RunManifest)."""
-    from eyrie.manifest import Layout
-
     layout = Layout(manifest.run)
     stored = [store.get_json(key) if store.exists(key) else None for key in (layout.evaluation, layout.train_curve)]
     return chart_series(stored[0], manifest.verify, stored[1])

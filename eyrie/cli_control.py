@@ -50,9 +50,8 @@ def runs(as_json: bool = typer.Option(False, "--json", help="One JSON array.")):
 def watch(run: str = typer.Argument(..., help="Run name."),
           interval: float = typer.Option(2.0, min=0.2, help="Seconds between refreshes.")):
     """Follow a run live until it is done, failed or cancelled (exit 0, 3, 4)."""
-    from eyrie.control import overall_state
     from eyrie.display import render_status, watch_status
-    from eyrie.status import run_status
+    from eyrie.status import overall_state, run_status
 
     _, conn, store = _context()
     final = watch_status(conn, store, run, interval)

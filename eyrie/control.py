@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from rq import Worker
 from rq.command import send_command
@@ -12,11 +13,14 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from eyrie import keys
-from eyrie.errors import EyrieError
-from eyrie.manifest import load_run_manifest, now_iso
-from eyrie.queue import job_errors, job_state, queue
-from eyrie.status_models import RunStatus, RunSummary, StageSummary
-from eyrie.stages import EXTRACT, FETCH, GENERATE, PLAN_EXTRACT, QUEUES, TRAIN, entry
+from eyrie.errors import EyrieError, UnknownRun
+from eyrie.manifest import Layout, now_iso
+from eyrie.pipeline import advance_or_record, config_key, run_job_ids, save_config, start_extract, stored_config
+from eyrie.queue import EyrieJob, enqueue, enqueue_task, job_errors, job_state, queue
+from eyrie.stages import FETCH, GENERATE, QUEUES, TRAIN, entry
+from eyrie.status import overall_state, run_status
+from eyrie.status_models import RunSummary, StageSummary
+from eyrie.support import refuse_unsupported_config
 
 log = logging.getLogger("eyrie.control")
 
@@ -45,9 +49,6 @@ class CancelWatch:
 def start_pipeline(settings, conn, store, cfg) -> dict:
     """What `eyrie run` does (and POST /runs, and `eyrie demo`): keep the config, start generate
     (and the base drafter's fetch), then let `advance` start whatever stage is next. A rerun continues."""
-    from eyrie.pipeline import advance_or_record, save_config
-    from eyrie.support import refuse_unsupported_config
-
     refuse_unsupported_config(cfg)  # a run the pinned vLLM cannot carry: refused before anything starts
     save_config(conn, store, cfg)
     conn.delete(keys.cancelled(cfg.run))
@@ -57,8 +58,6 @@ def start_pipeline(settings, conn, store, cfg) -> dict:
         _forget_unstarted(conn, store, cfg.run)
         raise
     if cfg.train.base:  # fetched (and checked) by the trainer while the target serves
-        from eyrie.queue import enqueue
-
         enqueue(conn, FETCH, {"run": cfg.run})
     stage = advance_or_record(conn, store, cfg.run, retry_blocked=True)
     return {"run": cfg.run, "rows": manifest.dataset.row_end - manifest.dataset.row_start,
@@ -73,9 +72,6 @@ def pipeline_started(out: dict) -> str:
 
 def _forget_unstarted(conn, store, run: str) -> None:
     """A first start that failed (e.g. no such dataset) leaves no active pipeline behind."""
-    from eyrie.manifest import Layout
-    from eyrie.pipeline import config_key
-
     if not store.exists(Layout(run).manifest):
         conn.srem(keys.ACTIVE_PIPELINES, run)
         store.delete(config_key(run))
@@ -85,15 +81,11 @@ def start_stage(settings, conn, store, run: str, stage: str, section, dataset=No
     """One stage on its own (`eyrie generate|extract|train`, POST /runs?stage=), from its section
     of a run config (generate also reads `dataset`): no pipeline is kept, so nothing starts after
     it by itself. Returns the run manifest and how many tasks were enqueued now."""
-    from eyrie.pipeline import start_extract
-
     if stage == "generate":
         started = start_generate(settings, conn, store, run, dataset, section)
     elif stage == "extract":
         started = start_extract(conn, store, run, section)
     else:
-        from pathlib import Path
-
         started = entry(TRAIN.start)(conn, store, run, section, Path(settings.cache_dir))
     conn.delete(keys.cancelled(run))
     return started
@@ -110,9 +102,6 @@ def run_names(conn) -> list[str]:
 
 def list_runs(conn, store) -> list[RunSummary]:
     """One line per run: its stages' states and progress, whether it is active, blocked, cancelled."""
-    from eyrie.errors import UnknownRun
-    from eyrie.status import run_status
-
     runs = []
     for name in run_names(conn):
         try:
@@ -126,26 +115,6 @@ def list_runs(conn, store) -> list[RunSummary]:
             blocked=status.pipeline.blocked if status.pipeline else None, cancelled=status.cancelled,
             stages={k: StageSummary(**s.model_dump(include=summary_fields)) for k, s in status.stages.items()}))
     return runs
-
-
-def overall_state(status: RunStatus) -> str:
-    states = [s.state for s in status.stages.values()]
-    if status.cancelled:
-        return "cancelled"
-    if "failed" in states or (status.pipeline and status.pipeline.blocked):
-        return "failed"
-    if all(s == "done" for s in states) and ("train" in status.stages or not status.pipeline):
-        return "done"  # a pipeline is done once it is exported; a stage started by hand, once it is
-    return "in_progress" if any(s != "pending" for s in states) else "pending"
-
-
-def run_job_ids(store, run: str) -> dict[str, list[str]]:
-    """Every task id the run may have, by queue (raises UnknownRun for an unknown run)."""
-    manifest = load_run_manifest(store, run)
-    shards = [p.index for p in manifest.generate_shards]
-    return {"generate": [GENERATE.task_id(run, i) for i in shards],
-            "extract": [EXTRACT.task_id(run, i) for i in shards] + [PLAN_EXTRACT.task_id(run)],
-            "train": [TRAIN.task_id(run), FETCH.task_id(run)]}
 
 
 def cancel_run(conn, store, run: str) -> dict:
@@ -201,8 +170,6 @@ def _stop_running(conn, ids: set[str]) -> list[str]:
 def retry_run(conn, store, run: str) -> dict:
     """Requeue the run's failed, stopped and cancelled tasks, clear a block or a cancel, and let
     `advance` start whatever stage is next."""
-    from eyrie.pipeline import advance_or_record, stored_config
-
     ids = run_job_ids(store, run)
     conn.delete(keys.cancelled(run), keys.blocked(run))
     requeued = []
@@ -222,8 +189,6 @@ def retry_run(conn, store, run: str) -> dict:
 
 def _requeue_stopped_by_cancel(conn, stage: str, job_ids: list[str]) -> list[str]:
     """Tasks that ended early, cleanly, because of a cancel (their result says `cancelled`)."""
-    from eyrie.queue import EyrieJob, enqueue_task
-
     requeued = []
     for job_id in job_ids:
         if job_state(conn, job_id) != JobStatus.FINISHED.value:

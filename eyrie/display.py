@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
+from eyrie.status import overall_state, run_status
 from eyrie.status_models import RunStatus, RunSummary, StageStatus, TrainStatus
 
 console = Console()
@@ -131,8 +132,6 @@ def live_progress(conn, store, run: str, stage: str, poll_s: float = 1.0) -> str
     """Redraw the status until the stage is done or failed; returns its last state."""
     from rich.live import Live
 
-    from eyrie.status import run_status
-
     with Live(console=console, refresh_per_second=2, transient=True) as live:
         while True:
             status = run_status(conn, store, run)
@@ -152,8 +151,6 @@ def live_progress(conn, store, run: str, stage: str, poll_s: float = 1.0) -> str
 def follow_stage(conn, store, run: str, stage: str) -> int:
     """The live view until the stage ends, then the run's status; the exit code `--wait` gives:
     0 done, 3 failed (or blocked), 4 cancelled."""
-    from eyrie.status import run_status
-
     final = live_progress(conn, store, run, stage)
     render_status(run_status(conn, store, run))
     return {"failed": 3, "cancelled": 4}.get(final, 0)
@@ -187,9 +184,6 @@ def _percent(s) -> str:
 def watch_status(conn, store, run: str, poll_s: float) -> RunStatus:
     """Redraw the whole run until it is done, failed or cancelled; returns its last status."""
     from rich.live import Live
-
-    from eyrie.control import overall_state
-    from eyrie.status import run_status
 
     with Live(console=console, refresh_per_second=2, transient=True) as live:
         while True:

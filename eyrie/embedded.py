@@ -9,11 +9,16 @@ import sys
 import time
 from pathlib import Path
 
+import orjson
+
 from eyrie import inference, keys
 from eyrie.config import load_settings, safe_url
-from eyrie.display import console
-from eyrie.pipeline import verify_wanted
-from eyrie.queue import connect
+from eyrie.control import pipeline_started, start_pipeline
+from eyrie.display import console, follow_stage, verify_lines
+from eyrie.manifest import Layout, check_run_name, load_run_manifest
+from eyrie.pipeline import load_config, verify_wanted
+from eyrie.queue import connect, job_errors, job_state
+from eyrie.stages import VERIFY
 from eyrie.store import open_store
 
 LOGS = Path(".eyrie/logs")
@@ -45,8 +50,6 @@ def run_demo(config: Path, run: str, dataset: str | None = None) -> int:
     """`eyrie run` on the config (its run name and dataset replaced), with the server and one
     worker per queue started here: the pipeline starts each stage by itself; the server stops
     once generation has drained (as vLLM hands over the GPUs)."""
-    from eyrie.control import pipeline_started, start_pipeline
-
     cfg = demo_config(config, run, dataset)
     settings = load_settings(model=cfg.target.model)
     conn, store = connect(settings.redis_url), open_store(settings)
@@ -71,9 +74,6 @@ def run_demo(config: Path, run: str, dataset: str | None = None) -> int:
 
 def demo_config(config: Path, run: str, dataset: str | None):
     """The config with the demo's run name (and dataset), checked as `eyrie run` checks a file."""
-    from eyrie.manifest import check_run_name
-    from eyrie.pipeline import load_config
-
     cfg = load_config(config)
     return cfg.model_copy(update={"run": check_run_name(run), "dataset": cfg.dataset.model_copy(
         update={"source": dataset or cfg.dataset.source})})
@@ -81,8 +81,6 @@ def demo_config(config: Path, run: str, dataset: str | None):
 
 def follow(conn, store, cfg) -> int:
     """Each stage live as the pipeline starts it; then the drafter exported, and vLLM's verdict."""
-    from eyrie.display import follow_stage
-
     for stage in ("generate", "extract", "train"):
         code = follow_stage(conn, store, cfg.run, stage)
         if stage == "generate":
@@ -97,11 +95,6 @@ def follow(conn, store, cfg) -> int:
 
 def wait_verified(conn, store, run: str, poll_s: float = 2.0) -> int:
     """The verify stage (the trainer's worker serves the drafter with vLLM: two starts, minutes)."""
-    from eyrie.display import verify_lines
-    from eyrie.manifest import load_run_manifest
-    from eyrie.queue import job_errors, job_state
-    from eyrie.stages import VERIFY
-
     console.print("verify: vLLM serves the target with the exported drafter (EYRIE_VLLM_COMMAND)")
     task = VERIFY.task_id(run)
     while (result := load_run_manifest(store, run).verify) is None:
@@ -123,13 +116,9 @@ def cli(args: list[str], env: dict) -> int:
 
 
 def report(conn, store, run: str) -> None:
-    from eyrie.manifest import Layout
-
     layout = Layout(run)
     keys = [k for k in store.list(f"{layout.root}/generate/shards/") if k.endswith(".jsonl")]
     if keys:
-        import orjson
-
         first = next((r for r in map(orjson.loads, store.get_bytes(keys[0]).splitlines())
                       if r["status"] == "done"), None)
         if first:

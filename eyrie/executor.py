@@ -26,12 +26,13 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from eyrie import progress
-from eyrie.config import Settings
+from eyrie.config import Settings, load_settings
 from eyrie.control import Cancelled, CancelWatch
 from eyrie.errors import EyrieError
 from eyrie.gpu_admission import gpu_lease
-from eyrie.queue import Heartbeat, held_task
-from eyrie.stages import Stage
+from eyrie.queue import Heartbeat, connect, held_task
+from eyrie.stages import STAGES, Stage, entry
+from eyrie.store import open_store
 
 RUN_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -59,10 +60,6 @@ class Context:
 
     @classmethod
     def from_env(cls) -> "Context":
-        from eyrie.config import load_settings
-        from eyrie.queue import connect
-        from eyrie.store import open_store
-
         settings = load_settings()
         return cls(settings, connect(settings.redis_url), open_store(settings))
 
@@ -171,8 +168,6 @@ def _on_device(task: StageTask) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """One task of a stage in this process, by the stage's name (a container's command)."""
-    from eyrie.stages import STAGES, entry
-
     parser = argparse.ArgumentParser(prog="python -m eyrie.executor")
     parser.add_argument("stage", choices=sorted(STAGES))
     parser.add_argument("payload", help='the task\'s JSON payload, e.g. \'{"run": "r1", "shard": 0}\'')

@@ -26,6 +26,7 @@ import time
 from eyrie import gpu, k8s_jobs, keys
 from eyrie.config import Settings, load_settings
 from eyrie.errors import EyrieError
+from eyrie.queue import connect, queue, run_worker
 from eyrie.stages import GPU_QUEUES
 
 SCHEDULERS = ("redis", "kueue")
@@ -108,8 +109,6 @@ def dispatch(conn, queue_stage: str, run: str) -> list[str]:
 def drain(conn, stage: str, poll_s: float = 5.0) -> None:
     """Work a stage's queue until nothing is queued or waiting for a retry, then return: the Job
     completes and Kueue hands its quota on."""
-    from eyrie.queue import queue, run_worker
-
     q = queue(conn, stage)
     while True:
         run_worker(conn, stage, burst=True)
@@ -122,8 +121,6 @@ def resume_waiting(conn) -> list[str]:
     """Once a GPU Job's work is done: the Jobs of every run whose tasks still wait in a queue (a
     server admitted while another run's later stages waited hands its GPUs back at once, and is
     created again here)."""
-    from eyrie.queue import queue
-
     names = []
     for queue_stage in k8s_jobs.JOBS_FOR_QUEUE:
         runs = {job.args[0].get("run") for job in queue(conn, queue_stage).get_jobs() if job and job.args}
@@ -153,8 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     job.add_argument("--run", required=True)
     job.add_argument("--wait", action="store_true", help="wait until it succeeds or fails")
     args = parser.parse_args(argv)
-    from eyrie.queue import connect
-
     try:
         settings = load_settings()
         conn = connect(settings.redis_url)

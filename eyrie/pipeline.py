@@ -12,11 +12,14 @@ from pydantic import Field, ValidationError
 
 from eyrie import keys
 from eyrie.errors import EyrieError
-from eyrie.manifest import RUN_NAME, Layout, check_run_name
-from eyrie.queue import enqueue
+from eyrie.config import load_settings
+from eyrie.manifest import RUN_NAME, Layout, check_run_name, load_run_manifest
+from eyrie.queue import enqueue, job_state, live_tasks
 from eyrie.section import Section as _Section
-from eyrie.stages import EXTRACT, PLAN_EXTRACT, TRAIN, VERIFY, entry
+from eyrie.stages import EXTRACT, FETCH, GENERATE, PLAN_EXTRACT, TRAIN, VERIFY, entry
 from eyrie.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
+from eyrie.store import open_store
+from eyrie.vllm import available
 
 log = logging.getLogger("eyrie.pipeline")
 
@@ -135,8 +138,6 @@ def save_config(conn, store, config: RunConfig) -> None:
 
 
 def _open_sections(store, run: str) -> set[str]:
-    from eyrie.manifest import load_run_manifest
-
     if not store.exists(Layout(run).manifest):
         return set(RunConfig.model_fields)
     manifest = load_run_manifest(store, run)
@@ -160,8 +161,6 @@ def advance(conn, store, run: str) -> str | None:
 
 
 def _next_stage(conn, store, config: RunConfig) -> str | None:
-    from eyrie.manifest import load_run_manifest
-
     manifest, layout = load_run_manifest(store, config.run), Layout(config.run)
     if not all(store.exists(layout.generate_shard_manifest(p.index)) for p in manifest.generate_shards):
         return None
@@ -185,9 +184,6 @@ def _next_stage(conn, store, config: RunConfig) -> str | None:
 def verify_wanted(config: RunConfig) -> bool:
     if config.verify.enabled is not None:
         return config.verify.enabled
-    from eyrie.config import load_settings
-    from eyrie.vllm import available
-
     return available(load_settings().vllm_command)
 
 
@@ -195,13 +191,9 @@ def drained_run(conn, store) -> str | None:
     """A pipeline whose generation has drained (no generate task queued, scheduled or running, so
     no request in flight) while its later stages still wait: the server may stop and hand over
     the GPUs. None while anything is generating."""
-    from eyrie.queue import live_tasks
-
     if live_tasks(conn, "generate"):
         return None
     for run in sorted(m.decode() for m in conn.smembers(keys.ACTIVE_PIPELINES)):
-        from eyrie.manifest import load_run_manifest
-
         try:
             manifest = load_run_manifest(store, run)
         except EyrieError:
@@ -216,13 +208,19 @@ def drained_run(conn, store) -> str | None:
 def _stalled(conn, store, run: str) -> bool:
     """Blocked, cancelled or with a task failed for good: its later stages wait for a person, not
     for the GPUs (a restarted inference service must not stay down for it)."""
-    from eyrie.control import run_job_ids
-    from eyrie.queue import job_state
-
     if conn.exists(keys.blocked(run), keys.cancelled(run)):
         return True
     ids = run_job_ids(store, run)
     return any(job_state(conn, job_id) == "failed" for job_id in ids["extract"] + ids["train"])
+
+
+def run_job_ids(store, run: str) -> dict[str, list[str]]:
+    """Every task id the run may have, by queue (raises UnknownRun for an unknown run)."""
+    manifest = load_run_manifest(store, run)
+    shards = [p.index for p in manifest.generate_shards]
+    return {"generate": [GENERATE.task_id(run, i) for i in shards],
+            "extract": [EXTRACT.task_id(run, i) for i in shards] + [PLAN_EXTRACT.task_id(run)],
+            "train": [TRAIN.task_id(run), FETCH.task_id(run)]}
 
 
 def start_extract(conn, store, run: str, extract: ExtractSettings):
@@ -236,9 +234,6 @@ def _all_extracted(store, manifest, layout) -> bool:
 
 def on_task_done(job, connection, result, *args, **kwargs) -> None:
     """RQ's on_success callback of every task: move the run's pipeline on."""
-    from eyrie.config import load_settings
-    from eyrie.store import open_store
-
     run = (job.args[0] or {}).get("run") if job.args else None
     if run:
         advance_or_record(connection, open_store(load_settings()), run)

@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import os
 import shutil
+from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlparse
 
+from eyrie.budget import human, parse_size, projected_bytes
+from eyrie.dataset import resolve
 from eyrie.errors import EyrieError
+from eyrie.layers import resolve_aux_layers
+from eyrie.manifest import Layout, ShardManifest, load_run_manifest
 from eyrie.pipeline import RunConfig
+from eyrie.store import open_store
+from eyrie.support import architecture, check
+from eyrie.target import text_config
 
 RECORD_BYTES_PER_TOKEN = 4  # a generated JSONL record: text + token ids, about 4 bytes a token
 
@@ -30,8 +38,6 @@ TRAIN_FIGURES = {
 def target_shape(config: RunConfig) -> tuple[int, int, int, str, str | None]:
     """(hidden, layers, vocab, where from, architecture): the target's config if this host can
     read it (local directory or HF cache), else the shape written in the run config."""
-    from eyrie.target import text_config
-
     try:
         c = text_config(config.target.model)
         return c.hidden_size, c.num_hidden_layers, c.vocab_size, "the target's config", architecture(config)
@@ -45,21 +51,9 @@ def target_shape(config: RunConfig) -> tuple[int, int, int, str, str | None]:
                 shape.architecture)
 
 
-def architecture(config: RunConfig) -> str | None:
-    """config.json's architectures[0] where the target is a local directory, else target.shape's."""
-    import json
-
-    try:
-        return json.loads((Path(config.target.model) / "config.json").read_text())["architectures"][0]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return config.target.shape.architecture if config.target.shape else None
-
-
 def samples(config: RunConfig) -> int:
     d = config.dataset
     if Path(d.source).exists():
-        from eyrie.dataset import resolve
-
         return resolve(d.source, d.split, d.revision, d.limit).row_end
     if d.limit is None:
         raise EyrieError(f"--plan cannot count the rows of {d.source} without downloading it.",
@@ -68,10 +62,6 @@ def samples(config: RunConfig) -> int:
 
 
 def project(config: RunConfig, settings) -> dict:
-    from eyrie.support import check
-    from eyrie.budget import parse_size, projected_bytes
-    from eyrie.layers import resolve_aux_layers
-
     hidden, num_layers, vocab, shape_from, architecture = target_shape(config)
     aux = resolve_aux_layers(config.extract.layers, num_layers)
     n = samples(config)
@@ -104,11 +94,6 @@ def project(config: RunConfig, settings) -> dict:
 def measured_generation(config: RunConfig, settings) -> tuple[float, str] | None:
     """The server's output tok/s as this run measured it so far (its finished generate shards:
     completion tokens / first start to last finish), where the store has the run."""
-    from datetime import datetime
-
-    from eyrie.manifest import Layout, ShardManifest, load_run_manifest
-    from eyrie.store import open_store
-
     store, layout = open_store(settings), Layout(config.run)
     if not store.exists(layout.manifest):
         return None
@@ -202,8 +187,6 @@ def _stage(tokens: int, given: float | None, figure: tuple | None, knob: str) ->
 
 
 def render(p: dict) -> list[str]:
-    from eyrie.budget import human
-
     lines = [f"run {p['run']}: plan (no server, no GPU)",
              f"  target {p['target']}: hidden {p['hidden_size']}, {p['num_layers']} layers, vocab "
              f"{p['vocab_size']:,} (from {p['shape_from']}); architecture {p['architecture'] or 'unknown'}",
@@ -229,8 +212,6 @@ def render(p: dict) -> list[str]:
 
 
 def _space_lines(s: dict) -> list[str]:
-    from eyrie.budget import human
-
     lines = [f"  every copy ({s['basis']}): bucket {human(s['bucket_bytes'])} (hidden states + records), "
              f"the trainer's local copy {human(s['trainer_copy_bytes'])} (on the trainer's host: "
              "EYRIE_CACHE_DIR, EYRIE_TRAINER_CACHE_DIR in the stack)"]

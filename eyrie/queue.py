@@ -16,8 +16,9 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from eyrie import keys
-from eyrie.stages import CALLBACKS, GPU_QUEUES, ON_TASK_DONE, QUEUE_PREFIX, TASK_FUNCS, Stage, queue_name
+from eyrie.config import safe_url
 from eyrie.errors import EyrieError
+from eyrie.stages import CALLBACKS, GPU_QUEUES, ON_TASK_DONE, QUEUE_PREFIX, TASK_FUNCS, Stage, queue_name
 
 RETRY_INTERVALS_S = [10, 60, 300]
 ADVANCE_TIMEOUT_S = 3600  # planning the next stage reads every record (25k samples: minutes)
@@ -66,10 +67,10 @@ def connect(redis_url: str) -> redis.Redis:
     try:
         redis.Redis.from_url(redis_url, socket_connect_timeout=5, retry=RedisRetry(ConstantBackoff(0.5), 3)).ping()
     except redis.exceptions.AuthenticationError:
-        raise EyrieError(f"Redis at {_safe(redis_url)} rejected the password.",
+        raise EyrieError(f"Redis at {safe_url(redis_url)} rejected the password.",
                          "put the right password in EYRIE_REDIS_URL (redis://:PASSWORD@HOST:PORT/0).") from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
-        raise EyrieError(f"cannot reach Redis at {_safe(redis_url)}.",
+        raise EyrieError(f"cannot reach Redis at {safe_url(redis_url)}.",
                          "start redis-server or set EYRIE_REDIS_URL to a reachable Redis.") from None
     return redis.Redis.from_url(redis_url, socket_connect_timeout=5, health_check_interval=30, retry=_patient())
 
@@ -81,13 +82,6 @@ def _patient():
     from redis.retry import Retry as RedisRetry
 
     return RedisRetry(ExponentialWithJitterBackoff(base=0.5, cap=10), retries=12)
-
-
-def _safe(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    from eyrie.config import safe_url
-
-    return safe_url(url)
 
 
 def queue(conn: redis.Redis, stage: str) -> Queue:
@@ -150,7 +144,9 @@ def _enqueue(conn, stage: str, func: str, payload: dict, job_id: str, timeout_s:
         failure_ttl=30 * 86400, retry=Retry(max=len(RETRY_INTERVALS_S), interval=RETRY_INTERVALS_S),
         description=f"{stage} {job_id}",
     )
-    from eyrie.gpu_admission import dispatch  # on Kubernetes, a GPU stage's Job for Kueue to admit
+    # on Kubernetes, a GPU stage's Job for Kueue to admit; imported here: gpu_admission imports
+    # this module (it drains the queues)
+    from eyrie.gpu_admission import dispatch
 
     dispatch(conn, stage, payload.get("run", ""))
 

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator, model_serializer, model_validator
 
+from eyrie.budget import parse_size
 from eyrie.errors import EyrieError
 from eyrie.section import Section
 
@@ -101,8 +102,6 @@ class ExtractSettings(StageSettings):
     @field_validator("budget")
     @classmethod
     def _readable_size(cls, value):
-        from eyrie.budget import parse_size
-
         if value is not None:
             try:
                 parse_size(value)

@@ -7,6 +7,7 @@ import time
 from eyrie import gpu, inference, keys, progress
 from eyrie.charts import chart_series
 from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest
+from eyrie.pipeline import config_key
 from eyrie.queue import job_errors, job_state, workers_on
 from eyrie.stages import FETCH, PLAN_EXTRACT, TRAIN, task_id
 from eyrie.status_models import ActiveTask, GpuHolder, PipelineStatus, RunStatus, StageStatus, TrainStatus
@@ -33,6 +34,17 @@ def run_status(conn, store, run: str) -> RunStatus:
                      cancelled=cancelled.decode() if cancelled else None)
 
 
+def overall_state(status: RunStatus) -> str:
+    states = [s.state for s in status.stages.values()]
+    if status.cancelled:
+        return "cancelled"
+    if "failed" in states or (status.pipeline and status.pipeline.blocked):
+        return "failed"
+    if all(s == "done" for s in states) and ("train" in status.stages or not status.pipeline):
+        return "done"  # a pipeline is done once it is exported; a stage started by hand, once it is
+    return "in_progress" if any(s != "pending" for s in states) else "pending"
+
+
 def _mark_cancelled(stages: dict[str, StageStatus]) -> None:
     """A cancelled run's unfinished stages with no task still running read `cancelled`."""
     for s in stages.values():
@@ -42,8 +54,6 @@ def _mark_cancelled(stages: dict[str, StageStatus]) -> None:
 
 def pipeline_status(conn, store, run: str) -> PipelineStatus | None:
     """Set for runs started by `eyrie run`: whether the chain is blocked, and the base drafter's fetch."""
-    from eyrie.pipeline import config_key
-
     if not store.exists(config_key(run)):
         return None
     fetch, plan = FETCH.task_id(run), PLAN_EXTRACT.task_id(run)

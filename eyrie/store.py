@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 import orjson
 
+from eyrie.config import safe_url
 from eyrie.errors import EyrieError
 
 log = logging.getLogger("eyrie.store")
@@ -242,8 +243,6 @@ class S3Store(Store):
 
     def _ensure_bucket(self, endpoint: str) -> None:
         from minio.error import S3Error
-
-        from eyrie.config import safe_url
 
         try:
             if not self.client.bucket_exists(self.bucket):

@@ -51,9 +51,15 @@ def refuse_unsupported(support: dict) -> None:
         raise EyrieError(*support["refusal"])
 
 
+def architecture(config) -> str | None:
+    """config.json's architectures[0] where the target is a local directory, else target.shape's."""
+    try:
+        return json.loads((Path(config.target.model) / "config.json").read_text())["architectures"][0]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return config.target.shape.architecture if config.target.shape else None
+
+
 def refuse_unsupported_config(config) -> None:
     """`eyrie run` and POST /runs: before anything is enqueued (the architecture where it can be
     read here: a local target's config.json, or target.shape.architecture)."""
-    from eyrie.projection import architecture
-
     refuse_unsupported(check(architecture(config), config.extract.backend))

@@ -5,20 +5,26 @@ from __future__ import annotations
 from pathlib import Path as FilePath
 from typing import Annotated, Literal
 
-from fastapi import Depends, FastAPI, Path, Request
+from fastapi import APIRouter, Depends, FastAPI, Path, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 
 import eyrie
+from eyrie import control
 from eyrie.api.auth import can_read, need_token
 from eyrie.api.datasets import check_dataset_source
 from eyrie.api.metrics import metrics_response
+from eyrie.audit import audit as audit_run
+from eyrie.config import load_settings
 from eyrie.errors import EyrieError, UnknownRun
-from eyrie.manifest import RUN_NAME
+from eyrie.manifest import RUN_NAME, load_run_manifest
 from eyrie.pipeline import RunConfig
+from eyrie.queue import connect
 from eyrie.stages import STARTABLE
+from eyrie.status import run_status
 from eyrie.status_models import RunStatus, RunSummary
+from eyrie.store import open_store
 
 STATIC = FilePath(__file__).parent / "static"
 RunName = Annotated[str, Path(pattern=RUN_NAME.pattern, description="Run name.")]
@@ -29,10 +35,6 @@ Stage = Literal[STARTABLE]
 
 
 def create_app(settings=None) -> FastAPI:
-    from eyrie.config import load_settings
-    from eyrie.queue import connect
-    from eyrie.store import open_store
-
     settings = settings or load_settings()
     app = FastAPI(title="eyrie", version=eyrie.__version__,
                   description="Control plane of eyrie: prompts + target LLM -> EAGLE-3 drafter.")
@@ -57,12 +59,6 @@ def _invalid(exc: ValidationError) -> JSONResponse:
 
 
 def routes():
-    from fastapi import APIRouter
-
-    from eyrie import control
-    from eyrie.manifest import load_run_manifest
-    from eyrie.status import run_status
-
     r = APIRouter()
 
     @r.get("/healthz", tags=["health"])
@@ -112,8 +108,6 @@ def routes():
     def audit(name: RunName, request: Request) -> list[dict]:
         """Every sample accounted for, read back from the store: per stage in, done, skipped,
         failed, duplicated, lost, pending (what `eyrie audit NAME --json` prints)."""
-        from eyrie.audit import audit as audit_run
-
         return [f.model_dump() for f in audit_run(request.app.state.store, name)]
 
     @r.post("/runs/{name}/cancel", dependencies=[Depends(need_token)], responses=UNKNOWN, tags=["runs"])

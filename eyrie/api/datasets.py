@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eyrie.dataset import looks_like_path
 from eyrie.errors import EyrieError
 
 
 def check_dataset_source(source: str, roots: list[str]) -> None:
     """Raise (a 400 naming the setting) for a local path outside every allowed root."""
-    from eyrie.dataset import looks_like_path
-
     path = Path(source)
     if not (path.exists() or looks_like_path(source)):
         return  # a hub id: the generator asks the hub, no local file is read

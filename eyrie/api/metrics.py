@@ -6,10 +6,12 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from eyrie.control import overall_state, run_names
+from eyrie import gpu
+from eyrie.control import run_names
 from eyrie.errors import UnknownRun
 from eyrie.queue import queue, workers_on
 from eyrie.stages import QUEUES
+from eyrie.status import overall_state, run_status
 from eyrie.status_models import RunStatus, StageStatus, TrainStatus
 
 RUN_STATES = ("pending", "in_progress", "done", "failed", "cancelled")
@@ -38,8 +40,6 @@ class EyrieCollector:
         yield workers
 
     def _lease(self):
-        from eyrie import gpu
-
         lease = GaugeMetricFamily("eyrie_gpu_lease_held", "1 while the owner holds the GPU lease.",
                                   labels=["owner", "devices"])
         holder = (gpu.holder(self.conn) or {}).get("holder")
@@ -48,8 +48,6 @@ class EyrieCollector:
         return lease
 
     def _runs(self):
-        from eyrie.status import run_status
-
         families = _run_families()
         for run in run_names(self.conn):
             try:

@@ -18,6 +18,7 @@ import redis
 import torch
 from safetensors.torch import save
 
+from eyrie import inference
 from eyrie.config import Settings
 from eyrie.control import Cancelled
 from eyrie.errors import EyrieError
@@ -32,6 +33,7 @@ from eyrie_extractor.capture import HFCapture, token_budget_batches
 from eyrie_extractor.plan import generated_records, load_tokenizer
 from eyrie_extractor.render import fit, render
 from eyrie_extractor.tasks import ExtractTask
+from eyrie_extractor.vllm_backend import VllmCapture
 
 MAX_PENDING_BATCHES = 2
 
@@ -56,8 +58,6 @@ def loaded_capture(model: str, aux_layers: tuple[int, ...], device: str, params_
                    timeout_s: float = 1800.0):
     """The capture backend, loaded once per worker process and kept for the next task."""
     if params_backend == "vllm":
-        from eyrie_extractor.vllm_backend import VllmCapture
-
         if not url:
             raise EyrieError("extract --backend vllm needs EYRIE_EXTRACT_VLLM_URL.",
                              "start the server (docs/vllm-extraction.md) and set EYRIE_EXTRACT_VLLM_URL.")
@@ -104,8 +104,6 @@ class ExtractRunner(StageTask):
         """The configured vLLM extraction server, else the one the stack's extract-server published."""
         if self.params.backend != "vllm" or self.settings.extract_vllm_url:
             return self.settings.extract_vllm_url
-        from eyrie import inference
-
         self._report(waiting_for="extract-server")
         return inference.wait_extract_ready(self.conn, self.settings.serve_deadline_s).url
 

@@ -27,6 +27,10 @@ from pathlib import Path
 
 import torch
 
+from eyrie.layers import resolve_aux_layers
+from eyrie.vllm import serve_argv
+from eyrie_extractor.plan import target_shape
+
 CONNECTOR = "ExampleHiddenStatesConnector"
 CPU_CONNECTOR = "CpuHiddenStatesConnector"  # ours, for vLLM's CPU build (eyrie_extractor.vllm_cpu_connector)
 CPU_CONNECTOR_MODULE = "eyrie_extractor.vllm_cpu_connector"
@@ -83,16 +87,10 @@ def extract_command(model: str, aux_layers: Sequence[int], shared_dir: str | Pat
     --renderer-num-workers 2`) are left out: they serve chat-template rendering, and eyrie sends
     token ids. `num_layers` is read from the model's config when not given (as the launcher does).
     """
-    from eyrie.layers import resolve_aux_layers
-
     if num_layers is None:
-        from eyrie_extractor.plan import target_shape
-
         num_layers, _ = target_shape(model)
     aux = resolve_aux_layers(list(aux_layers), num_layers)  # distinct, within [0, num_layers]
     extra = shlex.split(extra_args) if isinstance(extra_args, str) else list(extra_args)
-    from eyrie.vllm import serve_argv
-
     return [*serve_argv(vllm_command, model), "--host", host, "--port", str(port),
             "--tensor-parallel-size", str(tensor_parallel_size),
             "--speculative-config", json.dumps(speculative_config(aux, num_layers)),

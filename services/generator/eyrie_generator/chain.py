@@ -22,8 +22,6 @@ from eyrie.manifest import Layout
 from eyrie.queue import enqueue, queue, task_lease
 from eyrie.stages import GENERATE
 from eyrie_generator.client import ChatClient
-from eyrie_generator.shard import ShardRunner, split_lanes
-from eyrie_generator.tasks import GenerateTask
 
 
 def recover_claims(conn, store, manifest, task: str) -> int:
@@ -155,7 +153,7 @@ class Chain:
                 self.conn.srem(keys.generate_claims(first.task), plan.index)
                 continue
             job.set_status(JobStatus.STARTED)
-            runner = ShardRunner(first.ctx, GenerateTask(run=first.run_name, shard=plan.index))
+            runner = first.for_shard(plan.index)
             # that task's own earlier attempt may have died on shards it had taken on: requeue them
             recover_claims(self.conn, first.store, first.manifest, job_id)
             rows = runner.prepare()
@@ -198,6 +196,22 @@ class Chain:
             for runner in list(self.active.values()):
                 runner._report()
                 runner.flush_if_stale()
+
+
+def split_lanes(concurrency: int, weights: list[int]) -> list[int]:
+    """C lanes over the endpoints in proportion to their weights (largest remainder), at least one
+    each while there are lanes enough."""
+    total = sum(weights)
+    exact = [concurrency * w / total for w in weights]
+    lanes = [max(1, int(x)) if concurrency >= len(weights) else int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: exact[i] - int(exact[i]), reverse=True)
+    i = 0
+    while sum(lanes) < concurrency:
+        lanes[by_remainder[i % len(lanes)]] += 1
+        i += 1
+    while sum(lanes) > concurrency:
+        lanes[max(range(len(lanes)), key=lambda j: lanes[j] - exact[j])] -= 1
+    return lanes
 
 
 def release(lease) -> None:

@@ -21,6 +21,7 @@ from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_
 from eyrie.partlog import PartLog
 from eyrie.stages import GENERATE
 from eyrie.target import check_served
+from eyrie_generator.chain import Chain, recover_claims
 from eyrie_generator.client import ChatClient, Completion
 from eyrie_generator.prompt_budget import PromptBudget
 from eyrie_generator.prompts import Skip, to_prompt
@@ -51,17 +52,17 @@ class ShardRunner(StageTask):
         self._last_tick = time.monotonic()
 
     def recover(self) -> None:
-        from eyrie_generator.chain import recover_claims
-
         recover_claims(self.conn, self.store, self.manifest, self.task)  # shards an earlier, dead attempt had taken on
 
     def done_key(self) -> str:
         return self.layout.generate_shard_manifest(self.shard)
 
     def run(self) -> dict:
-        from eyrie_generator.chain import Chain
-
         return asyncio.run(Chain(self).run())
+
+    def for_shard(self, shard: int) -> "ShardRunner":
+        """The runner of another shard of the same run, on the same context (a shard taken on)."""
+        return ShardRunner(self.ctx, GenerateTask(run=self.run_name, shard=shard))
 
     def prepare(self) -> list[dict]:
         """The rows still to answer (a retried task reads its parts back first)."""
@@ -184,22 +185,6 @@ class ShardRunner(StageTask):
         wall = max(1e-9, time.monotonic() - self._t0)
         return self.result("done", **counts.model_dump(), wall_s=round(wall, 3),
                            mean_in_flight=round(self.in_flight_area / wall, 2))
-
-
-def split_lanes(concurrency: int, weights: list[int]) -> list[int]:
-    """C lanes over the endpoints in proportion to their weights (largest remainder), at least one
-    each while there are lanes enough."""
-    total = sum(weights)
-    exact = [concurrency * w / total for w in weights]
-    lanes = [max(1, int(x)) if concurrency >= len(weights) else int(x) for x in exact]
-    by_remainder = sorted(range(len(weights)), key=lambda i: exact[i] - int(exact[i]), reverse=True)
-    i = 0
-    while sum(lanes) < concurrency:
-        lanes[by_remainder[i % len(lanes)]] += 1
-        i += 1
-    while sum(lanes) > concurrency:
-        lanes[max(range(len(lanes)), key=lambda j: lanes[j] - exact[j])] -= 1
-    return lanes
 
 
 def run_generate_shard(payload: dict) -> dict:

@@ -7,10 +7,13 @@ stops and hands the GPUs back once every shard is extracted (then the trainer ta
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from eyrie import inference, keys
 from eyrie.errors import EyrieError
 from eyrie.manifest import Layout, load_run_manifest
+from eyrie.pipeline import stored_config
+from eyrie_extractor.vllm_backend import extract_command
 from eyrie_inference.server import Server
 
 
@@ -33,8 +36,6 @@ def extracted(store, manifest) -> bool:
 
 def vllm_command(settings, cfg, manifest) -> list[str]:
     """extract_command for the run: its layers, its serve section, the shared directory."""
-    from eyrie_extractor.vllm_backend import extract_command
-
     serve, params = cfg.serve, manifest.extract
     if serve.max_model_len and params.max_length and serve.max_model_len < params.max_length + 1:
         raise EyrieError(f"serve.max_model_len {serve.max_model_len} is below extract.max_length + 1 "
@@ -50,16 +51,12 @@ class ExtractServer(Server):
     OWNER = "extract-server"
 
     def __init__(self, settings, conn, store, run: str):
-        from eyrie.pipeline import stored_config
-
         self.store, self.run_name = store, run
         self.config, self.manifest = stored_config(store, run), load_run_manifest(store, run)
         settings = settings.model_copy(update={"server": "vllm", "endpoint_name": "extract"})
         super().__init__(settings, conn, self.config.target.model, self.config.serve)
 
     def command(self) -> list[str]:
-        from pathlib import Path
-
         Path(self.settings.extract_shared_dir).mkdir(parents=True, exist_ok=True)
         return vllm_command(self.settings, self.config, self.manifest)
 

@@ -15,10 +15,14 @@ from pathlib import Path
 import requests
 
 from eyrie import inference, keys
-from eyrie.config import Settings
+from eyrie.config import Settings, load_settings
 from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease
 from eyrie.gpu_admission import gpu_lease
+from eyrie.manifest import Layout, RunManifest
+from eyrie.pipeline import drained_run, load_config, stored_config
+from eyrie.queue import connect
+from eyrie.store import open_store
 from eyrie.target import describe
 from eyrie.vllm import serve_argv, serve_env
 
@@ -46,16 +50,10 @@ def command(settings: Settings, model: str, serve=None) -> list[str]:
 def run_config(config: Path | None, run: str | None):
     """`eyrie serve --config RUN.yaml`, `--run NAME` (the stored config) or `--run active` (the
     first pipeline that is to generate, waited for): the run to serve."""
-    from eyrie.pipeline import load_config, stored_config
-
     if config is not None:
         return load_config(config)
     if run is None:
         return None
-    from eyrie.config import load_settings
-    from eyrie.queue import connect
-    from eyrie.store import open_store
-
     settings = load_settings()
     store = open_store(settings)
     if run == "active":
@@ -73,8 +71,6 @@ def run_config(config: Path | None, run: str | None):
 def generating_run(conn, store) -> str | None:
     """An active pipeline whose generation is not done (its first shard not even planned, or a
     shard without its manifest)."""
-    from eyrie.manifest import Layout, RunManifest
-
     for run in sorted(m.decode() for m in conn.smembers(keys.ACTIVE_PIPELINES)):
         layout = Layout(run)
         if not store.exists(layout.manifest):
@@ -167,9 +163,6 @@ class Server:
         stop = self.settings.serve_stop_when_drained
         if not (self.settings.server == "vllm" if stop is None else stop):
             return False
-        from eyrie.pipeline import drained_run
-        from eyrie.store import open_store
-
         run = drained_run(self.conn, open_store(self.settings))
         if run and self.proc is not None:
             print(f"eyrie serve: run {run}'s generation has drained and its later stages wait: "

@@ -12,6 +12,7 @@ from pathlib import Path
 from eyrie.errors import EyrieError
 from eyrie.manifest import Layout, load_run_manifest, now_iso
 from eyrie_trainer import checkpoints
+from eyrie_trainer.evaluate import simulate, untrained_like
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
 
@@ -32,8 +33,6 @@ def _transfer(eval_dir: Path, dtype: str):
 
 def evaluate(store, run: str, eval_dir: Path, device: str, log) -> dict:
     """τ per end-of-epoch checkpoint and for the untrained baseline; the best is marked."""
-    from eyrie_trainer.evaluate import simulate, untrained_like
-
     manifest, layout = load_run_manifest(store, run), Layout(run)
     k, transfer = manifest.train.ttt_steps, _transfer(eval_dir, manifest.extract.dtype)
     stored = [m for m in checkpoints.stored(store, layout) if m["local_step"] == 0]

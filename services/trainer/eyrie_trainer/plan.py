@@ -4,16 +4,21 @@ drafter fetched and checked ahead of it (`FetchBase`)."""
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from pathlib import Path
 
 from eyrie import progress
 from eyrie.errors import EyrieError
 from eyrie.executor import RunTask, StageTask, execute
+from eyrie.layers import resolve_aux_layers
 from eyrie.manifest import BaseDrafter, Layout, RunManifest, TrainParams, load_run_manifest
 from eyrie.pipeline import block, stored_config
 from eyrie.queue import enqueue
 from eyrie.stages import FETCH, TRAIN
 from eyrie.stage_settings import TrainSettings
+from eyrie.target import text_config
+from eyrie_trainer.base import prepare_base
+from eyrie_trainer.data import done_samples
 
 
 class TrainTask(RunTask):
@@ -54,10 +59,6 @@ def _require_extract_done(store, manifest: RunManifest, layout: Layout) -> None:
 
 
 def plan(store, manifest: RunManifest, request: TrainSettings, cache_dir: Path) -> TrainParams:
-    from importlib.metadata import version
-
-    from eyrie_trainer.data import done_samples
-
     samples = len(done_samples(store, manifest.run))
     heldout = request.heldout_for(samples)
     if samples - heldout < 1:
@@ -78,16 +79,12 @@ def plan(store, manifest: RunManifest, request: TrainSettings, cache_dir: Path) 
 def check_base_drafter(manifest: RunManifest, request: TrainSettings, cache_dir: Path) -> BaseDrafter:
     """Fetched, converted and checked against the target and the run's layers now, before any
     training is planned: a mismatch is refused here, naming both values."""
-    from eyrie_trainer.base import prepare_base
-
     _, info = prepare_base(request.base, request.base_revision, manifest.target.model,
                            manifest.extract.aux_layers, request.given().get("draft_vocab"), cache_dir / "base")
     return BaseDrafter(**info.model_dump(exclude={"path"}))
 
 
 def _target_vocab(model: str) -> int:
-    from eyrie.target import text_config
-
     return text_config(model).vocab_size
 
 
@@ -121,10 +118,6 @@ class FetchBase(StageTask):
         return self.result("ready", path=str(path), **info.model_dump(exclude={"path"}))
 
     def _prepare(self, config):
-        from eyrie.layers import resolve_aux_layers
-        from eyrie.target import text_config
-        from eyrie_trainer.base import prepare_base
-
         train = config.train
         layers = resolve_aux_layers(config.extract.layers, text_config(config.target.model).num_hidden_layers)
         return prepare_base(train.base, train.base_revision, config.target.model, layers,

@@ -19,7 +19,9 @@ from eyrie.queue import enqueue
 from eyrie.stages import EXTRACT, TRAIN
 from eyrie.store import CorruptObject
 from eyrie_trainer import checkpoints, engine
+from eyrie_trainer.base import prepare_base, save_vocab_mapping
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
+from eyrie_trainer.export import evaluate_and_export
 from eyrie_trainer.plan import TrainTask, ensure_plan
 
 log = logging.getLogger("eyrie.trainer")
@@ -63,8 +65,6 @@ class TrainRunner(StageTask):
         self._report(phase="waiting", waiting_for=what, force=True)
 
     def run(self) -> dict:
-        from eyrie_trainer.export import evaluate_and_export
-
         device = self.device
         self._report(phase="data", force=True)
         try:
@@ -121,8 +121,6 @@ class TrainRunner(StageTask):
 
     def _prepare_base(self) -> dict:
         """The base as planned (fetched and converted again on a new host), checked again here."""
-        from eyrie_trainer.base import prepare_base, save_vocab_mapping
-
         ref = self.params.base
         path, _ = prepare_base(ref.source, ref.revision, self.manifest.target.model, self.manifest.extract.aux_layers,
                                ref.draft_vocab, Path(self.settings.cache_dir) / "base")

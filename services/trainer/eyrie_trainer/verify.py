@@ -28,6 +28,8 @@ from eyrie.executor import StageTask, execute
 from eyrie.manifest import Layout, load_run_manifest, now_iso
 from eyrie.stages import VERIFY
 from eyrie.vllm import serve_argv, serve_env
+from eyrie_trainer.data import done_samples, heldout_ids, materialize
+from eyrie_trainer.export import download
 
 COUNTER = re.compile(r'^vllm:spec_decode_num_(drafts|accepted_tokens|accepted_tokens_per_pos)_total\{([^}]*)\} (\S+)$')
 
@@ -35,8 +37,6 @@ COUNTER = re.compile(r'^vllm:spec_decode_num_(drafts|accepted_tokens|accepted_to
 def heldout_prompts(store, run: str, cache_dir: Path) -> list[list[int]]:
     """The held-out samples' prompts: their token ids before the first answer token."""
     import datasets
-
-    from eyrie_trainer.data import done_samples, heldout_ids, materialize
 
     manifest = load_run_manifest(store, run)
     held = heldout_ids(done_samples(store, run), manifest.train.heldout_samples)
@@ -125,8 +125,6 @@ class Served:
 
 
 def verify(settings, store, run: str, log=print) -> dict:
-    from eyrie_trainer.export import download
-
     manifest, layout = load_run_manifest(store, run), Layout(run)
     if not manifest.drafter:
         raise EyrieError(f"run {run} has no exported drafter to verify.",
