@@ -84,7 +84,7 @@ def _check_same(params: ExtractParams, request: ExtractSettings) -> None:
     """What a rerun asks (not its defaults) must be what was planned."""
     planned = {"layers": params.aux_layers, "max_length": params.max_length, "dtype": params.dtype}
     changed = [f"{name} {value} vs {planned[name]}" for name, value in request.given().items()
-               if name in planned and value is not None and value != planned[name]]
+               if name in planned and value != planned[name]]
     if changed:
         raise EyrieError(f"extract of this run was planned with other settings: {'; '.join(changed)}.",
                          "rerun with the original settings to continue it, or start a new run.")

@@ -131,7 +131,7 @@ def _check_same(manifest: RunManifest, source: DatasetSection, request: Generate
         problems.append(f"rows {wanted.row_end} vs {ref.row_end}")
     sampling = manifest.generate.sampling
     for name, value in request.given().items():
-        if name in SamplingParams.model_fields and value is not None and value != getattr(sampling, name):
+        if name in SamplingParams.model_fields and value != getattr(sampling, name):
             problems.append(f"{name} {value} vs {getattr(sampling, name)}")
     if problems:
         raise EyrieError(f"run {manifest.run} already exists with other settings: {'; '.join(problems)}.",
