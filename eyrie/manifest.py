@@ -116,6 +116,7 @@ class TargetRef(BaseModel):
     revision: str
     chat_template_sha256: str | None
     server: str
+    conversion: dict | None = None  # how eyrie made the target's directory (eyrie/gguf_target.py)
 
 
 class SamplingParams(BaseModel):

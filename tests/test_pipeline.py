@@ -49,7 +49,8 @@ def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, t
                                              "EYRIE_MAX_MODEL_LEN": SMALL[1]})
     workers.env = env
     workers.start("generate", "extract", "train")
-    path = tiny_run_config(tmp_path, "chain", verify={"enabled": True})
+    serve = {"max_model_len": int(SMALL[1]), "extra_args": SMALL[2:]}  # verify serves as the run config says
+    path = tiny_run_config(tmp_path, "chain", verify={"enabled": True}, serve=serve)
     out = eyrie("run", "--config", path, "--wait", env=env, timeout=900).stdout
     assert "4 generate tasks enqueued now" in out
     status = json.loads(eyrie("status", "chain", "--json", env=env).stdout)
@@ -70,7 +71,8 @@ def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, t
 
     again = eyrie("run", "--config", path, env=env).stdout
     assert "0 generate tasks enqueued now" in again and "stages follow by themselves" in again
-    changed = eyrie("run", "--config", tiny_run_config(tmp_path, "chain", train={"epochs": 4}, verify={"enabled": True}),
+    changed = eyrie("run", "--config", tiny_run_config(tmp_path, "chain", train={"epochs": 4}, verify={"enabled": True},
+                                                       serve=serve),
                     env=env, check=False)
     assert changed.returncode == 1 and "differs in: train, of stages already planned" in changed.stderr
 

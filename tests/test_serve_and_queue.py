@@ -1,6 +1,7 @@
 """`eyrie serve` (readiness published in Redis, deadlines, the real vLLM command line) and the
 queue's JSON-only, schema-checked payloads."""
 
+import os
 import json
 import subprocess
 import zlib
@@ -10,7 +11,7 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from conftest import BIN, OFFLINE, TINY, eyrie, free_port
+from conftest import BIN, OFFLINE, ROOT, TINY, eyrie, free_port
 from eyrie import inference
 from eyrie.config import load_settings
 from eyrie.queue import connect, queue
@@ -48,6 +49,7 @@ def test_serve_deadline(redis_url):
 
 
 def test_vllm_command_line(monkeypatch):
+    monkeypatch.setenv("PATH", f"{ROOT / 'tests' / 'fake_vllm'}:{os.environ['PATH']}")  # a GPU image's `vllm`
     monkeypatch.setenv("EYRIE_SERVER", "vllm")
     monkeypatch.setenv("EYRIE_TENSOR_PARALLEL_SIZE", "8")
     monkeypatch.setenv("EYRIE_REASONING_PARSER", "kimi_k2")

@@ -77,9 +77,9 @@ def test_serve_section_makes_the_vllm_command(tmp_path, monkeypatch):
         "tensor_parallel_size": 8, "pipeline_parallel_size": 2, "reasoning_parser": "kimi_k2",
         "trust_remote_code": True, "max_model_len": 65536, "extra_args": ["--max-num-seqs", "200"]})
     cfg = load_config(path)
-    settings = load_settings(server="vllm", port=8000, host="0.0.0.0")
+    settings = load_settings(server="vllm", port=8000, host="0.0.0.0", vllm_command="/opt/vllm/bin/vllm")
     assert command(settings, "/models/kimi", cfg.serve) == [
-        "vllm", "serve", "/models/kimi", "--host", "0.0.0.0", "--port", "8000", "--tensor-parallel-size", "8",
+        "/opt/vllm/bin/vllm", "serve", "/models/kimi", "--host", "0.0.0.0", "--port", "8000", "--tensor-parallel-size", "8",
         "--pipeline-parallel-size", "2", "--reasoning-parser", "kimi_k2", "--max-model-len", "65536",
         "--trust-remote-code", "--max-num-seqs", "200"]
     assert cfg.serve.gpus == 16

@@ -100,7 +100,21 @@ function renderRun(status, manifest, errors) {
   document.getElementById("errors").replaceChildren(
     ...(errors.length ? errors.map((e) => el("li", {}, e)) : [el("li", { class: "dim" }, "none")]));
   renderTau(status.stages.train);
+  renderBenchmarks(status.stages.train);
   document.getElementById("manifest").textContent = JSON.stringify(manifest, null, 2);
+}
+
+function renderBenchmarks(train) {
+  const benchmarks = (train && train.charts && train.charts.benchmarks) || {};
+  const fixed = (v, d) => (v === null || v === undefined ? "-" : v.toFixed(d));
+  const rows = Object.entries(benchmarks).flatMap(([name, byK]) => Object.entries(byK).map(([k, f]) =>
+    el("tr", { "data-bench": name, "data-k": k }, el("td", {}, name), el("td", {}, k),
+       el("td", {}, fixed(f.acceptance_length, 3)),
+       el("td", {}, (f.per_position || []).map((p) => fixed(p, 2)).join(" ")),
+       el("td", {}, fixed(f.speedup["1"], 2)), el("td", {}, fixed(f.speedup["8"], 2)),
+       el("td", {}, String(f.identical_outputs)))));
+  document.getElementById("bench-box").hidden = rows.length === 0;
+  document.querySelector("#bench tbody").replaceChildren(...rows);
 }
 
 function renderTau(train) {

@@ -74,7 +74,7 @@ def _target(settings: Settings, conn) -> TargetRef:
                          chat_template_sha256=endpoint.chat_template_sha256, server=endpoint.server)
     info = describe(settings.model)
     target = TargetRef(model=info.model, revision=info.revision, chat_template_sha256=info.chat_template_sha256,
-                       server=endpoint.server if endpoint else settings.server)
+                       server=endpoint.server if endpoint else settings.server, conversion=info.conversion)
     if endpoint:
         check_served(target, endpoint)
     return target

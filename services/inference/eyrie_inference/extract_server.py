@@ -13,7 +13,8 @@ from eyrie import inference, keys
 from eyrie.errors import EyrieError
 from eyrie.manifest import Layout, load_run_manifest
 from eyrie.pipeline import stored_config
-from eyrie_extractor.vllm_backend import extract_command
+from eyrie.vllm import on_cpu, serve_env
+from eyrie_extractor.vllm_backend import connector_env, extract_command
 from eyrie_inference.server import Server
 
 
@@ -44,7 +45,7 @@ def vllm_command(settings, cfg, manifest) -> list[str]:
     extra = serve.vllm_flags()[2:]  # after --tensor-parallel-size N, which extract_command sets
     return extract_command(cfg.target.model, params.aux_layers, settings.extract_shared_dir,
                            serve.tensor_parallel_size, settings.port, extra, num_layers=params.num_layers,
-                           host=settings.host)
+                           host=settings.host, vllm_command=settings.vllm_command, cpu=on_cpu())
 
 
 class ExtractServer(Server):
@@ -59,6 +60,10 @@ class ExtractServer(Server):
     def command(self) -> list[str]:
         Path(self.settings.extract_shared_dir).mkdir(parents=True, exist_ok=True)
         return vllm_command(self.settings, self.config, self.manifest)
+
+    def env(self) -> dict[str, str]:
+        """On the CPU, vLLM loads our CPU-safe connector (eyrie_extractor.vllm_cpu_connector)."""
+        return connector_env(serve_env()) if on_cpu() else serve_env()
 
     def _wait_turn(self) -> None:
         pass  # started for a run that is extracting now

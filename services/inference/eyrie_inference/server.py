@@ -101,6 +101,9 @@ class Server:
         self.gpu: GpuLease | None = None
         self._stopping = False
 
+    def env(self) -> dict[str, str]:
+        return serve_env()
+
     def run(self) -> int:
         """Start, wait for readiness, then supervise until the server exits or we are stopped."""
         cmd = self.command()
@@ -115,7 +118,7 @@ class Server:
             self.gpu.acquire()
             threading.Thread(target=self._renew_gpu_lease, daemon=True).start()
         print(f"eyrie serve: {shlex.join(cmd)}", flush=True)
-        env = serve_env()
+        env = self.env()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                      text=True, bufsize=1)
         threading.Thread(target=self._follow_output, daemon=True).start()

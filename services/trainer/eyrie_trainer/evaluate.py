@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from eyrie.errors import EyrieError
+
 UNBOUNDED_LEN = 1 << 30  # ArrowDataset stores max_len; only its collate function truncates
 
 
@@ -169,19 +171,21 @@ def summarize_walk(steps: list[int], k: int, samples: int) -> dict:
 
 class TargetHead:
     """The target's final norm and lm_head: its greedy token from a stored last (pre-norm) hidden
-    state. Read from the target's safetensors where they are on this host; else the drafter's
-    frozen copies (`verifier_norm`, `verifier_lm_head`: the draft vocabulary only, mapped to
-    target ids), which can miss a greedy token outside the draft vocabulary."""
+    state, read from the target's safetensors: a directory, or a hub id's files already in this
+    host's Hugging Face cache (never downloaded here). Where neither is readable, refused: the
+    drafter's frozen copies cover the draft vocabulary only and would miss greedy tokens outside it."""
 
     def __init__(self, model, target: str | None):
-        self.drafter = model
-        self.norm_weight, self.lm_head, self.eps = None, None, None
         target = target or model.config.speculators_config.verifier.name_or_path
+        folder = local_files(target)
         try:
-            self._read(Path(target))
-            self.source = f"target lm_head ({target})"
-        except (OSError, KeyError, ValueError):
-            self.source = "drafter's verifier head (draft vocabulary)"
+            self._read(folder)
+        except (OSError, KeyError, ValueError) as exc:
+            raise EyrieError(f"eyrie's acceptance length needs the target's final norm and lm_head: none "
+                             f"readable in {folder} ({exc}).",
+                             f"put the target's config.json and *.safetensors there, or fetch {target} into this "
+                             "host's Hugging Face cache (`hf download TARGET --include '*.json' '*.safetensors'`).") from None
+        self.source = f"target lm_head ({target})"
 
     def _read(self, folder: Path) -> None:
         from safetensors import safe_open
@@ -204,14 +208,25 @@ class TargetHead:
 
     def greedy(self, last_hidden: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            if self.lm_head is None:
-                model = self.drafter
-                param = next(model.verifier_lm_head.parameters())
-                logits = model.verifier_lm_head(model.verifier_norm(last_hidden.to(param.device, param.dtype)))
-                return to_target_ids(model, logits.argmax(-1)).cpu()
             h = last_hidden.float()
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
             return (h @ self.lm_head.T).argmax(-1)
+
+
+def local_files(target: str) -> Path:
+    """The target's directory: as given, or a hub id's snapshot in the local Hugging Face cache."""
+    if Path(target).is_dir():
+        return Path(target)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(target, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        raise EyrieError(f"eyrie's acceptance length needs the target's final norm and lm_head, and {target} is "
+                         "neither a directory on this host nor in its Hugging Face cache.",
+                         f"fetch it here first (`hf download {target} --include '*.json' '*.safetensors'`, "
+                         "HF_HOME as the trainer's), or set target.model to a local directory.") from None
 
 
 def summarize(accepted: torch.Tensor, horizon: torch.Tensor, k: int) -> dict:

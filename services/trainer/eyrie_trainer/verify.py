@@ -1,19 +1,24 @@
 """`eyrie verify`: the exported drafter served by real vLLM, its acceptance measured by vLLM itself.
 
-The target is served twice on the run's held-out prompts (the prompt part of each held-out
-sample, as token ids, greedy): alone, then with the drafter (`--speculative-config` eagle3, K =
-the steps it was trained for). vLLM's spec-decode counters (`/metrics`) give its mean acceptance
-length (1 + accepted draft tokens / drafts) and the acceptance rate per draft position; the two
-runs' outputs must be identical (greedy speculative decoding never changes them). The result goes
-into the run manifest (`verify`) beside eyrie's own figure (`drafter.tau`, the same bookkeeping:
-eyrie_trainer.evaluate).
+The target is served alone, then with the drafter once per draft length K (`--speculative-config`
+eagle3), on the run's held-out prompts (the prompt part of each held-out sample, as token ids) and
+on any benchmark sets asked for (mt-bench, gsm8k, humaneval or a file: eyrie.benchmarks, rendered
+with the target's chat template), greedy. Per set and K: vLLM's spec-decode counters (`/metrics`)
+give its mean acceptance length (1 + accepted draft tokens / drafts) and the acceptance rate per
+draft position; outputs must be identical with and without the drafter (greedy speculative
+decoding never changes them); tokens/s with 8 requests in flight (every prompt) and with 1 (the
+first `serial_prompts`). The result goes into the run manifest (`verify`): per set under
+`benchmarks`, and the held-out set at the trained K at the top, beside eyrie's own figure
+(`drafter.tau`, the same bookkeeping: eyrie_trainer.evaluate).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import tempfile
@@ -23,15 +28,19 @@ from pathlib import Path
 
 import requests
 
+from eyrie.benchmarks import load_benchmark
 from eyrie.errors import EyrieError
 from eyrie.executor import StageTask, execute
 from eyrie.manifest import Layout, load_run_manifest, now_iso
+from eyrie.pipeline import VerifySection, stored_config
 from eyrie.stages import VERIFY
 from eyrie.vllm import serve_argv, serve_env
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
 from eyrie_trainer.export import download
 
 COUNTER = re.compile(r'^vllm:spec_decode_num_(drafts|accepted_tokens|accepted_tokens_per_pos)_total\{([^}]*)\} (\S+)$')
+HELDOUT = "heldout"
+IN_FLIGHT = (1, 8)
 
 
 def heldout_prompts(store, run: str, cache_dir: Path) -> list[list[int]]:
@@ -47,6 +56,21 @@ def heldout_prompts(store, run: str, cache_dir: Path) -> list[list[int]]:
         mask, ids = [int(m) for m in row["loss_mask"]], [int(t) for t in row["input_ids"]]
         prompts.append(ids[: mask.index(1) if 1 in mask else len(mask)])
     return prompts
+
+
+def benchmark_prompts(target: str, names: list[str], limit: int | None) -> dict[str, list[list[int]]]:
+    """Each benchmark's chat prompts as the target's chat template renders them, as token ids."""
+    if not names:
+        return {}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    sets = {}
+    for name in names:
+        bench = load_benchmark(name, limit)
+        texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in bench.prompts]
+        sets[bench.name] = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return sets
 
 
 def spec_counters(url: str) -> dict:
@@ -66,16 +90,14 @@ def spec_counters(url: str) -> dict:
 
 
 class Served:
-    """One vLLM server for the run's target, started from EYRIE_VLLM_COMMAND, stopped on exit."""
+    """One vLLM server for the run's target (EYRIE_VLLM_COMMAND, the run's serve flags), stopped on exit."""
 
-    def __init__(self, settings, model: str, extra: list[str], log: Path):
+    def __init__(self, settings, model: str, flags: list[str], log: Path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url, self.model, self.log = f"http://127.0.0.1:{self.port}", model, log
-        self.cmd = [*serve_argv(settings.vllm_command, model), "--host", "127.0.0.1", "--port", str(self.port),
-                    *(["--max-model-len", str(settings.max_model_len)] if settings.max_model_len else []),
-                    *shlex.split(settings.vllm_args), *extra]
+        self.cmd = [*serve_argv(settings.vllm_command, model), "--host", "127.0.0.1", "--port", str(self.port), *flags]
         self.deadline_s = settings.serve_deadline_s
 
     def __enter__(self) -> "Served":
@@ -93,12 +115,10 @@ class Served:
             except requests.RequestException:
                 pass
             time.sleep(1)
+        self.__exit__()
         raise EyrieError(f"vLLM did not answer within {self.deadline_s:g} s.", "raise EYRIE_SERVE_DEADLINE_S.")
 
     def __exit__(self, *_) -> None:
-        import os
-        import signal
-
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -107,69 +127,129 @@ class Served:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
-    def greedy(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[list[list[int]], float]:
-        """Every prompt answered greedily (8 in flight); the answers' token ids and tokens per second."""
+    def greedy(self, prompts: list[list[int]], max_tokens: list[int], in_flight: int) -> tuple[list[list[int]], float]:
+        """Every prompt answered greedily, `in_flight` at a time; the answers' token ids and tokens/s."""
         def one(args):
             prompt, limit = args
             body = {"model": self.model, "prompt": prompt, "max_tokens": limit, "temperature": 0,
                     "return_token_ids": True}
             res = requests.post(f"{self.url}/v1/completions", json=body, timeout=600)
             if res.status_code != 200:
-                raise EyrieError(f"vLLM answered {res.status_code}: {res.text[:300]}", "read the vLLM log.")
+                raise EyrieError(f"vLLM answered {res.status_code}: {res.text[:300]}", f"read the vLLM log {self.log}.")
             return res.json()["choices"][0]["token_ids"]
 
         started = time.monotonic()
-        with ThreadPoolExecutor(8) as pool:
+        with ThreadPoolExecutor(in_flight) as pool:
             outputs = list(pool.map(one, zip(prompts, max_tokens)))
         return outputs, sum(map(len, outputs)) / (time.monotonic() - started)
 
+    def measure(self, sets: dict, limits: dict, serial: int) -> dict:
+        """Per prompt set: the answers (8 in flight), tokens/s at 1 and 8 in flight, and the spec-decode
+        counters of the 8-in-flight pass."""
+        passes = {}
+        for name, prompts in sets.items():
+            before = spec_counters(self.url)
+            outputs, at_8 = self.greedy(prompts, limits[name], 8)
+            counters = spec_counters(self.url)
+            _, at_1 = self.greedy(prompts[:serial], limits[name][:serial], 1)
+            passes[name] = {"outputs": outputs, "tokens_per_s": {"1": round(at_1, 2), "8": round(at_8, 2)},
+                            "counters": (before, counters)}
+        return passes
 
-def verify(settings, store, run: str, log=print) -> dict:
-    manifest, layout = load_run_manifest(store, run), Layout(run)
+
+def verify(settings, store, run: str, request: VerifySection | None = None, log=print) -> dict:
+    """Measure the run's exported drafter in vLLM (see the module docstring); the result is stored
+    as the manifest's `verify` and returned. `request`: the sets and Ks (default: the run config's
+    verify section)."""
+    manifest, config = load_run_manifest(store, run), stored_config(store, run)
     if not manifest.drafter:
         raise EyrieError(f"run {run} has no exported drafter to verify.",
                          f"train it first: `eyrie train --run {run} --wait` exports the best checkpoint.")
-    k, target = manifest.drafter["k"], manifest.target.model
-    cache = Path(settings.cache_dir)
-    prompts = heldout_prompts(store, run, cache)
-    limits = [manifest.generate.sampling.max_tokens] * len(prompts)
-    if settings.max_model_len:
-        limits = [max(1, min(m, settings.max_model_len - len(p))) for m, p in zip(limits, prompts)]
+    request = request or (config.verify if config else VerifySection())
+    trained_k, target = manifest.drafter["k"], manifest.target.model
+    ks = request.ks or [trained_k]
+    flags = serve_flags(settings, config)
+    sets = {HELDOUT: heldout_prompts(store, run, Path(settings.cache_dir)),
+            **benchmark_prompts(target, request.benchmarks, request.prompts)}
+    limits = answer_limits(sets, request.max_tokens or manifest.generate.sampling.max_tokens, max_model_len(flags))
+    logs = Path(settings.cache_dir) / "runs" / run / "verify"
+    logs.mkdir(parents=True, exist_ok=True)
+    counts = ", ".join(f"{name} {len(p)}" for name, p in sets.items())
     with tempfile.TemporaryDirectory() as tmp:
         drafter = Path(tmp) / "drafter"
         download(store, run, drafter)
-        logs = cache / "runs" / run / "verify"
-        logs.mkdir(parents=True, exist_ok=True)
-        log(f"verify {run}: vLLM serving {target} alone, {len(prompts)} held-out prompts, greedy")
-        with Served(settings, target, [], logs / "target.log") as server:
-            alone, alone_tps = server.greedy(prompts, limits)
-        spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k})
-        log(f"verify {run}: vLLM serving {target} with the drafter (eagle3, K={k})")
-        with Served(settings, target, ["--speculative-config", spec], logs / "drafter.log") as server:
-            before = spec_counters(server.url)
-            drafted, drafted_tps = server.greedy(prompts, limits)
-            after = spec_counters(server.url)
-    result = summarize(before, after, k)
-    result.update(identical_outputs=alone == drafted, prompts=len(prompts),
-                  differing_outputs=sum(a != b for a, b in zip(alone, drafted)),
-                  tokens_per_s_target=round(alone_tps, 2), tokens_per_s_drafter=round(drafted_tps, 2),
-                  speedup=round(drafted_tps / alone_tps, 3) if alone_tps else None,
-                  eyrie_acceptance_length=manifest.drafter["tau"], checkpoint=manifest.drafter["checkpoint"],
-                  verified_at=now_iso(), definitions=DEFINITIONS)
-    vllm_tau = result["vllm_acceptance_length"]
-    result["relative_difference"] = (abs(result["eyrie_acceptance_length"] - vllm_tau) / vllm_tau
-                                     if vllm_tau else None)
+        log(f"verify {run}: vLLM serving {target} alone on {counts} prompts, greedy")
+        with Served(settings, target, flags, logs / "target.log") as server:
+            alone = server.measure(sets, limits, request.serial_prompts)
+        drafted = {}
+        for k in ks:
+            spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k})
+            log(f"verify {run}: vLLM serving {target} with the drafter (eagle3, K={k})")
+            with Served(settings, target, [*flags, "--speculative-config", spec], logs / f"drafter-k{k}.log") as server:
+                drafted[k] = server.measure(sets, limits, request.serial_prompts)
+    benchmarks = {name: benchmark_result(alone[name], {k: drafted[k][name] for k in ks}, len(sets[name]))
+                  for name in sets}
+    result = headline(benchmarks[HELDOUT], trained_k if trained_k in ks else ks[0], manifest.drafter)
+    result.update(benchmarks=benchmarks, ks=ks, verified_at=now_iso(), definitions=DEFINITIONS,
+                  identical_outputs=all(r["identical_outputs"] for b in benchmarks.values() for r in b["k"].values()))
     manifest.verify = result
-    store.put_json(layout.manifest, manifest.model_dump())
+    store.put_json(Layout(run).manifest, manifest.model_dump())
     return result
 
 
+def serve_flags(settings, config) -> list[str]:
+    """How the run's target is served: its config's serve section, else the host's EYRIE_* vLLM flags."""
+    if config is not None:
+        return config.serve.vllm_flags()
+    return [*(["--max-model-len", str(settings.max_model_len)] if settings.max_model_len else []),
+            *shlex.split(settings.vllm_args)]
+
+
+def max_model_len(flags: list[str]) -> int | None:
+    return int(flags[flags.index("--max-model-len") + 1]) if "--max-model-len" in flags else None
+
+
+def answer_limits(sets: dict, max_tokens: int, context: int | None) -> dict[str, list[int]]:
+    """max_tokens per prompt, within the served context length."""
+    return {name: [max(1, min(max_tokens, context - len(p))) if context else max_tokens for p in prompts]
+            for name, prompts in sets.items()}
+
+
+def benchmark_result(alone: dict, drafted: dict[int, dict], prompts: int) -> dict:
+    by_k = {}
+    for k, spec in drafted.items():
+        figures = summarize(*spec["counters"], k)
+        figures.update(identical_outputs=spec["outputs"] == alone["outputs"],
+                       differing_outputs=sum(a != b for a, b in zip(alone["outputs"], spec["outputs"])),
+                       tokens_per_s=spec["tokens_per_s"],
+                       speedup={n: round(spec["tokens_per_s"][n] / alone["tokens_per_s"][n], 3)
+                                if alone["tokens_per_s"][n] else None for n in alone["tokens_per_s"]})
+        by_k[str(k)] = figures
+    return {"prompts": prompts, "tokens_per_s_target": alone["tokens_per_s"], "k": by_k}
+
+
+def headline(heldout: dict, k: int, drafter: dict) -> dict:
+    """The held-out set at the trained K, beside eyrie's own figure (the fields `eyrie status` shows)."""
+    figures = heldout["k"][str(k)]
+    vllm_tau, eyrie_tau = figures["vllm_acceptance_length"], drafter["tau"]
+    return {key: figures[key] for key in ("vllm_acceptance_length", "vllm_drafts", "vllm_accepted_tokens",
+                                          "vllm_per_position_acceptance", "k", "differing_outputs")} | {
+        "prompts": heldout["prompts"], "tokens_per_s_target": heldout["tokens_per_s_target"]["8"],
+        "tokens_per_s_drafter": figures["tokens_per_s"]["8"], "speedup": figures["speedup"]["8"],
+        "speedup_1_in_flight": figures["speedup"]["1"], "eyrie_acceptance_length": eyrie_tau,
+        "checkpoint": drafter["checkpoint"],
+        "relative_difference": abs(eyrie_tau - vllm_tau) / vllm_tau if vllm_tau else None}
+
+
 DEFINITIONS = {
-    "vllm_acceptance_length": "1 + accepted draft tokens / drafts, from vLLM's /metrics counters; drafts "
-                              "accepted past the end token count too",
+    "vllm_acceptance_length": "1 + accepted draft tokens / drafts, from vLLM's /metrics counters over the "
+                              "8-in-flight pass; drafts accepted past the end token count too",
     "eyrie_acceptance_length": "the same bookkeeping walked over the stored held-out answers against the "
                                "target's greedy tokens; past the end token only as far as the stored states "
                                "reach (one token)",
+    "tokens_per_s": "completion tokens / wall time: every prompt with 8 requests in flight ('8'), the first "
+                    "serial_prompts one at a time ('1')",
+    "speedup": "tokens/s with the drafter / tokens/s of the target alone, same prompts and in-flight count",
 }
 
 

@@ -1,0 +1,118 @@
+"""Benchmark prompt sets the verify stage measures a drafter on: named sets shipped here, or a .jsonl file."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from eyrie.errors import EyrieError
+
+BENCHMARKS = ("mt-bench", "gsm8k", "humaneval")
+DATA = Path(__file__).parent / "data"
+FILES = {"mt-bench": "mt-bench/question.jsonl", "gsm8k": "gsm8k/test.jsonl", "humaneval": "humaneval/HumanEval.jsonl.gz"}
+HUMANEVAL = "Complete the following Python function.\n\n```python\n{prompt}```"
+ROLES = {"human": "user", "user": "user", "system": "system",
+         "gpt": "assistant", "assistant": "assistant", "bot": "assistant", "model": "assistant"}
+ROW_SHAPES = "`messages`/`conversations` (role/content or from/value turns), or a `prompt`, `question` or `turns` field"
+
+
+@dataclass
+class Benchmark:
+    name: str
+    prompts: list[list[dict]]
+
+
+def load_benchmark(name_or_path: str, limit: int | None = None) -> Benchmark:
+    """The first `limit` prompts (all when None) of a named set or of a .jsonl file, in file order.
+
+    mt-bench gives the FIRST turn of each question only: its second turn asks about the model's own
+    first answer, so it is not a prompt on its own. gsm8k gives the test questions, humaneval asks
+    to complete each function. A file's name is its stem; its rows are read as ROW_SHAPES says.
+    """
+    if limit is not None and limit < 1:
+        raise EyrieError(f"benchmark limit {limit} is below 1.", "give a limit of at least 1, or none for all.")
+    if name_or_path in BENCHMARKS:
+        rows = _rows(DATA / FILES[name_or_path], limit)
+        return Benchmark(name_or_path, [[_user_message(name_or_path, row)] for _, row in rows])
+    path = Path(name_or_path).expanduser()
+    if path.suffix != ".jsonl" or not path.is_file():
+        raise EyrieError(f"unknown benchmark {name_or_path!r}: neither a named set nor an existing .jsonl file.",
+                         f"name one of {', '.join(BENCHMARKS)}, or give the path of a .jsonl file of prompts.")
+    return Benchmark(path.stem, [_file_prompt(path, line, row) for line, row in _rows(path, limit)])
+
+
+def parse_benchmarks(text: str) -> list[str]:
+    """Split "mt-bench, gsm8k,humaneval" into names (blanks dropped); a name given twice is refused."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise EyrieError(f"benchmark {', '.join(repeated)} is listed more than once in {text!r}.",
+                         "name each benchmark once.")
+    return names
+
+
+def _rows(path: Path, limit: int | None) -> list[tuple[int, object]]:
+    """(line number, parsed row) of the first `limit` non-blank lines."""
+    try:
+        rows = list(itertools.islice(_parsed_lines(path), limit))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EyrieError(f"cannot read benchmark file {path}: {exc}.",
+                         "give a UTF-8 .jsonl file with one JSON object per line.") from None
+    if not rows:
+        raise EyrieError(f"benchmark file {path} has no rows.",
+                         f"give a .jsonl file with one prompt per line: {ROW_SHAPES}.")
+    return rows
+
+
+def _parsed_lines(path: Path) -> Iterator[tuple[int, object]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8-sig") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    yield number, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise EyrieError(f"benchmark file {path}, line {number}: not JSON ({exc.msg}).",
+                                     "give a .jsonl file with one JSON object per line.") from None
+
+
+def _user_message(name: str, row: dict) -> dict:
+    if name == "mt-bench":
+        return {"role": "user", "content": row["turns"][0]}
+    if name == "gsm8k":
+        return {"role": "user", "content": row["question"]}
+    return {"role": "user", "content": HUMANEVAL.format(prompt=row["prompt"])}
+
+
+def _file_prompt(path: Path, line: int, row) -> list[dict]:
+    if prompt := _row_prompt(row):
+        return prompt
+    raise EyrieError(f"benchmark file {path}, line {line}: no prompt in the row.", f"give each row {ROW_SHAPES}.")
+
+
+def _row_prompt(row) -> list[dict] | None:
+    """Messages up to the last user turn (system turns kept), or one user message."""
+    if not isinstance(row, dict):
+        return None
+    conversation = row.get("messages") or row.get("conversations")
+    if isinstance(conversation, list):
+        messages = [_message(turn) for turn in conversation]
+        users = [i for i, m in enumerate(messages) if m and m["role"] == "user"]
+        if None in messages or not users or not messages[users[-1]]["content"].strip():
+            return None
+        return messages[: users[-1] + 1]
+    turns = row.get("turns")
+    text = row.get("prompt") or row.get("question") or (turns[0] if isinstance(turns, list) and turns else None)
+    return [{"role": "user", "content": text}] if isinstance(text, str) and text.strip() else None
+
+
+def _message(turn) -> dict | None:
+    if not isinstance(turn, dict):
+        return None
+    role = ROLES.get(str(turn.get("role") or turn.get("from")).lower())
+    text = next((turn[key] for key in ("content", "value") if turn.get(key) is not None), None)
+    return {"role": role, "content": text} if role and isinstance(text, str) else None

@@ -1,0 +1,47 @@
+"""Write assets/prompts/train-mix.jsonl, the real-model example's training prompts, from the committed raw
+sets: GSM8K train questions (7,473) then self-instruct seed tasks (175: the instruction, plus a blank line and
+the first instance's input when it has one). Deterministic, stdlib only; assets/prompts/README.md says where
+each raw file comes from.
+
+    python scripts/prompt_sets.py
+"""
+
+import json
+from pathlib import Path
+
+PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts"
+GSM8K_TRAIN = PROMPTS / "gsm8k" / "train.jsonl"
+SEED_TASKS = PROMPTS / "self-instruct" / "seed_tasks.jsonl"
+OUT = PROMPTS / "train-mix.jsonl"
+EXPECTED = {"gsm8k": 7_473, "self-instruct": 175}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def seed_task_prompt(task: dict) -> str:
+    first_input = task["instances"][0]["input"] if task["instances"] else ""
+    return f"{task['instruction']}\n\n{first_input}" if first_input.strip() else task["instruction"]
+
+
+def row(source: str, split: str, index: int, text: str) -> dict:
+    return {"id": f"{source}-{split}-{index:05d}", "source": source,
+            "conversations": [{"role": "user", "content": text}]}
+
+
+def train_mix() -> list[dict]:
+    gsm8k = [row("gsm8k", "train", i, r["question"]) for i, r in enumerate(read_jsonl(GSM8K_TRAIN))]
+    seeds = [row("self-instruct", "seed", i, seed_task_prompt(t)) for i, t in enumerate(read_jsonl(SEED_TASKS))]
+    counts = {"gsm8k": len(gsm8k), "self-instruct": len(seeds)}
+    if counts != EXPECTED:
+        raise SystemExit(f"unexpected row counts {counts}, expected {EXPECTED}: check the raw files")
+    return gsm8k + seeds
+
+
+if __name__ == "__main__":
+    rows = train_mix()
+    with OUT.open("w", encoding="utf-8", newline="\n") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(f"{len(rows)} prompts in {OUT}")
