@@ -184,7 +184,7 @@ def judge(checkpoint: Path, manifest, eval_dir: Path, out: Path, k: int, device:
 def verify_all(settings, store, a, manifest, drafters: dict[str, Path], logs: Path) -> tuple[dict, dict, dict]:
     """vLLM: the target alone once, then each drafter; per drafter its wall seconds and figures per set."""
     target, flags = manifest.target.model, serve_flags(settings, stored_config(store, a.run))
-    sets = {HELDOUT: heldout_prompts(store, a.run, Path(settings.cache_dir)),
+    sets = {HELDOUT: heldout_prompts(store, a.run, Path(settings.cache_dir))[:a.prompts],
             **benchmark_prompts(target, [b for b in a.bench.split(",") if b], a.prompts)}
     limits = answer_limits(sets, a.max_tokens, max_model_len(flags))
     logs.mkdir(parents=True, exist_ok=True)

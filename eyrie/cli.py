@@ -245,7 +245,8 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
                                                "comma-separated: mt-bench, gsm8k, humaneval or a .jsonl file."),
            k: Optional[str] = typer.Option(None, "--k", help="Draft lengths to serve, e.g. 3,5 (default: the "
                                            "run config's verify.ks, else the trained K)."),
-           prompts: Optional[int] = typer.Option(None, "--prompts", help="At most this many prompts per benchmark."),
+           prompts: Optional[int] = typer.Option(None, "--prompts", help="At most this many prompts per set "
+                                                 "(held-out included)."),
            max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Answer length (default: "
                                                     "generate.max_tokens)."),
            as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object.")):

@@ -76,7 +76,8 @@ class VerifySection(_Section):
                                               "gsm8k, humaneval, or a .jsonl file.")
     ks: list[int] = Field(default_factory=list, json_schema_extra={"flag": "k"},
                           description="Draft lengths K to serve the drafter with (empty: the K it was trained for).")
-    prompts: int | None = Field(None, ge=1, description="At most this many prompts per benchmark (file order).")
+    prompts: int | None = Field(None, ge=1, description="At most this many prompts per set (held-out included; "
+                                                       "file order).")
     max_tokens: int | None = Field(None, ge=1, description="Answer length (unset: generate.max_tokens).")
     serial_prompts: int = Field(8, ge=1, description="Prompts answered one at a time for tokens/s at 1 in flight.")
 

@@ -452,7 +452,8 @@ def test_dockerignore_keeps_secrets_and_state_out():
 def test_inference_entrypoint_shows_the_real_vllm_command():
     script = ROOT / "services" / "inference" / "entrypoint.sh"
     assert os.access(script, os.X_OK)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    fake_vllm = ROOT / "tests" / "fake_vllm"  # the image's `vllm` on PATH
+    env = {**os.environ, "PATH": os.pathsep.join([str(fake_vllm), str(Path(sys.executable).parent), os.environ["PATH"]]),
            "EYRIE_MODEL": "/models/target", "EYRIE_HOST": "0.0.0.0", "EYRIE_PORT": "8000",
            "EYRIE_TENSOR_PARALLEL_SIZE": "8", "EYRIE_REASONING_PARSER": "kimi_k2",
            "EYRIE_MAX_MODEL_LEN": "32768", "EYRIE_VLLM_ARGS": "--max-num-seqs 200 --trust-remote-code"}

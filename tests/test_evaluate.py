@@ -3,11 +3,13 @@ untrained drafter (speculators' Eagle3DraftModel) on hidden states of the tiny t
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter
 
 import pytest
 import torch
 
+from eyrie.errors import EyrieError
 from eyrie_trainer.evaluate import accepted_lengths, simulate, summarize_walk, untrained_like, walk
 from hs_fixture import TINY, build_hs_dir
 
@@ -173,6 +175,24 @@ def test_untrained_drafter_has_tau_near_one(drafter, hs_dir, samples):
     part = simulate(drafter, hs_dir, [0, 3], K)
     assert part["samples"] == 2
     assert part["every_position"]["positions"] == sum(int(samples[i]["loss_mask"].sum()) for i in (0, 3))
+
+
+def test_a_target_named_by_hub_id_is_read_from_this_hosts_cache_or_refused(drafter, hs_dir, tmp_path, monkeypatch):
+    """Never the drafter's own head over the draft vocabulary in silence (it misses greedy tokens
+    outside it): the target's files from the Hugging Face cache, or an error naming the fix."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(EyrieError, match="neither a directory on this host nor in its Hugging Face cache") as err:
+        simulate(drafter, hs_dir, [0], K, target="acme/tiny-target")
+    assert "hf download acme/tiny-target" in str(err.value)
+    repo, commit = tmp_path / "hub" / "models--acme--tiny-target", "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(TINY, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    report = simulate(drafter, hs_dir, [0], K, target="acme/tiny-target")
+    assert report["greedy_from"] == "target lm_head (acme/tiny-target)"
+    assert report["tau"] == simulate(drafter, hs_dir, [0], K, target=str(TINY))["tau"]
 
 
 def test_draft_ids_are_mapped_to_target_ids(drafter, hs_dir, samples, monkeypatch):

@@ -17,7 +17,7 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
-from conftest import BIN, TINY, eyrie, free_port, tiny_run_config, wait_for
+from conftest import BIN, ROOT, TINY, eyrie, free_port, tiny_run_config, wait_for
 from eyrie import inference
 from eyrie.gpu import GpuLease, holder
 from eyrie.manifest import Layout
@@ -128,13 +128,18 @@ def _no_server_on(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_the_vllm_command_setting_names_an_executable_or_a_python(tmp_path):
-    """No process: EYRIE_VLLM_COMMAND as the real server's command line starts."""
+def test_the_vllm_command_setting_names_an_executable_or_a_python(tmp_path, monkeypatch):
+    """No process: EYRIE_VLLM_COMMAND as the real server's command line starts; unset, `vllm` on
+    PATH (a GPU image's), else the project's own .venv-vllm."""
     from eyrie.config import load_settings
     from eyrie.vllm import available
     from eyrie_inference.server import command
 
     python = load_settings(server="vllm", vllm_command=str(VLLM_PYTHON), port=8123)
     assert command(python, "m")[:5] == [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
+    monkeypatch.delenv("EYRIE_VLLM_COMMAND", raising=False)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert command(load_settings(server="vllm"), "m")[:3] == [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+    monkeypatch.setenv("PATH", f"{ROOT / 'tests' / 'fake_vllm'}:/usr/bin:/bin")
     assert command(load_settings(server="vllm"), "m")[:3] == ["vllm", "serve", "m"]
     assert available(str(VLLM_PYTHON)) and not available(str(tmp_path / "python")) and not available("no-such-vllm")

@@ -169,7 +169,7 @@ def verify(settings, store, run: str, request: VerifySection | None = None, log=
     trained_k, target = manifest.drafter["k"], manifest.target.model
     ks = request.ks or [trained_k]
     flags = serve_flags(settings, config)
-    sets = {HELDOUT: heldout_prompts(store, run, Path(settings.cache_dir)),
+    sets = {HELDOUT: heldout_prompts(store, run, Path(settings.cache_dir))[:request.prompts],
             **benchmark_prompts(target, request.benchmarks, request.prompts)}
     limits = answer_limits(sets, request.max_tokens or manifest.generate.sampling.max_tokens, max_model_len(flags))
     logs = Path(settings.cache_dir) / "runs" / run / "verify"
