@@ -249,6 +249,8 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
                                                  "(held-out included)."),
            max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Answer length (default: "
                                                     "generate.max_tokens)."),
+           serial_prompts: Optional[int] = typer.Option(None, "--serial-prompts", help="Prompts per set answered "
+                                                        "one at a time, for tokens/s at 1 in flight (default 8)."),
            as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object.")):
     """Serve the target with the exported drafter in vLLM (EYRIE_VLLM_COMMAND; default: the project's
     .venv-vllm) on the held-out prompts and benchmark sets: vLLM's own acceptance length per set and
@@ -257,7 +259,7 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
 
     settings, _, store = _context()
     config = stored_config(store, run)
-    given = {"benchmarks": bench, "ks": k, "prompts": prompts, "max_tokens": max_tokens}
+    given = {"benchmarks": bench, "ks": k, "prompts": prompts, "max_tokens": max_tokens, "serial_prompts": serial_prompts}
     planned = config.verify.model_dump(exclude={"enabled"}) if config else {}
     request = checked(VerifySection, {**planned, **{n: v for n, v in given.items() if v is not None}})
     run_verify = entry("eyrie_trainer.verify.verify")

@@ -60,7 +60,7 @@ def prompts(path, n):
 
 def run_config(run: str, source: str, **generate) -> dict:
     return {"run": run, "target": {"model": str(TINY)}, "dataset": {"source": source},
-            "generate": {"concurrency": 2, "max_tokens": 8, **generate}}
+            "generate": {"concurrency": 2, "max_tokens": 8, **generate}, "verify": {"enabled": False}}
 
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)

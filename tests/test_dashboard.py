@@ -64,7 +64,8 @@ def test_the_dashboard_follows_a_real_run(env, tiny_server, browser, tmp_path):
     try:
         config = {"run": "dash", "target": {"model": str(TINY)}, "dataset": {"source": str(TRAIN_PROMPTS), "limit": 120},
                   "generate": {"concurrency": 8, "max_tokens": 48, "shard_size": 30}, "extract": {"layers": [2, 4, 5]},
-                  "train": {"epochs": 2, "seq_len": 256, "lr": 0.003, "draft_vocab": 500}}
+                  "train": {"epochs": 2, "seq_len": 256, "lr": 0.003, "draft_vocab": 500},
+                  "verify": {"enabled": False}}  # vLLM would verify by itself (the project's .venv-vllm is found)
         assert requests.post(f"{url}/runs", json=config, headers=AUTH).status_code == 202
         browser.get(f"{url}/?refresh=500#dash")
         seen, deadline = [], time.monotonic() + 900

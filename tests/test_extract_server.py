@@ -59,6 +59,10 @@ def test_the_extraction_servers_command_comes_from_the_run(tmp_path):
     # no GPU here: vLLM's CPU build loads our CPU-safe connector (the stock one pins memory and dies)
     assert "CpuHiddenStatesConnector" in joined and "ExampleHiddenStatesConnector" not in joined
     assert cmd[-3:] == ["--max-model-len", "600", "--trust-remote-code"]
+    # a config naming the target by a relative path: vLLM serves the name the extractor asks for,
+    # the manifest's (made absolute when the run was planned), or every request is a 404
+    relative = _config().model_copy(update={"target": _config().target.model_copy(update={"model": "assets/tiny-target"})})
+    assert vllm_command(settings, relative, _manifest())[2] == str(TINY)
     with pytest.raises(EyrieError, match="set serve.max_model_len to at least 513"):
         vllm_command(settings, _config(max_model_len=512), _manifest())
 

@@ -43,7 +43,8 @@ def vllm_command(settings, cfg, manifest) -> list[str]:
                          f"({params.max_length + 1}): vLLM would refuse the longest samples.",
                          f"set serve.max_model_len to at least {params.max_length + 1}.")
     extra = serve.vllm_flags()[2:]  # after --tensor-parallel-size N, which extract_command sets
-    return extract_command(cfg.target.model, params.aux_layers, settings.extract_shared_dir,
+    # the target as the run recorded it (a local path made absolute): the name the extractor asks vLLM for
+    return extract_command(manifest.target.model, params.aux_layers, settings.extract_shared_dir,
                            serve.tensor_parallel_size, settings.port, extra, num_layers=params.num_layers,
                            host=settings.host, vllm_command=settings.vllm_command, cpu=on_cpu())
 

@@ -14,6 +14,7 @@ first `serial_prompts`). The result goes into the run manifest (`verify`): per s
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +42,7 @@ from eyrie_trainer.export import download
 
 COUNTER = re.compile(r'^vllm:spec_decode_num_(drafts|accepted_tokens|accepted_tokens_per_pos)_total\{([^}]*)\} (\S+)$')
 HELDOUT = "heldout"
-IN_FLIGHT = (1, 8)
+PR_SET_PDEATHSIG = 1
 
 
 def heldout_prompts(store, run: str, cache_dir: Path) -> list[list[int]]:
@@ -89,6 +91,13 @@ def spec_counters(url: str) -> dict:
     return counts
 
 
+def die_with_parent() -> None:
+    """In the child: SIGTERM when the process that started it dies (a SIGKILLed worker must not leave
+    vLLM serving in its own session; Linux's PR_SET_PDEATHSIG)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class Served:
     """One vLLM server for the run's target (EYRIE_VLLM_COMMAND, the run's serve flags), stopped on exit."""
 
@@ -101,8 +110,8 @@ class Served:
         self.deadline_s = settings.serve_deadline_s
 
     def __enter__(self) -> "Served":
-        self.proc = subprocess.Popen(self.cmd, env=serve_env(), stdout=self.log.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, env=serve_env(), stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.monotonic() + self.deadline_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
