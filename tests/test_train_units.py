@@ -224,3 +224,26 @@ def test_the_training_curve_and_the_charts_eyrie_show_draws(hs_dir, tmp_path):
     positions = [(b[0], b[-1]) for b in bars[4:]]
     assert positions == [("+1", "1.000"), ("vLLM", "0.900"), ("+2", "0.800"), ("vLLM", "0.900"),
                          ("+3", "0.600"), ("vLLM", "0.700")]
+
+
+def test_verifys_vllm_dies_with_the_worker_that_started_it():
+    """vLLM runs in a session of its own (stopped as a group): a SIGKILLed worker must not leave it
+    serving. Here the 'worker' starts `sleep 60` the way verify starts vLLM, then is SIGKILLed."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    starter = ("import subprocess, sys, time\n"
+               "from eyrie_trainer.verify import dies_with_parent\n"
+               "child = subprocess.Popen(dies_with_parent(['sleep', '60']), start_new_session=True)\n"
+               "print(child.pid, flush=True)\ntime.sleep(60)\n")
+    worker = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
+    child = int(worker.stdout.readline())
+    time.sleep(0.5)  # setpriv has exec'd sleep
+    worker.kill()
+    worker.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and "Z (zombie)" not in open(f"/proc/{child}/status").read():
+        assert time.monotonic() < deadline, "the child outlived the process that started it"
+        time.sleep(0.1)

@@ -14,15 +14,14 @@ first `serial_prompts`). The result goes into the run manifest (`verify`): per s
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +41,6 @@ from eyrie_trainer.export import download
 
 COUNTER = re.compile(r'^vllm:spec_decode_num_(drafts|accepted_tokens|accepted_tokens_per_pos)_total\{([^}]*)\} (\S+)$')
 HELDOUT = "heldout"
-PR_SET_PDEATHSIG = 1
 
 
 def heldout_prompts(store, run: str, cache_dir: Path) -> list[list[int]]:
@@ -91,11 +89,11 @@ def spec_counters(url: str) -> dict:
     return counts
 
 
-def die_with_parent() -> None:
-    """In the child: SIGTERM when the process that started it dies (a SIGKILLed worker must not leave
-    vLLM serving in its own session; Linux's PR_SET_PDEATHSIG)."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def dies_with_parent(cmd: list[str]) -> list[str]:
+    """The command, SIGTERMed when the process that started it dies: a SIGKILLed worker must not
+    leave vLLM serving in its own session (util-linux's setpriv sets PR_SET_PDEATHSIG, then execs)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
 
 
 class Served:
@@ -110,8 +108,8 @@ class Served:
         self.deadline_s = settings.serve_deadline_s
 
     def __enter__(self) -> "Served":
-        self.proc = subprocess.Popen(self.cmd, env=serve_env(), stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(dies_with_parent(self.cmd), env=serve_env(), stdout=self.log.open("w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + self.deadline_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
