@@ -16,7 +16,7 @@ import pytest
 import redis
 import yaml
 
-from conftest import BIN, ROOT, eyrie, free_port, wait_for
+from conftest import BIN, ROOT, eyrie, free_port
 from vllm_real import START_S, vllm_env
 
 TRAIN_MIX = ROOT / "assets" / "prompts" / "train-mix.jsonl"
