@@ -86,6 +86,13 @@ class VerifySection(_Section):
     def _comma_separated(cls, v):
         return [part.strip() for part in v.split(",") if part.strip()] if isinstance(v, str) else v
 
+    @field_validator("benchmarks")
+    @classmethod
+    def _each_once(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):  # each set is one entry of the result: a repeat would hide a measurement
+            raise ValueError("name each benchmark once")
+        return v
+
     @field_validator("ks")
     @classmethod
     def _draft_lengths(cls, v: list[int]) -> list[int]:

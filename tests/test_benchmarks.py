@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 
 from eyrie import dataset
-from eyrie.benchmarks import BENCHMARKS, load_benchmark, parse_benchmarks
+from eyrie.benchmarks import BENCHMARKS, load_benchmark
+from eyrie.cli_options import checked
+from eyrie.pipeline import VerifySection
 from eyrie.errors import EyrieError
 from eyrie_generator.prompts import Skip, to_prompt
 
@@ -87,12 +89,11 @@ def test_a_file_that_is_not_utf8_is_refused(tmp_path):
     assert "UTF-8" in caught.value.fix
 
 
-def test_parse_benchmarks():
-    assert parse_benchmarks(" mt-bench, gsm8k,,humaneval ,") == ["mt-bench", "gsm8k", "humaneval"]
-    assert parse_benchmarks("") == []
-    with pytest.raises(EyrieError, match="gsm8k") as caught:
-        parse_benchmarks("gsm8k,mt-bench, gsm8k")
-    assert caught.value.fix == "name each benchmark once."
+def test_verify_settings_split_the_sets_and_refuse_a_repeat():
+    given = VerifySection(benchmarks=" mt-bench, gsm8k,,humaneval ,", ks="3,5")
+    assert given.benchmarks == ["mt-bench", "gsm8k", "humaneval"] and given.ks == [3, 5]
+    with pytest.raises(EyrieError, match="--bench .*name each benchmark once"):
+        checked(VerifySection, {"benchmarks": "gsm8k,mt-bench, gsm8k"})
 
 
 def test_train_mix_is_read_as_7648_prompts_by_the_dataset_reader():

@@ -45,16 +45,6 @@ def load_benchmark(name_or_path: str, limit: int | None = None) -> Benchmark:
     return Benchmark(path.stem, [_file_prompt(path, line, row) for line, row in _rows(path, limit)])
 
 
-def parse_benchmarks(text: str) -> list[str]:
-    """Split "mt-bench, gsm8k,humaneval" into names (blanks dropped); a name given twice is refused."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise EyrieError(f"benchmark {', '.join(repeated)} is listed more than once in {text!r}.",
-                         "name each benchmark once.")
-    return names
-
-
 def _rows(path: Path, limit: int | None) -> list[tuple[int, object]]:
     """(line number, parsed row) of the first `limit` non-blank lines."""
     try:
