@@ -91,7 +91,8 @@ compose-check: setup
 # The Helm chart rendered, linted and validated offline (docs/kubernetes.md); GOLDEN=1 rewrites
 # tests/golden/helm/ after a reviewed chart change.
 helm-check: setup
-	$(if $(GOLDEN),EYRIE_UPDATE_GOLDEN=1) $(BIN)/pytest -q tests/test_helm.py tests/test_k8s_jobs.py tests/test_fleet.py
+	$(if $(GOLDEN),EYRIE_UPDATE_GOLDEN=1) $(BIN)/pytest -q tests/test_helm.py tests/test_k8s_jobs.py tests/test_fleet.py \
+		tests/test_autoscaling.py
 
 # The Compose stack. GPU host: `make up` (docker-compose.yml + compose.gpu.yml, .env from .env.example).
 # The CPU stack (a laptop, CI): COMPOSE_FILES="-f docker-compose.yml -f compose.ci.yml" EYRIE_CPU_STACK=1.
@@ -105,7 +106,8 @@ docker:
 # wheelhouse/: every wheel the images install, fetched on the host (then no network in the builds)
 wheelhouse:
 	@scripts/wheelhouse.sh
-# eyrie-base, then every service image (EYRIE_BASE_IMAGE, EYRIE_CA_BUNDLE: scripts/compose-images.sh)
+# eyrie-base, then every service image (EYRIE_BASE_IMAGE, EYRIE_CA_BUNDLE, EYRIE_PIP_INDEX_URL:
+# scripts/compose-images.sh)
 images:
 	scripts/compose-images.sh
 up: images

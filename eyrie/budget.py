@@ -35,6 +35,16 @@ def projected_bytes(tokens: int, samples: int, n_states: int, hidden: int, dtype
     return int(tokens * bytes_per_token(n_states, hidden, dtype) + samples * FILE_OVERHEAD)
 
 
+def samples_that_fit(limit: int, tokens_per_sample: int, n_states: int, hidden: int, dtype: str) -> int:
+    """How many samples of this length the limit holds."""
+    return int(limit // (tokens_per_sample * bytes_per_token(n_states, hidden, dtype) + FILE_OVERHEAD))
+
+
+def length_that_fits(limit: int, samples: int, n_states: int, hidden: int, dtype: str) -> int:
+    """The longest stored sample (tokens) at which this many samples fit the limit."""
+    return max(0, int((limit / samples - FILE_OVERHEAD) // bytes_per_token(n_states, hidden, dtype)))
+
+
 def check_fits(tokens: int, samples: int, n_states: int, hidden: int, dtype: str,
                budget: int | None, free: int | None) -> int:
     """The projection; refuses with both numbers and the options when it does not fit."""

@@ -284,19 +284,28 @@ def materialize(run: str = typer.Argument(..., help="Run name."),
 
 @app.command()
 @command
-def worker(stage: str = typer.Argument(..., help="generate | extract | train"),
+def worker(stage: str = typer.Argument(..., help="generate | extract | train | verify"),
            burst: bool = typer.Option(False, "--burst", help="Exit when the queue is empty.")):
     """Take tasks of one stage from the queue (any number of workers, on any host)."""
     from eyrie.config import load_settings
     from eyrie.queue import connect, run_worker
-    from eyrie.stages import QUEUES, preload
+    from eyrie.disk import start_reporting
+    from eyrie.stages import QUEUES, TRAIN, VERIFY, preload
+    from eyrie.vllm import available
 
     if stage not in QUEUES:
         raise EyrieError(f"unknown stage {stage!r} for a worker.", f"use: eyrie worker {'|'.join(QUEUES)}")
-    preload(stage)
-
     settings = load_settings()
-    run_worker(connect(settings.redis_url), stage, burst)
+    if stage == VERIFY.queue and not available(settings.vllm_command):
+        # a verify worker announces that runs may verify here: it must be able to
+        raise EyrieError(f"a verify worker needs vLLM, and {settings.vllm_command!r} is not here.",
+                         "run it where vLLM is installed (the inference image), or set EYRIE_VLLM_COMMAND to "
+                         "vLLM's executable or a Python that has it.")
+    preload(stage)
+    conn = connect(settings.redis_url)
+    if stage == TRAIN.queue:  # its local copy of the hidden states: --plan reads the free space there
+        start_reporting(conn, TRAIN.queue, settings.cache_dir)
+    run_worker(conn, stage, burst)
 
 
 @app.command()
@@ -326,16 +335,16 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
     each stage starting by itself when the one before is done."""
     from eyrie.config import load_settings
     from eyrie.pipeline import load_config
-    from eyrie.support import refuse_unsupported, refuse_unsupported_config
+    from eyrie.support import refuse_unsupported_config
 
     cfg = load_config(config)
     if plan:
-        from eyrie.projection import project, render
+        from eyrie.projection import project, refuse, render
 
         projection = project(cfg, load_settings())
         typer.echo(orjson.dumps(projection, option=orjson.OPT_INDENT_2).decode() if as_json
                    else "\n".join(render(projection)))
-        refuse_unsupported(projection["support"])  # before any GPU work
+        refuse(projection)  # vLLM support, expected bytes over the budget, GPUs: before any GPU work
         return
     refuse_unsupported_config(cfg)  # before Redis is even reached
     from eyrie.control import pipeline_started, start_pipeline

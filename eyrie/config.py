@@ -46,7 +46,8 @@ class Settings(BaseSettings):
     endpoint_name: str = Field("default", pattern=r"^[A-Za-z0-9._-]{1,64}$",
                                description="Name this server is published under (one per replica).")
     endpoint_weight: int = Field(1, ge=1, description="This replica's share of the requests in flight.")
-    serve_deadline_s: float = Field(3600.0, gt=0, description="How long `eyrie serve` waits.")
+    serve_deadline_s: float = Field(3600.0, gt=0, description="How long a server may take to answer: `eyrie serve` "
+                                    "for its own, generate and extract tasks for theirs; verify budgets it per vLLM start.")
     serve_stop_when_drained: bool | None = Field(
         None, description="Stop the server once a pipeline's generation has drained and its later stages "
                           "wait (handing over the GPU lease); unset: yes for vLLM, which holds the GPUs.")
@@ -79,9 +80,27 @@ class Settings(BaseSettings):
         default_factory=list, description="Directories (comma-separated) POST /runs may read a local dataset "
                                           "from; empty: local paths are refused through the API (hub ids pass).")
 
+    # The stack's split of a host's GPUs (.env; compose.gpu.yml reserves them, docker-compose.yml
+    # passes them to every service): read by `eyrie run --plan` and `eyrie run`, which refuse a
+    # serve: section the inference service's GPUs cannot hold (eyrie.plan_checks.gpu_plan).
+    inference_gpu_ids: str | None = Field(None, pattern=r"^\d+(,\d+)*$",
+                                          description="GPU ids of inference and the vLLM extraction server.")
+    extractor_gpu_ids: str | None = Field(None, pattern=r"^\d+(,\d+)*$", description="GPU ids of the extractor.")
+    trainer_gpu_ids: str | None = Field(None, pattern=r"^\d+(,\d+)*$", description="GPU ids of the trainer.")
+
     gpu_scheduler: Literal["redis", "kueue"] = Field(
         "redis", description="Who decides which stage may use the GPUs now: redis = the lease in Redis (one "
                              "host, Compose); kueue = Kueue admits a Job per GPU stage (Kubernetes, docs/kubernetes.md).")
+    gpu_host: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9._-]{1,128}$",
+        description="The machine whose GPUs this service uses, as the GPU lease names it (redis only): the same on "
+                    "every service of one machine, different on each machine; unset: the kernel's boot id, which "
+                    "every container of a machine shares (their hostnames differ), else the hostname.")
+    gpu_ids: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9._-]+(,[A-Za-z0-9._-]+)*$",
+        description="The machine's ids of this service's GPUs (its CUDA devices 0, 1, ... in order), comma-separated, "
+                    "e.g. 4,5,6: the GPU lease takes those (redis only); unset: NVIDIA_VISIBLE_DEVICES (Docker's "
+                    "--gpus, Compose's device_ids) narrowed by CUDA_VISIBLE_DEVICES; neither: the whole machine.")
     kueue_jobs_file: str = Field("/etc/eyrie/gpu-jobs.json", description="The chart's Job templates of the GPU "
                                                                         "stages (kueue only).")
     kubernetes_api: str | None = Field(None, description="Kubernetes API server URL (kueue only); unset: the pod's "

@@ -16,6 +16,7 @@ from eyrie import keys
 from eyrie.errors import EyrieError, UnknownRun
 from eyrie.manifest import Layout, now_iso
 from eyrie.pipeline import advance_or_record, config_key, run_job_ids, save_config, start_extract, stored_config
+from eyrie.projection import refuse_before_start
 from eyrie.queue import EyrieJob, enqueue, enqueue_task, job_errors, job_state, queue
 from eyrie.stages import FETCH, GENERATE, QUEUES, TRAIN, entry
 from eyrie.status import overall_state, run_status
@@ -50,6 +51,7 @@ def start_pipeline(settings, conn, store, cfg) -> dict:
     """What `eyrie run` does (and POST /runs, and `eyrie demo`): keep the config, start generate
     (and the base drafter's fetch), then let `advance` start whatever stage is next. A rerun continues."""
     refuse_unsupported_config(cfg)  # a run the pinned vLLM cannot carry: refused before anything starts
+    refuse_before_start(cfg, settings)  # what --plan refuses: expected bytes over the budget, too few GPUs
     save_config(conn, store, cfg)
     conn.delete(keys.cancelled(cfg.run))
     try:

@@ -68,15 +68,23 @@ def render_status(status: RunStatus) -> None:
             console.print(f"[red]extract plan error[/] {error}")
     lease = status.gpu_lease
     if lease:
-        holder = lease.holder
-        console.print("gpu lease: " + (f"held by {holder['owner']} ({holder['devices']})" if holder else "free")
-                      + (f"; waiting: {', '.join(lease.waiting)}" if lease.waiting else ""))
+        held = [_lease_line(h) for h in lease.holders or ([lease.holder] if lease.holder else [])]
+        waiting = [_lease_line(w) for w in lease.waiters] or lease.waiting
+        console.print("gpu leases: " + ("held by " + "; ".join(held) if held else "free")
+                      + (f"; waiting: {'; '.join(waiting)}" if waiting else ""))
     endpoint = status.inference
     if endpoint:
         console.print(f"inference: {endpoint.state} at {endpoint.url} ({endpoint.server})"
                       + (f"  {endpoint.progress}" if endpoint.state == "starting" else ""))
     for name, s in status.stages.items():
         render_stage(name, s)
+
+
+def _lease_line(who: dict) -> str:
+    """`extractor@w1 (cuda on GPUs 4,5 of w1)`: a lease's or a waiter's owner, devices and host."""
+    gpus = ",".join(who.get("gpus") or [])
+    where = "" if not gpus else f" on every GPU of {who.get('host')}" if gpus == "*" else f" on GPUs {gpus} of {who.get('host')}"
+    return f"{who.get('owner')} ({who.get('devices')}{where})"
 
 
 def render_stage(name: str, s: StageStatus) -> None:
@@ -118,6 +126,8 @@ def render_train(s: TrainStatus) -> None:
             console.print("evaluate: acceptance per draft position (best) "
                           + " ".join(f"{p:.2f}" for p in best["per_position_acceptance"] if p is not None))
     verify = s.verify
+    if verify and verify.get("skipped"):
+        console.print(f"verify: skipped: {verify['skipped']}; {verify['fix']}")
     if verify and verify.get("vllm_acceptance_length"):
         console.print(f"verify: vLLM acceptance length {verify['vllm_acceptance_length']:.3f} "
                       f"(eyrie {verify['eyrie_acceptance_length']:.3f}), per position "

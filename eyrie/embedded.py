@@ -16,10 +16,11 @@ from eyrie.config import load_settings, safe_url
 from eyrie.control import pipeline_started, start_pipeline
 from eyrie.display import console, follow_stage, verify_lines
 from eyrie.manifest import Layout, check_run_name, load_run_manifest
-from eyrie.pipeline import load_config, verify_wanted
+from eyrie.pipeline import load_config
 from eyrie.queue import connect, job_errors, job_state
 from eyrie.stages import VERIFY
 from eyrie.store import open_store
+from eyrie.vllm import available
 
 LOGS = Path(".eyrie/logs")
 DRAFTERS = Path(".eyrie/drafters")
@@ -48,28 +49,40 @@ WORKERS = {"generate": "generator", "extract": "extractor", "train": "trainer"} 
 
 def run_demo(config: Path, run: str, dataset: str | None = None) -> int:
     """`eyrie run` on the config (its run name and dataset replaced), with the server and one
-    worker per queue started here: the pipeline starts each stage by itself; the server stops
-    once generation has drained (as vLLM hands over the GPUs)."""
+    worker per queue started here (a verifier where vLLM is): the pipeline starts each stage by
+    itself; the server stops once generation has drained (as vLLM hands over the GPUs). SIGTERM
+    stops everything it started, as Ctrl-C does."""
     cfg = demo_config(config, run, dataset)
     settings = load_settings(model=cfg.target.model)
     conn, store = connect(settings.redis_url), open_store(settings)
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "EYRIE_SERVE_STOP_WHEN_DRAINED": "1",
-           # the trainer's worker runs the verify stage: vLLM's CPU KV cache, in GiB
+           # the verifier serves the drafter with vLLM: its CPU KV cache, in GiB
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    workers = {**WORKERS, **({"verify": "verifier"} if available(settings.vllm_command) else {})}
     console.print(f"[bold]eyrie demo[/]: `eyrie run --config {config}` as run {run}: Redis "
                   f"{safe_url(settings.redis_url)}, store {store.url}, target {cfg.target.model} on "
-                  f"transformers serve (CPU); logs in {LOGS}/")
-    procs = [start("inference", ["serve", "--config", str(config)], env)]
+                  f"{SERVERS[settings.server]}; logs in {LOGS}/")
+    procs = []
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
+        procs.append(start("inference", ["serve", "--config", str(config)], env))
         started = time.monotonic()
         inference.wait_ready(conn, 300)
         console.print(f"inference ready in {time.monotonic() - started:.1f} s")
-        procs += [start(name, ["worker", queue], env) for queue, name in WORKERS.items()]
+        procs += [start(name, ["worker", queue], env) for queue, name in workers.items()]
         console.print(pipeline_started(start_pipeline(settings, conn, store, cfg)))
         return follow(conn, store, cfg)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for proc in reversed(procs):
             stop(proc)
+
+
+SERVERS = {"transformers": "transformers serve (CPU)", "vllm": "vLLM (EYRIE_VLLM_COMMAND)"}
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # the demo's children are stopped on the way out
 
 
 def demo_config(config: Path, run: str, dataset: str | None):
@@ -88,14 +101,14 @@ def follow(conn, store, cfg) -> int:
         if code:
             return code
     code = cli(["export", "--run", cfg.run, "--out", str(DRAFTERS / cfg.run)], {})
-    if code or not verify_wanted(cfg):
+    if code:
         return code
     return wait_verified(conn, store, cfg.run)
 
 
 def wait_verified(conn, store, run: str, poll_s: float = 2.0) -> int:
-    """The verify stage (the trainer's worker serves the drafter with vLLM: two starts, minutes)."""
-    console.print("verify: vLLM serves the target with the exported drafter (EYRIE_VLLM_COMMAND)")
+    """The verify stage (the verifier serves the drafter with vLLM: two starts, minutes), or why it
+    was skipped."""
     task = VERIFY.task_id(run)
     while (result := load_run_manifest(store, run).verify) is None:
         state, blocked = job_state(conn, task), conn.get(keys.blocked(run))
@@ -106,6 +119,9 @@ def wait_verified(conn, store, run: str, poll_s: float = 2.0) -> int:
                 console.print(f"[red]verify error[/] {error}")
             return 3
         time.sleep(poll_s)
+    if result.get("skipped"):
+        console.print(f"verify: skipped: {result['skipped']}; {result['fix']}")
+        return 0
     for line in verify_lines(run, result):
         print(line)
     return 0

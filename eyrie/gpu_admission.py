@@ -1,8 +1,10 @@
-"""Who may use the GPUs now, behind one interface: the Redis lease on one host (Compose), or
-Kueue's admission of a Job per GPU stage on Kubernetes. EYRIE_GPU_SCHEDULER picks one.
+"""Who may use the GPUs now, behind one interface: the Redis leases per device set (Compose, and
+hosts sharing one Redis), or Kueue's admission of a Job per GPU stage on Kubernetes.
+EYRIE_GPU_SCHEDULER picks one.
 
 Stages ask `gpu_lease(settings, conn, owner, devices)` for a lease (acquire, renew, release):
-- redis: eyrie.gpu.GpuLease, unchanged: one lease in Redis sequences serve, extract and train.
+- redis: eyrie.gpu.GpuLease: a lease per (host, GPU) in Redis sequences serve, extract and train
+  on the same GPUs; disjoint GPUs, or other hosts, run side by side (EYRIE_GPU_HOST, EYRIE_GPU_IDS).
 - kueue: the pod runs only once Kueue has admitted its Job within the ClusterQueue's quota, so
   the GPUs it requested are its own: the lease is granted at once.
 
@@ -56,7 +58,7 @@ def gpu_lease(settings: Settings, conn, owner: str, devices: str = "all", caches
     emptied before it goes."""
     if settings.gpu_scheduler == "kueue":
         return Admitted(owner, devices, caches)
-    return gpu.GpuLease(conn, owner, devices, caches=caches)
+    return gpu.GpuLease(conn, owner, devices, caches=caches, host=settings.gpu_host, gpu_ids=settings.gpu_ids)
 
 
 class KueueAdmission:

@@ -59,17 +59,36 @@ def wait_all_ready(conn: redis.Redis, deadline_s: float, name: str = "default") 
                        "OpenAI-compatible server.")
 
 
-def _wait_ready(ready, deadline_s: float, missing: str, fix: str):
-    """Poll `ready()` (what is ready, and the endpoint whose state the error names) every second
-    until it finds something; past the deadline, an error naming what is missing and that state."""
+def wait_serving(conn: redis.Redis, deadline_s: float, serves, target: str, stop=None) -> list[Endpoint]:
+    """Every ready endpoint that serves a run's target (`serves(endpoint)`), once one does (the
+    default first): a run whose target is not served waits for its server, whatever else is up
+    meanwhile (another run's target), and never asks a server of another target. `stop()`: give up
+    early (a cancelled run); it raises what it likes."""
+    def ready() -> tuple[list[Endpoint], str]:
+        if stop is not None:
+            stop()
+        published = read_all(conn)
+        serving = sorted((e for e in published if e.state == "ready" and serves(e)), key=lambda e: e.name != "default")
+        others = ", ".join(f"{e.name}: {e.model} ({e.state})" for e in published) or "never published"
+        return serving, others
+
+    return _wait_ready(ready, deadline_s, f"no ready inference endpoint serves the run's target {target}",
+                       f"serve the run's target (`eyrie serve --model {target}`, or the run's config: "
+                       "`eyrie serve --config RUN.yaml`) under its own EYRIE_ENDPOINT_NAME, or raise "
+                       "EYRIE_SERVE_DEADLINE_S.", what="published")
+
+
+def _wait_ready(ready, deadline_s: float, missing: str, fix: str, what: str = "state"):
+    """Poll `ready()` (what is ready, and the endpoint whose state the error names, or that text)
+    every second until it finds something; past the deadline, an error naming what is missing and that state."""
     limit = time.monotonic() + deadline_s
     while True:
         found, endpoint = ready()
         if found:
             return found
         if time.monotonic() > limit:
-            state = endpoint.state if endpoint else "never published"
-            raise EyrieError(f"{missing} after {deadline_s:g} s (state: {state}).", fix)
+            state = endpoint if isinstance(endpoint, str) else endpoint.state if endpoint else "never published"
+            raise EyrieError(f"{missing} after {deadline_s:g} s ({what}: {state}).", fix)
         time.sleep(1.0)
 
 

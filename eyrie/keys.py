@@ -23,10 +23,14 @@ admit_lock = "eyrie:admit:{}:{}".format  # (GPU Job stage, run) one creator at a
 progress = "eyrie:progress:{}:{}".format  # (run, stage) a hash: task -> its live progress (JSON)
 stage_started = "eyrie:stage:{}:{}".format  # (run, stage) a hash: when its first progress came (started_at)
 
-# the GPUs
-GPU_LEASE = "eyrie:gpu:lease"
-GPU_HOLDER = "eyrie:gpu:holder"  # who holds the lease (JSON), for status
-GPU_WAITING = "eyrie:gpu:waiting"  # a hash: owner -> since when it waits
+# the GPUs: a lease per device set (eyrie.gpu), one key per (host, device) it holds
+GPU_LEASE = "eyrie:gpu:lease"  # a hash: lease token -> its holder (JSON), for status; there while any lease is held
+gpu_device = "eyrie:gpu:device:{}:{}".format  # (host, device id; * = the whole host) the holding lease's token, with a TTL
+gpu_host_devices = "eyrie:gpu:devices:{}".format  # (host) a set: the device ids ever leased there (what `*` checks)
+GPU_WAITING = "eyrie:gpu:waiting"  # a hash: waiting lease's token -> who waits, for which devices, since when (JSON)
+
+# free space where the bytes go (eyrie.disk): reported by the workers that store them, read by --plan
+disk_report = "eyrie:disk:{}:{}".format  # (stage, host) {dir, free, total, host, at} (JSON), with a TTL
 
 # where the target is served
 INFERENCE_PREFIX = "eyrie:inference:"

@@ -10,16 +10,16 @@ from pathlib import Path
 import yaml
 from pydantic import Field, ValidationError, field_validator
 
-from eyrie import keys
+from eyrie import keys, progress
 from eyrie.errors import EyrieError
+from eyrie.k8s_jobs import load_templates
 from eyrie.config import load_settings
 from eyrie.manifest import RUN_NAME, Layout, check_run_name, load_run_manifest
-from eyrie.queue import enqueue, job_state, live_tasks
+from eyrie.queue import enqueue, job_state, live_tasks, workers_on
 from eyrie.section import Section as _Section
 from eyrie.stages import EXTRACT, FETCH, GENERATE, PLAN_EXTRACT, TRAIN, VERIFY, entry
 from eyrie.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
 from eyrie.store import open_store
-from eyrie.vllm import available
 
 log = logging.getLogger("eyrie.pipeline")
 
@@ -143,7 +143,17 @@ def load_config(path: Path) -> RunConfig:
         fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors())
         raise EyrieError(f"{path}: {fields}.", "correct these fields (README: `eyrie run`).") from None
     check_run_name(config.run)
-    return config
+    return with_absolute_target(config)
+
+
+def with_absolute_target(config: RunConfig) -> RunConfig:
+    """A target directory named relative to where `eyrie run` reads the config, made absolute: the
+    stored config then names it for every service that mounts it there (the server, the verifier),
+    whatever their working directory."""
+    model = Path(config.target.model)
+    if model.is_absolute() or not model.is_dir():
+        return config
+    return config.model_copy(update={"target": config.target.model_copy(update={"model": str(model.resolve())})})
 
 
 def config_key(run: str) -> str:
@@ -203,17 +213,60 @@ def _next_stage(conn, store, config: RunConfig) -> str | None:
         # planned by the trainer (which fetches and checks the base drafter in its own cache)
         enqueue(conn, TRAIN, {"run": config.run, "request": config.train.model_dump()})  # the settings given
         return "train"
-    if manifest.verify is None and verify_wanted(config):
-        enqueue(conn, VERIFY, {"run": config.run})
-        return "verify"
+    if manifest.verify is None:
+        skipped = verify_skipped(conn, config)
+        if skipped is None:
+            enqueue(conn, VERIFY, {"run": config.run}, timeout_s=verify_timeout_s(conn, store, config, manifest))
+            return "verify"
+        manifest.verify = skipped  # never skipped in silence: the run's status says why and how
+        store.put_json(layout.manifest, manifest.model_dump())
     conn.srem(keys.ACTIVE_PIPELINES, config.run)  # exported (and verified): the pipeline is done
     return None
 
 
-def verify_wanted(config: RunConfig) -> bool:
-    if config.verify.enabled is not None:
-        return config.verify.enabled
-    return available(load_settings().vllm_command)
+MIN_VERIFY_TOK_S = 5.0  # tokens/s: a floor where generation measured nothing (e.g. a stub server)
+BENCHMARK_PROMPTS_BOUND = 1319  # the largest shipped benchmark (GSM8K test)
+
+
+def generate_tok_s(conn, run: str) -> float | None:
+    """Completion tokens per second over the run's generate stage, as its progress recorded it."""
+    entries = progress.read(conn, run, GENERATE.name).values()
+    started = progress.started_at(conn, run, GENERATE.name)
+    tokens, last = sum(e.get("tokens", 0) for e in entries), max((e.get("updated_at", 0) for e in entries), default=0)
+    return tokens / (last - started) if started and tokens and last > started else None
+
+
+def verify_skipped(conn, config: RunConfig) -> dict | None:
+    """Why the run's verify stage does not run (None: it runs). By default it runs wherever it can:
+    on Kubernetes (a verify Job), or where a worker of the verify queue (which has vLLM) is up."""
+    if config.verify.enabled:
+        return None
+    later = f"later: `eyrie verify --run {config.run}` where vLLM is installed"
+    if config.verify.enabled is False:
+        return {"skipped": "verify.enabled is false in the run config", "fix": later}
+    settings = load_settings()
+    if settings.gpu_scheduler == "kueue":
+        if VERIFY.name in load_templates(settings.kueue_jobs_file).get("stages", {}):
+            return None
+        return {"skipped": "the chart renders no verify Job", "fix": f"set gpuJobs.verify.enabled: true, or {later}"}
+    if workers_on(conn, VERIFY.queue):
+        return None
+    return {"skipped": "no worker of the verify queue is up (it runs where vLLM is installed)",
+            "fix": "start one (`eyrie worker verify`; in the Compose stack, the verifier service) before the "
+                   f"run exports, set verify.enabled: true to wait for one, or {later}"}
+
+
+def verify_timeout_s(conn, store, config: RunConfig, manifest) -> int:
+    """The verify task's time budget from its plan: per pass (the target alone, then once per K) a
+    vLLM start within the serve deadline and three times its greedy tokens at the rate generation
+    measured (else a floor of MIN_VERIFY_TOK_S); benchmark sets counted at their --prompts cap."""
+    request = config.verify
+    cap = request.prompts or BENCHMARK_PROMPTS_BOUND
+    prompts = min(cap, manifest.train.heldout_samples) + cap * len(request.benchmarks)
+    tokens = prompts * (request.max_tokens or manifest.generate.sampling.max_tokens)
+    measured = generate_tok_s(conn, config.run) or 0.0
+    passes = 1 + max(1, len(request.ks))
+    return int(passes * (load_settings().serve_deadline_s + 3 * tokens / max(measured, MIN_VERIFY_TOK_S)))
 
 
 def drained_run(conn, store) -> str | None:
@@ -249,7 +302,7 @@ def run_job_ids(store, run: str) -> dict[str, list[str]]:
     shards = [p.index for p in manifest.generate_shards]
     return {"generate": [GENERATE.task_id(run, i) for i in shards],
             "extract": [EXTRACT.task_id(run, i) for i in shards] + [PLAN_EXTRACT.task_id(run)],
-            "train": [TRAIN.task_id(run), FETCH.task_id(run)]}
+            "train": [TRAIN.task_id(run), FETCH.task_id(run)], "verify": [VERIFY.task_id(run)]}
 
 
 def start_extract(conn, store, run: str, extract: ExtractSettings):

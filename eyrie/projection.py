@@ -1,22 +1,27 @@
 """`eyrie run --plan`: what a pipeline will cost, from its config alone (no server, no GPU, no
 dataset download): bytes (the bucket, the trainer's local copy, against free space or the budget),
-hours (generation, extraction, training), the lengths each stage keeps, and whether the pinned
-vLLM supports the target (eyrie/support.py). docs/planning.md walks through the seed's case."""
+hours (generation, extraction, training), the lengths each stage keeps, whether the pinned vLLM
+supports the target (eyrie/support.py), and the GPUs; what cannot work is refused before any GPU
+work (eyrie/plan_checks.py). docs/planning.md walks through the seed's case."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlparse
 
 from eyrie.budget import human, parse_size, projected_bytes
 from eyrie.dataset import resolve
+from eyrie.disk import reported
 from eyrie.errors import EyrieError
 from eyrie.layers import resolve_aux_layers
 from eyrie.manifest import Layout, ShardManifest, load_run_manifest
 from eyrie.pipeline import RunConfig
+from eyrie.plan_checks import budget_verdict, gpu_lines, gpu_plan, over_budget, refuse
+from eyrie.stages import TRAIN
 from eyrie.store import open_store
 from eyrie.support import architecture, check
 from eyrie.target import text_config
@@ -61,7 +66,8 @@ def samples(config: RunConfig) -> int:
     return d.limit
 
 
-def project(config: RunConfig, settings) -> dict:
+def project(config: RunConfig, settings, measure: bool = True) -> dict:
+    """The plan; `measure` False: nothing read from the store or the disks (a run's start)."""
     hidden, num_layers, vocab, shape_from, architecture = target_shape(config)
     aux = resolve_aux_layers(config.extract.layers, num_layers)
     n = samples(config)
@@ -75,20 +81,39 @@ def project(config: RunConfig, settings) -> dict:
     budget = parse_size(config.extract.budget) if config.extract.budget else None
     chosen = sizes[config.extract.dtype]
     per_1k = {dtype: projected_bytes(1000 * n, n, states, hidden, dtype) for dtype in ("bf16", "fp8")}
-    expected = None if mean is None else projected_bytes(n * mean, n, states, hidden, config.extract.dtype)
+    length = lengths(config, n, prompt + max_tokens)
+    stored = None if mean is None else min(mean, length["extract_max_length"])  # extraction cuts at max_length
+    expected = None if stored is None else projected_bytes(n * stored, n, states, hidden, config.extract.dtype)
     p = {"per_1k_tokens_per_sample": per_1k, "run": config.run, "target": config.target.model,
          "shape_from": shape_from, "hidden_size": hidden, "num_layers": num_layers, "vocab_size": vocab,
          "architecture": architecture, "aux_layers": aux, "samples": n, "max_tokens": max_tokens,
          "concurrency": generate.concurrency, "prompt_tokens_estimate": prompt,
-         "mean_tokens": mean, "tokens_upper_bound": tokens, "hidden_states_bytes": sizes,
-         "hidden_states_bytes_expected": expected, "records_bytes": n * max_tokens * RECORD_BYTES_PER_TOKEN,
-         "dtype": config.extract.dtype, "budget_bytes": budget, "fits": None if budget is None else chosen <= budget}
-    p["generate_measured"] = measured_generation(config, settings)
-    p["lengths"] = lengths(config, n, prompt + max_tokens)
-    p["space"] = space(config, settings, p)
+         "mean_tokens": mean, "stored_mean_tokens": stored, "tokens_upper_bound": tokens,
+         "hidden_states_bytes": sizes, "hidden_states_bytes_expected": expected,
+         "records_bytes": n * max_tokens * RECORD_BYTES_PER_TOKEN, "dtype": config.extract.dtype,
+         "budget_bytes": budget, "fits": None if budget is None else chosen <= budget,
+         "fits_expected": None if budget is None or expected is None else expected <= budget}
+    p["generate_measured"] = measured_generation(config, settings) if measure else None
+    p["lengths"] = length
+    p["space"] = space(config, settings, p) if measure else None
     p["hours"] = hours(config, p)
     p["support"] = check(architecture, config.extract.backend)
+    p["gpus"] = gpu_plan(config, settings)
+    p["refusals"] = [r for r in (over_budget(p),) if r] + p["gpus"]["refusals"]
     return p
+
+
+def refuse_before_start(config: RunConfig, settings) -> None:
+    """`eyrie run` and POST /runs, before anything is enqueued: what --plan refuses (expected bytes
+    over extract.budget, GPUs), as far as it can be known here (the target's shape and the row
+    count: else only the GPUs are checked; extract still checks the real bytes)."""
+    p = {"support": {"refusal": None}, "refusals": gpu_plan(config, settings)["refusals"]}
+    if config.extract.budget and config.plan.mean_tokens:  # else no expected bytes to hold against it
+        try:
+            p = project(config, settings, measure=False)
+        except EyrieError:
+            pass
+    refuse(p)
 
 
 def measured_generation(config: RunConfig, settings) -> tuple[float, str] | None:
@@ -119,26 +144,49 @@ def lengths(config: RunConfig, n: int, longest: int) -> dict:
 
 
 def space(config: RunConfig, settings, p: dict) -> dict:
-    """Bucket + the trainer's local copy of the hidden states, against the free space of the
-    directories behind them where this host can see them (file:// store, MinIO's data directory),
-    and the configured budget."""
+    """Bucket + the trainer's local copy of the hidden states, against the free space where they
+    go: the bucket's directory where this host sees it (plan.store_path, a file:// store), else
+    what the S3 server says (MinIO's admin info), else EYRIE_DATA_DIR; the trainer's cache as the
+    trainers report it to Redis (eyrie.disk; in the stack --plan runs in another container), or
+    this host's own with a file:// store or plan.trainer_cache_path; and the configured budget."""
     states = p["hidden_states_bytes_expected"] or p["hidden_states_bytes"][p["dtype"]]
     bucket = states + p["records_bytes"]
-    bucket_dir = _existing(config.plan.store_path or _store_dir(settings.store_url) or os.environ.get("EYRIE_DATA_DIR"))
-    cache_dir = _existing(config.plan.trainer_cache_path or settings.cache_dir)
+    local = urlparse(settings.store_url).scheme == "file"
+    bucket_dir = _existing(config.plan.store_path or _store_dir(settings.store_url))
+    cache_dir = _existing(config.plan.trainer_cache_path or (settings.cache_dir if local else None))
     out = {"bucket_bytes": bucket, "trainer_copy_bytes": states, "bucket_dir": bucket_dir and str(bucket_dir),
            "trainer_dir": cache_dir and str(cache_dir), "bucket_free": None, "trainer_free": None,
            "same_device": False, "basis": "upper bound" if p["hidden_states_bytes_expected"] is None else "expected mean"}
     if bucket_dir:
         out["bucket_free"] = shutil.disk_usage(bucket_dir).free
+    elif (said := _s3_free(settings)) is not None:
+        out["bucket_free"], out["bucket_dir"] = said, f"{settings.store_url} (the S3 server's own figure)"
+    elif data_dir := _existing(os.environ.get("EYRIE_DATA_DIR")):
+        bucket_dir, out["bucket_dir"], out["bucket_free"] = data_dir, str(data_dir), shutil.disk_usage(data_dir).free
     if cache_dir:
         out["trainer_free"] = shutil.disk_usage(cache_dir).free
+    elif reports := reported(settings.redis_url, TRAIN.queue):
+        least = reports[0]  # any trainer may take the run's train task: the one with the least room
+        age = max(0.0, time.time() - least["at"])
+        several = f"; {len(reports)} trainers, the least free" if len(reports) > 1 else ""
+        out["trainer_free"] = least["free"]
+        out["trainer_dir"] = f"{least['dir']} on {least['host']} (its report, {age:.0f} s old{several})"
     if bucket_dir and cache_dir:
         out["same_device"] = bucket_dir.stat().st_dev == cache_dir.stat().st_dev
     need_one = bucket + states if out["same_device"] else bucket
     out["fits_bucket"] = None if out["bucket_free"] is None else need_one <= out["bucket_free"]
     out["fits_trainer"] = None if out["trainer_free"] is None or out["same_device"] else states <= out["trainer_free"]
     return out
+
+
+def _s3_free(settings) -> int | None:
+    """What the S3 server behind an s3:// store says it has free (None: it does not say)."""
+    if urlparse(settings.store_url).scheme != "s3":
+        return None
+    try:
+        return open_store(settings).free_bytes()
+    except EyrieError:
+        return None
 
 
 def _store_dir(store_url: str) -> str | None:
@@ -201,14 +249,9 @@ def render(p: dict) -> list[str]:
              f"{human(p['per_1k_tokens_per_sample']['fp8'])} fp8)",
              f"  generated records: at most {human(p['records_bytes'])}"]
     if p["budget_bytes"] is not None:
-        per_1k = p["per_1k_tokens_per_sample"][p["dtype"]]
-        mean_fits = int(1000 * p["budget_bytes"] / per_1k)
-        verdict = "the upper bound fits" if p["fits"] else (
-            f"the upper bound does NOT fit; it fits while samples average at most {mean_fits:,} tokens "
-            f"(extract refuses before any forward pass if the real ones do not; fp8 halves the bytes)")
-        lines.append(f"  budget {human(p['budget_bytes'])}, {p['dtype']}: {verdict}")
-    return lines + _space_lines(p["space"]) + _length_lines(p["lengths"]) + _hour_lines(p) + _support_lines(p) + [
-        "  extract checks the real projection (actual tokens) before any forward pass."]
+        lines.append(f"  budget {human(p['budget_bytes'])}, {p['dtype']}: {budget_verdict(p)}")
+    return (lines + _space_lines(p["space"]) + _length_lines(p["lengths"]) + _hour_lines(p) + _support_lines(p)
+            + gpu_lines(p) + ["  extract checks the real projection (actual tokens) before any forward pass."])
 
 
 def _space_lines(s: dict) -> list[str]:
@@ -220,11 +263,15 @@ def _space_lines(s: dict) -> list[str]:
         lines.append(f"  free at {s['bucket_dir']}: {human(s['bucket_free'])}{both}: "
                      + ("fits" if s["fits_bucket"] else "does NOT fit"))
     else:
-        lines.append("  the bucket's free space is not visible here: set plan.store_path (MinIO's data directory, "
-                     "EYRIE_DATA_DIR) or rely on extract.budget")
+        lines.append("  the bucket's free space is not visible here (the S3 server does not say it; MinIO's admin "
+                     "info does): set plan.store_path (MinIO's data directory, EYRIE_DATA_DIR) or rely on "
+                     "extract.budget")
     if s["trainer_free"] is not None and not s["same_device"]:
         lines.append(f"  free at {s['trainer_dir']} (trainer): {human(s['trainer_free'])}: "
                      + ("fits" if s["fits_trainer"] else "does NOT fit"))
+    elif s["trainer_free"] is None:
+        lines.append("  the trainer's free space is not known here: no `eyrie worker train` reports it to this Redis "
+                     "(each does every 30 s); start the trainer, or set plan.trainer_cache_path")
     return lines
 
 

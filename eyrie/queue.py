@@ -131,10 +131,10 @@ def enqueue_task(conn: redis.Redis, stage: str, func: str, payload: dict, job_id
     return True
 
 
-def enqueue(conn: redis.Redis, stage: Stage, payload: dict, shard: int = 0) -> bool:
-    """One task of a stage: its queue, function, task id and timeout from the registry."""
+def enqueue(conn: redis.Redis, stage: Stage, payload: dict, shard: int = 0, timeout_s: int | None = None) -> bool:
+    """One task of a stage: its queue, function, task id and timeout (given, else the registry's)."""
     return enqueue_task(conn, stage.queue, stage.func, payload, stage.task_id(payload["run"], shard),
-                        timeout_s=stage.timeout_s)
+                        timeout_s=timeout_s or stage.timeout_s)
 
 
 def _enqueue(conn, stage: str, func: str, payload: dict, job_id: str, timeout_s: int) -> None:
@@ -158,10 +158,17 @@ def _abandoned(conn: redis.Redis, job_id: str) -> bool:
     return old_enough and not conn.exists(keys.task_lease(job_id), keys.job_alive(job_id))
 
 
-def live_tasks(conn: redis.Redis, stage: str) -> int:
-    """Tasks of a stage that are queued, scheduled (a retry's backoff) or running."""
+def task_counts(conn: redis.Redis, stage: str) -> dict[str, int]:
+    """A stage's tasks that still need a worker, by RQ state: queued (RQ's list), started (its
+    started registry: RQ takes a running task off the list), scheduled (a retry's backoff; only a
+    worker's scheduler requeues it) and deferred."""
     q = queue(conn, stage)
-    return q.count + q.scheduled_job_registry.count + q.started_job_registry.count + q.deferred_job_registry.count
+    return {"queued": q.count, "started": q.started_job_registry.count,
+            "scheduled": q.scheduled_job_registry.count, "deferred": q.deferred_job_registry.count}
+
+
+def live_tasks(conn: redis.Redis, stage: str) -> int:
+    return sum(task_counts(conn, stage).values())
 
 
 def _keep_alive(conn: redis.Redis, job_id: str, stop: threading.Event) -> None:
@@ -288,12 +295,25 @@ class _Maintained:
                 self.log.warning("requeued %d task(s) of dead workers on %s", reclaimed, q.name)
 
 
+_STOP_REQUESTED = threading.Event()
+
+
+def stop_requested() -> bool:
+    """Whether this process's worker (a GPU stage's, which runs its tasks in its own process) was
+    asked to stop: a task that waits ends its wait and fails; RQ retries it later."""
+    return _STOP_REQUESTED.is_set()
+
+
 class ForkingWorker(_Maintained, Worker):
     pass
 
 
 class InProcessWorker(_Maintained, SimpleWorker):
-    pass
+    def handle_warm_shutdown_request(self):
+        """SIGTERM (or Ctrl+C) while a task runs in this process: RQ waits for it to end; a task
+        that only waits (for a server) sees `stop_requested()` and ends its wait."""
+        super().handle_warm_shutdown_request()
+        _STOP_REQUESTED.set()
 
 
 def run_worker(conn: redis.Redis, stage: str, burst: bool) -> None:

@@ -37,11 +37,12 @@ EXTRACT = Stage("extract", "extract", "eyrie_extractor.shard.run_extract_shard",
 FETCH = Stage("fetch", "train", "eyrie_trainer.plan.run_fetch_task", gpu=False)
 TRAIN = Stage("train", "train", "eyrie_trainer.runner.run_train_task", gpu=True, timeout_s=7 * 24 * 3600,
               start="eyrie_trainer.plan.start_train")
-# on the train queue: the trainer has the held-out samples in its cache
-VERIFY = Stage("verify", "train", "eyrie_trainer.verify.run_verify_task", gpu=True, timeout_s=7200)
+# its own queue, worked where vLLM is (the inference image's verifier; `eyrie worker verify`); its
+# timeout is set at enqueue from the run's plan (eyrie.pipeline.verify_timeout_s)
+VERIFY = Stage("verify", "verify", "eyrie_trainer.verify.run_verify_task", gpu=True, timeout_s=7200)
 
 STAGES = {s.name: s for s in (GENERATE, PLAN_EXTRACT, EXTRACT, FETCH, TRAIN, VERIFY)}
-QUEUES = tuple(dict.fromkeys(s.queue for s in STAGES.values()))  # generate, extract, train
+QUEUES = tuple(dict.fromkeys(s.queue for s in STAGES.values()))  # generate, extract, train, verify
 STARTABLE = tuple(s.name for s in STAGES.values() if s.start)  # a user may start these on their own
 GPU_QUEUES = tuple(q for q in QUEUES if any(s.gpu for s in STAGES.values() if s.queue == q))
 # The only functions a worker runs, and the only callback: a payload naming anything else

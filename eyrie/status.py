@@ -27,7 +27,7 @@ def run_status(conn, store, run: str) -> RunStatus:
     cancelled = conn.get(keys.cancelled(run))
     if cancelled:
         _mark_cancelled(stages)
-    lease = gpu.holder(conn)
+    lease = gpu.leases(conn)
     return RunStatus(run=run, created_at=manifest.created_at, target=manifest.target.model_dump(),
                      dataset=manifest.dataset.model_dump(), stages=stages, inference=inference.read(conn),
                      gpu_lease=GpuHolder(**lease) if lease else None, pipeline=pipeline_status(conn, store, run),

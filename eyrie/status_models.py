@@ -75,8 +75,12 @@ class PipelineStatus(BaseModel):
 
 
 class GpuHolder(BaseModel):
-    holder: dict | None = None
-    waiting: list[str] = Field(default_factory=list)
+    """The GPU leases (one per device set): every holder and every waiter, with the host and GPUs."""
+
+    holder: dict | None = Field(None, description="The oldest holder (owner, devices, gpus, gpu_host, host, since).")
+    holders: list[dict] = Field(default_factory=list, description="Every live lease, oldest first.")
+    waiting: list[str] = Field(default_factory=list, description="The waiters' owners.")
+    waiters: list[dict] = Field(default_factory=list, description="Every waiter: owner, devices, gpus, host, since.")
 
 
 class RunStatus(BaseModel):
@@ -111,3 +115,15 @@ class RunSummary(BaseModel):
     blocked: str | None = None
     cancelled: str | None = None
     stages: dict[str, StageSummary]
+
+
+class QueueTasks(BaseModel):
+    """`GET /queues/{name}`: a queue's tasks that still need a worker, by RQ state, and `live`,
+    their sum, which KEDA scales the generator workers on."""
+
+    queue: str
+    queued: int
+    started: int
+    scheduled: int
+    deferred: int
+    live: int

@@ -236,6 +236,7 @@ class S3Store(Store):
 
         parsed = urlparse(endpoint)
         self.bucket, self.prefix, self.endpoint = bucket, prefix.strip("/"), endpoint
+        self.region, self._keys = region, (access_key, secret_key)  # for the admin info (free_bytes)
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
         self.client = Minio(parsed.netloc, access_key=access_key, secret_key=secret_key,
                             secure=parsed.scheme == "https", region=region)
@@ -326,6 +327,35 @@ class S3Store(Store):
         self.client.remove_object(self.bucket, self._name(key))
 
     def free_bytes(self) -> int | None:
+        """What the S3 server says it has free: MinIO's admin info (the store's keys are MinIO's
+        root user in the stack); None from a server that does not say (AWS S3, SeaweedFS)."""
+        return minio_free_bytes(self.endpoint, *self._keys, self.region)
+
+
+def minio_free_bytes(endpoint: str, access_key: str, secret_key: str, region: str | None = None,
+                     timeout_s: float = 5.0) -> int | None:
+    """Usable free bytes of a MinIO deployment from `GET /minio/admin/v3/info`: the least free
+    drive times the drives, less the erasure parity's share (one drive: its free space)."""
+    import urllib3
+    from minio.credentials import StaticProvider
+    from minio.minioadmin import MinioAdmin
+
+    parsed = urlparse(endpoint)
+    http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s), retries=False)
+    try:
+        admin = MinioAdmin(endpoint=parsed.netloc, credentials=StaticProvider(access_key, secret_key),
+                           region=region or "", secure=parsed.scheme == "https", http_client=http)
+        info = orjson.loads(admin.info())
+        drives = [d for server in info.get("servers") or [] for d in server.get("drives") or server.get("disks") or []
+                  if isinstance(d, dict) and d.get("state", "ok") == "ok" and d.get("availspace") is not None]
+        if not drives:
+            return None
+        backend = info.get("backend") or {}
+        per_set = (backend.get("totalDrivesPerSet") or [len(drives)])[0] or len(drives)
+        parity = min(backend.get("standardSCParity") or 0, per_set - 1)
+        return int(min(int(d["availspace"]) for d in drives) * len(drives) * (per_set - parity) / per_set)
+    except Exception as exc:  # not MinIO, not its admin, unreachable, or a shape we do not know: not visible
+        log.debug("no free space from %s: %s", safe_url(endpoint), exc)
         return None
 
 

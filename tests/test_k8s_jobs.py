@@ -59,8 +59,14 @@ def test_run_labels_differ_for_runs_that_slug_alike():
 
 def test_build_job_fills_the_run_into_args_and_counts_gpus(templates):
     verify = k8s_jobs.build_job(templates, "verify", "r7")
-    assert verify["spec"]["template"]["spec"]["containers"][0]["args"] == ["verify", "--run", "r7"]
+    # the verify Job works the run's verify task from its queue, as extract and train do
+    assert verify["spec"]["template"]["spec"]["containers"][0]["command"] == [
+        "python", "-m", "eyrie.gpu_admission", "drain", "verify"]
     assert k8s_jobs.gpus_of(verify) == 8
+    named = copy.deepcopy(templates)
+    named["stages"]["verify"]["spec"]["template"]["spec"]["containers"][0]["args"] = ["--run", "{run}"]
+    assert k8s_jobs.build_job(named, "verify", "r7")["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "--run", "r7"]
     wide = copy.deepcopy(templates)
     wide["stages"]["extract"]["spec"]["parallelism"] = 3
     assert k8s_jobs.gpus_of(k8s_jobs.build_job(wide, "extract", "r7")) == 24

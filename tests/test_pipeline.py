@@ -24,9 +24,9 @@ SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
 def test_plan_of_the_seeds_pipeline_needs_no_server_gpu_or_hub(tmp_path):
     out = eyrie("run", "--config", str(SEED), "--plan", env={**os.environ, **OFFLINE}).stdout
     assert "hidden 7168, 61 layers, vocab 163,840 (from target.shape in the run config)" in out
-    assert "samples 25,000" in out and "layers [2, 30, 58] + last" in out
-    assert "12.48 TB in bf16, 6.24 TB in fp8" in out  # 25,000 x (512 + 8192) tokens x 4 x 7168
-    assert "budget 2.80 TB, bf16: the upper bound does NOT fit; it fits while samples average at most 1,952" in out
+    assert "samples 20,000" in out and "layers [2, 30, 58] + last" in out
+    assert "9.98 TB in bf16, 4.99 TB in fp8" in out  # 20,000 x (512 + 8192) tokens x 4 x 7168
+    assert "budget 2.80 TB, fp8: the upper bound does NOT fit; it fits while samples average at most 4,880" in out
 
 
 def test_a_bad_config_names_the_field(tmp_path):
@@ -48,7 +48,7 @@ def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, t
     env = vllm_env(tmp_path / "vllm-cache", {**env, "EYRIE_VLLM_ARGS": " ".join(SMALL[2:]),
                                              "EYRIE_MAX_MODEL_LEN": SMALL[1]})
     workers.env = env
-    workers.start("generate", "extract", "train")
+    workers.start("generate", "extract", "train", "verify")
     serve = {"max_model_len": int(SMALL[1]), "extra_args": SMALL[2:]}  # verify serves as the run config says
     path = tiny_run_config(tmp_path, "chain", verify={"enabled": True}, serve=serve)
     out = eyrie("run", "--config", path, "--wait", env=env, timeout=900).stdout

@@ -185,7 +185,7 @@ def test_secrets_never_appear_in_output_status_responses_redis_or_the_store(secr
         assert started.status_code == 202, started.text
         cli("worker", "worker", "generate", "--burst")
         for path in ("/runs", "/runs/sec", "/runs/secapi", "/runs/sec/manifest", "/runs/sec/errors", "/metrics",
-                     "/openapi.json", "/healthz", "/"):
+                     "/queues/generate", "/openapi.json", "/healthz", "/"):
             reply = requests.get(f"{url}{path}", headers=auth)
             assert reply.status_code == 200, path
             seen[f"GET {path}"] = reply.text

@@ -235,8 +235,8 @@ def test_verifys_vllm_dies_with_the_worker_that_started_it():
     import time
 
     starter = ("import subprocess, sys, time\n"
-               "from eyrie_trainer.verify import dies_with_parent\n"
-               "child = subprocess.Popen(dies_with_parent(['sleep', '60']), start_new_session=True)\n"
+               "from eyrie.vllm import start_server\n"
+               "child = start_server(['sleep', '60'])\n"
                "print(child.pid, flush=True)\ntime.sleep(60)\n")
     worker = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
     child = int(worker.stdout.readline())

@@ -143,3 +143,49 @@ def test_the_vllm_command_setting_names_an_executable_or_a_python(tmp_path, monk
     monkeypatch.setenv("PATH", f"{ROOT / 'tests' / 'fake_vllm'}:/usr/bin:/bin")
     assert command(load_settings(server="vllm"), "m")[:3] == ["vllm", "serve", "m"]
     assert available(str(VLLM_PYTHON)) and not available(str(tmp_path / "python")) and not available("no-such-vllm")
+
+
+def test_sigterm_while_vllm_loads_stops_it_whole_and_returns_the_lease(redis_server, tmp_path):
+    """`eyrie serve` stopped while vLLM still loads: it exits at once, and nothing of vLLM (its API
+    server, its engine core) is left running; the GPU lease is free for the next owner."""
+    url, port = redis_server.rsplit("/", 1)[0] + "/8", free_port()
+    conn = redis.Redis.from_url(url)
+    conn.flushdb()
+    env = vllm_env(tmp_path / "vllm-cache", {
+        "EYRIE_REDIS_URL": url, "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}", "EYRIE_SERVER": "vllm",
+        "EYRIE_PORT": str(port), "EYRIE_MODEL": str(TINY), "EYRIE_VLLM_ARGS": " ".join(SMALL[2:]),
+        "EYRIE_MAX_MODEL_LEN": SMALL[1]})
+    proc = subprocess.Popen([str(BIN / "eyrie"), "serve"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: (e := inference.read(conn)) and e.state == "starting" and vllm_pids(port),
+                 "vLLM loading behind eyrie serve", timeout=120, every=0.5)
+        loading = vllm_pids(port)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in loading), "vLLM's processes gone",
+             timeout=40, every=0.5)
+    assert inference.read(conn).state == "stopped" and holder(conn) is None
+
+
+def vllm_pids(port: int) -> list[int]:
+    """Processes whose command line serves on this port, and their children (vLLM's engine core)."""
+    def cmdline(pid: str) -> str:
+        try:
+            return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            return ""
+
+    def parent(pid: str) -> str:
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]
+        except OSError:
+            return ""
+
+    pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    servers = {p for p in pids if "vllm.entrypoints" in cmdline(p) and f"--port {port}" in cmdline(p)}
+    children = {p for p in pids if parent(p) in servers}
+    return sorted(int(p) for p in servers | children)

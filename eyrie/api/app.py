@@ -1,4 +1,4 @@
-"""The API's routes: runs (start, list, status, manifest, cancel, retry), health, metrics, dashboard."""
+"""The API's routes: runs (start, list, status, manifest, cancel, retry), health, queues, metrics, dashboard."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from eyrie.config import load_settings
 from eyrie.errors import EyrieError, UnknownRun
 from eyrie.manifest import RUN_NAME, load_run_manifest
 from eyrie.pipeline import RunConfig
-from eyrie.queue import connect
-from eyrie.stages import STARTABLE
+from eyrie.queue import connect, task_counts
+from eyrie.stages import QUEUES, STARTABLE
 from eyrie.status import run_status
-from eyrie.status_models import RunStatus, RunSummary
+from eyrie.status_models import QueueTasks, RunStatus, RunSummary
 from eyrie.store import open_store
 
 STATIC = FilePath(__file__).parent / "static"
@@ -32,6 +32,7 @@ ERRORS = {401: {"description": "No bearer token."}, 403: {"description": "Wrong 
 UNKNOWN = {**ERRORS, 404: {"description": "Unknown run."}}
 BAD = {**ERRORS, 400: {"description": "A problem the user can fix (`detail` and `fix`)."}}
 Stage = Literal[STARTABLE]
+QueueName = Literal[QUEUES]
 
 
 def create_app(settings=None) -> FastAPI:
@@ -119,6 +120,13 @@ def routes():
     def retry(name: RunName, request: Request) -> dict:
         """Requeue the run's failed, stopped and cancelled tasks; clear a block or a cancel."""
         return control.retry_run(request.app.state.conn, request.app.state.store, name)
+
+    @r.get("/queues/{name}", dependencies=[Depends(can_read)], responses=ERRORS, tags=["health"])
+    def queue_tasks(name: QueueName, request: Request) -> QueueTasks:
+        """A queue's tasks that still need a worker: queued, started (running, so off RQ's list),
+        scheduled (a retry's backoff) and deferred. KEDA scales the generator workers on `live`."""
+        counts = task_counts(request.app.state.conn, name)
+        return QueueTasks(queue=name, **counts, live=sum(counts.values()))
 
     @r.get("/metrics", dependencies=[Depends(can_read)], responses=ERRORS, tags=["health"],
            response_class=Response)

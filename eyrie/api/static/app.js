@@ -94,9 +94,13 @@ function renderRun(status, manifest, errors) {
   document.getElementById("stages").replaceChildren(
     ...Object.entries(checklist(status)).map(([name, s]) => stageItem(name, s)));
   const lease = status.gpu_lease;
-  document.getElementById("lease").textContent = "GPU lease: " + (lease && lease.holder
-    ? `${lease.holder.owner} (${lease.holder.devices})` : "free") +
-    (lease && lease.waiting.length ? `; waiting: ${lease.waiting.join(", ")}` : "");
+  const gpus = (w) => (w.gpus || []).join(",");
+  const who = (w) => `${w.owner} (${w.devices}` + (gpus(w) === "*" ? ` on every GPU of ${w.host}`
+    : gpus(w) ? ` on GPUs ${gpus(w)} of ${w.host}` : "") + ")";
+  const holders = lease ? (lease.holders && lease.holders.length ? lease.holders : lease.holder ? [lease.holder] : []) : [];
+  const waiters = lease ? ((lease.waiters && lease.waiters.length) ? lease.waiters.map(who) : lease.waiting) : [];
+  document.getElementById("lease").textContent = "GPU leases: " + (holders.length
+    ? holders.map(who).join("; ") : "free") + (waiters.length ? `; waiting: ${waiters.join("; ")}` : "");
   document.getElementById("errors").replaceChildren(
     ...(errors.length ? errors.map((e) => el("li", {}, e)) : [el("li", { class: "dim" }, "none")]));
   renderTau(status.stages.train);
@@ -115,6 +119,9 @@ function renderBenchmarks(train) {
        el("td", {}, String(f.identical_outputs)))));
   document.getElementById("bench-box").hidden = rows.length === 0;
   document.querySelector("#bench tbody").replaceChildren(...rows);
+  const skipped = train && train.verify && train.verify.skipped;
+  document.getElementById("verify-skipped").hidden = !skipped;
+  document.getElementById("verify-skipped").textContent = skipped ? `verify skipped: ${skipped}; ${train.verify.fix}` : "";
 }
 
 function renderTau(train) {

@@ -18,7 +18,6 @@ import redis
 import torch
 from safetensors.torch import save
 
-from eyrie import inference
 from eyrie.config import Settings
 from eyrie.control import Cancelled
 from eyrie.errors import EyrieError
@@ -32,8 +31,9 @@ from eyrie.stages import EXTRACT
 from eyrie_extractor.capture import HFCapture, token_budget_batches
 from eyrie_extractor.plan import generated_records, load_tokenizer
 from eyrie_extractor.render import fit, render
+from eyrie_extractor.server_wait import ServerWait, stopped_answering
 from eyrie_extractor.tasks import ExtractTask
-from eyrie_extractor.vllm_backend import VllmCapture
+from eyrie_extractor.vllm_backend import VllmCapture, VllmCaptureError
 
 MAX_PENDING_BATCHES = 2
 
@@ -101,11 +101,24 @@ class ExtractRunner(StageTask):
         return self.result("cancelled", **self._counts().model_dump())
 
     def _vllm_url(self) -> str | None:
-        """The configured vLLM extraction server, else the one the stack's extract-server published."""
+        """The configured vLLM extraction server, else the one the stack's extract-server published,
+        waited for (eyrie_extractor.server_wait: shown in status, bounded, ended by a cancel or SIGTERM)."""
         if self.params.backend != "vllm" or self.settings.extract_vllm_url:
             return self.settings.extract_vllm_url
-        self._report(waiting_for="extract-server")
-        return inference.wait_extract_ready(self.conn, self.settings.serve_deadline_s).url
+        wait = ServerWait(self.conn, self.settings.serve_deadline_s, self.report_waiting, self.cancelled)
+        url = wait.ready().url
+        self._report()  # no longer waiting
+        return url
+
+    def _forward(self, capture, input_ids: list[list[int]]) -> torch.Tensor:
+        """One batch through the target; a vLLM server that stopped answering is named dead."""
+        try:
+            return capture.forward(input_ids)
+        except VllmCaptureError as exc:
+            dead = stopped_answering(self.conn, capture.endpoint_url, exc, self.shard)
+            if dead is not None:
+                raise dead from exc
+            raise
 
     def run(self) -> dict:
         device, gpu = self.device, self.gpu
@@ -126,7 +139,7 @@ class ExtractRunner(StageTask):
             in_flight: list[list[Future]] = []
             for batch in batches:
                 items = [todo[i] for i in batch]
-                states = capture.forward([item["input_ids"] for item in items])
+                states = self._forward(capture, [item["input_ids"] for item in items])
                 # A blocking copy: an async device-to-host copy must not be read by the write
                 # threads before it lands. The overlap is the threads' work on batch k while
                 # the device runs batch k+1.

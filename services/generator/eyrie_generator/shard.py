@@ -16,11 +16,12 @@ import orjson
 
 from eyrie import inference
 from eyrie.config import parse_endpoints
+from eyrie.control import Cancelled
 from eyrie.executor import Context, StageTask, execute, outcomes
 from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest, now_iso
 from eyrie.partlog import PartLog
 from eyrie.stages import GENERATE
-from eyrie.target import check_served
+from eyrie.target import same_target
 from eyrie_generator.chain import Chain, recover_claims
 from eyrie_generator.client import ChatClient, Completion
 from eyrie_generator.prompt_budget import PromptBudget
@@ -120,11 +121,15 @@ class ShardRunner(StageTask):
                                        server=self.manifest.target.server, state="ready",
                                        max_model_len=self.settings.max_model_len)
                     for url, weight in parse_endpoints(self.settings.inference_url)]
-        self._report(waiting_for="inference")  # visible in `eyrie status` while the server loads
-        endpoints = inference.wait_all_ready(self.conn, self.settings.serve_deadline_s)
-        for endpoint in endpoints:  # another model may have been served since the run was planned
-            check_served(self.manifest.target, endpoint)
-        return endpoints
+        target = self.manifest.target
+        # visible in `eyrie status` while its server loads, or while only other targets are served
+        self._report(waiting_for=f"a server for target {target.model}")
+        return inference.wait_serving(self.conn, self.settings.serve_deadline_s, lambda e: same_target(target, e),
+                                      target.model, stop=self._stop_if_cancelled)
+
+    def _stop_if_cancelled(self) -> None:
+        if self.cancelled():
+            raise Cancelled(self.run_name)
 
     def _add(self, row: dict, result: Completion) -> None:
         record = {"sample_id": row["sample_id"], "row": row["row"], "messages": row.get("messages"),

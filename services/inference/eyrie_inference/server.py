@@ -24,7 +24,7 @@ from eyrie.pipeline import drained_run, load_config, stored_config
 from eyrie.queue import connect
 from eyrie.store import open_store
 from eyrie.target import describe
-from eyrie.vllm import serve_argv, serve_env
+from eyrie.vllm import serve_argv, serve_env, start_server, stop_server
 
 PROGRESS = re.compile(r"(\d{1,3})%\|")  # tqdm bars, e.g. vLLM's "Loading safetensors ... 37%|"
 
@@ -105,26 +105,12 @@ class Server:
         return serve_env()
 
     def run(self) -> int:
-        """Start, wait for readiness, then supervise until the server exits or we are stopped."""
-        cmd = self.command()
-        if self.settings.server == "vllm":  # vLLM owns the GPUs while it runs: hold the lease
-            if self.settings.gpu_scheduler == "kueue" and self._drained():
-                # admitted while another run's later stages wait: its quota goes back at once
-                # (the next GPU Job to finish queues this server again: gpu_admission.resume_waiting)
-                return 0
-            self._wait_turn()
-            self.gpu = gpu_lease(self.settings, self.conn, f"{self.OWNER}@{socket.gethostname()}")
-            print("eyrie serve: waiting for the GPU lease", flush=True)
-            self.gpu.acquire()
-            threading.Thread(target=self._renew_gpu_lease, daemon=True).start()
-        print(f"eyrie serve: {shlex.join(cmd)}", flush=True)
-        env = self.env()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                     text=True, bufsize=1)
-        threading.Thread(target=self._follow_output, daemon=True).start()
-        signal.signal(signal.SIGTERM, lambda *_: self.stop())
-        self._publish("starting")
+        """Start, wait for readiness, then supervise until the server exits or we are stopped.
+        SIGTERM stops it at any moment: waiting for the GPUs, loading or serving."""
+        signal.signal(signal.SIGTERM, _interrupt)
         try:
+            if not self._start():
+                return 0
             self._wait_ready()
             self._publish("ready")
             print(f"eyrie serve: ready at {self.endpoint.url} (model {self.model})", flush=True)
@@ -136,10 +122,30 @@ class Server:
             else:
                 self._crashed()
         except KeyboardInterrupt:
-            pass
+            print("eyrie serve: stopping", flush=True)
         finally:
             self.stop()
         return 0
+
+    def _start(self) -> bool:
+        """vLLM under the GPU lease (it owns the GPUs while it runs); False: nothing to serve now."""
+        cmd = self.command()
+        if self.settings.server == "vllm":
+            if self.settings.gpu_scheduler == "kueue" and self._drained():
+                # admitted while another run's later stages wait: its quota goes back at once
+                # (the next GPU Job to finish queues this server again: gpu_admission.resume_waiting)
+                return False
+            self._wait_turn()
+            self.gpu = gpu_lease(self.settings, self.conn, f"{self.OWNER}@{socket.gethostname()}")
+            print("eyrie serve: waiting for the GPU lease", flush=True)
+            self.gpu.acquire()
+            threading.Thread(target=self._renew_gpu_lease, daemon=True).start()
+        print(f"eyrie serve: {shlex.join(cmd)}", flush=True)
+        self.proc = start_server(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env(),
+                                 text=True, bufsize=1)
+        threading.Thread(target=self._follow_output, daemon=True).start()
+        self._publish("starting")
+        return True
 
     def _crashed(self) -> None:
         """The server exited by itself after it was ready: fail, so that a supervisor (Compose's
@@ -215,13 +221,13 @@ class Server:
 
     def stop(self) -> None:
         self._stopping = True
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        if self.proc:
+            stop_server(self.proc, grace_s=30)  # the whole group: vLLM's engine core goes with it
         if self.endpoint.state != "failed":
             self._publish("stopped")
         if self.gpu:  # released only once the server has exited and freed the memory
             self.gpu.release()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # unwinds to Server.run's finally: the server stops, the lease is returned

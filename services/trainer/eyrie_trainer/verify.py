@@ -15,11 +15,8 @@ first `serial_prompts`). The result goes into the run manifest (`verify`): per s
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -35,7 +32,7 @@ from eyrie.executor import StageTask, execute
 from eyrie.manifest import Layout, load_run_manifest, now_iso
 from eyrie.pipeline import VerifySection, stored_config
 from eyrie.stages import VERIFY
-from eyrie.vllm import serve_argv, serve_env
+from eyrie.vllm import serve_argv, serve_env, start_server, stop_server
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
 from eyrie_trainer.export import download
 
@@ -89,13 +86,6 @@ def spec_counters(url: str) -> dict:
     return counts
 
 
-def dies_with_parent(cmd: list[str]) -> list[str]:
-    """The command, SIGTERMed when the process that started it dies: a SIGKILLed worker must not
-    leave vLLM serving in its own session (util-linux's setpriv sets PR_SET_PDEATHSIG, then execs)."""
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
-
-
 class Served:
     """One vLLM server for the run's target (EYRIE_VLLM_COMMAND, the run's serve flags), stopped on exit."""
 
@@ -108,8 +98,7 @@ class Served:
         self.deadline_s = settings.serve_deadline_s
 
     def __enter__(self) -> "Served":
-        self.proc = subprocess.Popen(dies_with_parent(self.cmd), env=serve_env(), stdout=self.log.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = start_server(self.cmd, env=serve_env(), stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.deadline_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -126,13 +115,7 @@ class Served:
         raise EyrieError(f"vLLM did not answer within {self.deadline_s:g} s.", "raise EYRIE_SERVE_DEADLINE_S.")
 
     def __exit__(self, *_) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_server(self.proc, grace_s=60)
 
     def greedy(self, prompts: list[list[int]], max_tokens: list[int], in_flight: int) -> tuple[list[list[int]], float]:
         """Every prompt answered greedily, `in_flight` at a time; the answers' token ids and tokens/s."""

@@ -45,11 +45,8 @@ spec:
         - name: {{ $stage }}
           image: {{ include "eyrie.image" (list $root (ternary "inference" $spec.image (eq $spec.image ""))) }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
-          {{- if eq $stage "extract" "train" }}
+          {{- if eq $stage "extract" "train" "verify" }}
           command: ["python", "-m", "eyrie.gpu_admission", "drain", {{ $stage | quote }}]
-          {{- else if eq $stage "verify" }}
-          command: ["eyrie"]
-          args: ["verify", "--run", "{run}"]
           {{- else if eq $stage "extract-server" }}
           command: ["python3", "-m", "eyrie_extractor.vllm_backend"]
           args:

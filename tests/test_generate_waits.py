@@ -1,0 +1,84 @@
+"""A run whose target no ready server serves waits for one (its status says so) instead of failing
+its generate tasks, and never sends a request to a server of another target (issue 21, item 8):
+a real generate worker against two stub servers, one per target, published in Redis."""
+
+import json
+import shutil
+
+import pytest
+import redis
+import requests
+
+from conftest import TINY, TRAIN_PROMPTS, eyrie, wait_for
+from eyrie import inference
+from eyrie.target import describe
+
+DB = 12  # our own database: the endpoints published here reach no other test
+
+
+def _publish(conn, name: str, model, url: str) -> None:
+    info = describe(str(model))
+    inference.publish(conn, inference.Endpoint(
+        name=name, url=url, model=info.model, server="vllm", state="ready", revision=info.revision,
+        chat_template_sha256=info.chat_template_sha256))
+
+
+def _other_target(tmp_path):
+    other = tmp_path / "other-target"
+    shutil.copytree(TINY, other)
+    (other / "config.json").write_text((other / "config.json").read_text().replace("}", ', "eyrie_note": 1}', 1))
+    return other
+
+
+def _generate_state(run: str, env: dict) -> dict:
+    return json.loads(eyrie("status", run, "--json", env=env).stdout)["stages"]["generate"]
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_a_run_waits_for_a_server_of_its_target_and_says_so(env, stub_server, workers, tmp_path):
+    url = env["EYRIE_REDIS_URL"].rsplit("/", 1)[0] + f"/{DB}"
+    conn = redis.Redis.from_url(url)
+    conn.flushdb()
+    env = workers.env = {**env, "EYRIE_REDIS_URL": url, "EYRIE_MODEL": str(TINY), "EYRIE_SERVE_DEADLINE_S": "120"}
+    eyrie("generate", "--dataset", str(TRAIN_PROMPTS), "--run", "mine", "--limit", "6", "--max-tokens", "8",
+          env=env)  # planned while nothing is served
+    other_url, mine_url = stub_server(tokens=4), stub_server(tokens=4)
+    _publish(conn, "other", _other_target(tmp_path), other_url)  # another run's target, ready
+    workers.start("generate")
+
+    def waiting():
+        status = _generate_state("mine", env)
+        failed = status["state"] == "failed" or status["errors"] or "scheduled" in status["jobs"]
+        assert not failed, f"the task failed instead of waiting: {status['jobs']} {status['errors']}"
+        return any(w.startswith("a server for target") for w in status["waiting_for"])
+
+    wait_for(waiting, "the generate stage waiting for a server of its target", timeout=60)
+    status = _generate_state("mine", env)
+    assert status["state"] == "in_progress" and status["jobs"] == {"started": 1}
+    assert any(str(TINY) in w for w in status["waiting_for"]), status["waiting_for"]
+
+    _publish(conn, "mine", TINY, mine_url)  # its server comes up
+    wait_for(lambda: _generate_state("mine", env)["state"] == "done", "the run generated", timeout=60)
+    status = _generate_state("mine", env)
+    assert (status["done"], status["failed"], status["waiting_for"]) == (6, 0, [])
+    assert requests.get(f"{other_url}/stats").json()["requests"] == {}  # never asked the other target
+    assert sum(requests.get(f"{mine_url}/stats").json()["requests"].values()) == 6
+
+
+def test_the_wait_is_bounded_and_names_the_target_and_what_is_served(redis_server, tmp_path):
+    """Past EYRIE_SERVE_DEADLINE_S the task fails with one message naming the run's target and
+    the servers published (a retry waits again)."""
+    from eyrie.errors import EyrieError
+    from eyrie.target import same_target
+
+    conn = redis.Redis.from_url(redis_server.rsplit("/", 1)[0] + f"/{DB}")
+    conn.flushdb()
+    other = _other_target(tmp_path)
+    _publish(conn, "other", other, "http://127.0.0.1:9")
+    target = describe(str(TINY))
+    with pytest.raises(EyrieError) as err:
+        inference.wait_serving(conn, 1.5, lambda e: same_target(target, e), target.model)
+    assert f"serves the run's target {TINY} after 1.5 s" in str(err.value)
+    assert f"other: {other} (ready)" in str(err.value)
+    _publish(conn, "mine", TINY, "http://127.0.0.1:10")
+    assert [e.name for e in inference.wait_serving(conn, 1, lambda e: same_target(target, e), target.model)] == ["mine"]

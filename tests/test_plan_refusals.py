@@ -1,0 +1,160 @@
+"""`eyrie run --plan` refuses, before any GPU work, what would stop a run hours in (issue 21): hidden
+states expected over extract.budget (with each way out and its number), a serve: section larger
+than the inference service's GPUs, a GPU list naming a GPU twice, lists that share a GPU where
+nothing sequences their services. Every shipped example passes its own plan on every .env split
+the project documents (.env.example and the README's)."""
+
+import json
+import os
+import re
+
+import pytest
+import yaml
+
+from conftest import OFFLINE, ROOT, eyrie, tiny_run_config
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
+SPLIT_VARS = ("EYRIE_INFERENCE_GPU_IDS", "EYRIE_EXTRACTOR_GPU_IDS", "EYRIE_TRAINER_GPU_IDS",
+              "EYRIE_TENSOR_PARALLEL_SIZE")
+OLD_SPLIT = {"EYRIE_INFERENCE_GPU_IDS": "0,1,2,3", "EYRIE_EXTRACTOR_GPU_IDS": "4,5,6", "EYRIE_TRAINER_GPU_IDS": "7",
+             "EYRIE_TENSOR_PARALLEL_SIZE": "4"}  # the .env.example the seed's case failed on
+
+
+def _assignments(text: str) -> dict[str, str]:
+    found = {}
+    for line in text.splitlines():
+        if m := re.match(r"\s*(EYRIE_[A-Z_]+)=(\S+)", line):
+            found[m[1]] = m[2]
+    return {k: v for k, v in found.items() if k in SPLIT_VARS}
+
+
+def documented_splits() -> dict[str, dict[str, str]]:
+    """.env.example's split, and every ```bash block of the README that sets the GPU ids."""
+    splits = {".env.example": _assignments((ROOT / ".env.example").read_text())}
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    for i, block in enumerate(b for b in blocks if "EYRIE_INFERENCE_GPU_IDS=" in b):
+        splits[f"README.md split {i + 1}"] = _assignments(block)
+    return splits
+
+
+def _env(tmp_path, **extra) -> dict:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("EYRIE_")}  # this host's own settings stay out
+    return {**clean, **OFFLINE, "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}",
+            "EYRIE_CACHE_DIR": str(tmp_path / "cache"), **extra}
+
+
+def _variant(tmp_path, name: str, **sections) -> str:
+    """The seed's example with some of its sections changed, key by key."""
+    body = yaml.safe_load(SEED.read_text())
+    for section, values in sections.items():
+        body[section] = {**body.get(section, {}), **values}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return str(path)
+
+
+def test_the_documented_splits_are_found():
+    splits = documented_splits()
+    assert len(splits) >= 2, splits  # .env.example and the README's GPU quick start
+    for name, split in splits.items():
+        assert {"EYRIE_INFERENCE_GPU_IDS", "EYRIE_EXTRACTOR_GPU_IDS", "EYRIE_TRAINER_GPU_IDS"} <= set(split), name
+
+
+@pytest.mark.parametrize("split", [None, *documented_splits()])
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_every_shipped_example_passes_its_own_plan(example, split, tmp_path):
+    gpus = documented_splits()[split] if split else {}
+    result = eyrie("run", "--config", str(example), "--plan", "--json", env=_env(tmp_path, **gpus), check=False)
+    assert result.returncode == 0, f"{example.name} on {split}: {result.stderr}"
+    plan = json.loads(result.stdout)
+    assert plan["refusals"] == [] and plan["support"]["refusal"] is None
+    if plan["budget_bytes"] is not None and plan["hidden_states_bytes_expected"] is not None:
+        assert plan["hidden_states_bytes_expected"] <= plan["budget_bytes"]
+    if gpus:
+        assert plan["gpus"]["serve_gpus"] <= len(set(gpus["EYRIE_INFERENCE_GPU_IDS"].split(",")))
+
+
+def test_the_seeds_example_fits_its_budget_and_its_8_gpus(tmp_path):
+    split = documented_splits()[".env.example"]
+    out = eyrie("run", "--config", str(SEED), "--plan", env=_env(tmp_path, **split)).stdout
+    assert "samples 20,000" in out and "expected 2.35 TB in fp8" in out
+    assert ("budget 2.80 TB, fp8: the upper bound does NOT fit; it fits while samples average at most 4,880 tokens; "
+            "expected 2.35 TB at 4,096 tokens a sample: fits") in out
+    assert "GPUs: inference 0,1,2,3,4,5,6,7, extractor 0,1,2,3,4,5,6,7, trainer 7; serve needs 8" in out
+    assert "the GPU lease gives each of them one holder at a time" in out
+    config = yaml.safe_load(SEED.read_text())
+    assert config["serve"]["tensor_parallel_size"] == 8 and split["EYRIE_TENSOR_PARALLEL_SIZE"] == "8"
+    assert config["run"] == "kimi-k25-perfectblend"
+    readme = (ROOT / "README.md").read_text()
+    assert "make status RUN=kimi-k25-perfectblend" in readme and "RUN=kimi-k2.5 " not in readme
+
+
+def test_expected_bytes_over_the_budget_are_refused_with_each_way_out(tmp_path):
+    """The seed as it ran: 25,000 samples in bf16, 5.87 TB expected against 2.8 TB. Refused before
+    any GPU work (not only by the upper bound), and each way out the message names then passes."""
+    seed = _variant(tmp_path, "seed", dataset={"limit": 25000}, extract={"dtype": "bf16"})
+    result = eyrie("run", "--config", seed, "--plan", env=_env(tmp_path), check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    err = result.stderr
+    assert ("the hidden states are expected to need 5.87 TB (25,000 samples x 4,096 tokens x 4 states x 7168 x "
+            "bf16) but extract.budget is 2.80 TB: extract would refuse them after 4.98 h of generation.") in err
+    assert "extract.dtype: fp8 (2.94 TB, still too big) with dataset.limit: 23,831 or extract.max_length: 3,904" in err
+    assert "; or dataset.limit: 11,919; or extract.max_length: 1,952; or extract.budget: 5.88TB" in err
+    assert "expected 5.87 TB at 4,096 tokens a sample: does NOT fit (refused below)" in result.stdout
+    ways = {"fp8-limit": {"dataset": {"limit": 23831}, "extract": {"dtype": "fp8"}},
+            "fp8-length": {"dataset": {"limit": 25000}, "extract": {"dtype": "fp8", "max_length": 3904}},
+            "limit": {"dataset": {"limit": 11919}, "extract": {"dtype": "bf16"}},
+            "length": {"dataset": {"limit": 25000}, "extract": {"dtype": "bf16", "max_length": 1952}},
+            "budget": {"dataset": {"limit": 25000}, "extract": {"dtype": "bf16", "budget": "5.88TB"}}}
+    for name, sections in ways.items():
+        plan = json.loads(eyrie("run", "--config", _variant(tmp_path, name, **sections), "--plan", "--json",
+                                env=_env(tmp_path)).stdout)
+        assert plan["fits_expected"] is True and plan["refusals"] == [], name
+    # one sample more than the way out names does not fit: the numbers are the largest that do
+    over = _variant(tmp_path, "over", dataset={"limit": 11920}, extract={"dtype": "bf16"})
+    assert eyrie("run", "--config", over, "--plan", env=_env(tmp_path), check=False).returncode == 1
+
+
+def test_eyrie_run_itself_refuses_it_before_anything_is_enqueued(tmp_path, redis_url):
+    import redis
+
+    seed = _variant(tmp_path, "seed-run", dataset={"limit": 25000}, extract={"dtype": "bf16"})
+    result = eyrie("run", "--config", seed, env=_env(tmp_path, EYRIE_REDIS_URL=redis_url), check=False)
+    assert result.returncode == 1 and "expected to need 5.87 TB" in result.stderr
+    assert not redis.Redis.from_url(redis_url).keys("rq:*")  # nothing enqueued
+    assert not (tmp_path / "store" / "runs" / "kimi-k25-perfectblend").exists()
+
+
+def test_a_serve_section_larger_than_inferences_gpus_is_refused(tmp_path):
+    result = eyrie("run", "--config", str(SEED), "--plan", env=_env(tmp_path, **OLD_SPLIT), check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert ("serve: tensor_parallel_size 8 needs 8 GPUs but inference has 4 (EYRIE_INFERENCE_GPU_IDS=0,1,2,3; "
+            "the vLLM extraction server and the verifier serve the target on the same GPUs).") in result.stderr
+    assert "give inference 8 GPUs in .env (EYRIE_INFERENCE_GPU_IDS=0,1,2,3,4,5,6,7;" in result.stderr
+    pp = tiny_run_config(tmp_path, "pp", serve={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    result = eyrie("run", "--config", pp, "--plan", env=_env(tmp_path, EYRIE_INFERENCE_GPU_IDS="0,1,2"), check=False)
+    assert "tensor_parallel_size 2 x pipeline_parallel_size 2 needs 4 GPUs but inference has 3" in result.stderr
+    fallback = eyrie("run", "--config", tiny_run_config(tmp_path, "tp1"), "--plan", check=False,
+                     env=_env(tmp_path, EYRIE_INFERENCE_GPU_IDS="0,1", EYRIE_TENSOR_PARALLEL_SIZE="4"))
+    assert "EYRIE_TENSOR_PARALLEL_SIZE=4 (eyrie serve without a run config) needs 4 GPUs but inference has 2" \
+        in fallback.stderr
+
+
+def test_device_lists_are_refused_where_they_must_not_overlap(tmp_path):
+    """Shared GPUs are fine under the Redis GPU lease (never two holders of one GPU); under kueue
+    every stage gets its GPUs at once, so lists sharing a GPU would give it two owners. A list
+    naming a GPU twice overstates the GPUs vLLM gets."""
+    split = documented_splits()[".env.example"]
+    tiny = tiny_run_config(tmp_path, "ov")
+    assert eyrie("run", "--config", tiny, "--plan", env=_env(tmp_path, **split)).returncode == 0
+    kueue = eyrie("run", "--config", tiny, "--plan", env=_env(tmp_path, **split, EYRIE_GPU_SCHEDULER="kueue"),
+                  check=False)
+    assert kueue.returncode == 1 and "Traceback" not in kueue.stderr
+    assert ("EYRIE_INFERENCE_GPU_IDS and EYRIE_EXTRACTOR_GPU_IDS share GPU 0,1,2,3,4,5,6,7, and nothing runs them "
+            "one at a time (EYRIE_GPU_SCHEDULER=kueue") in kueue.stderr
+    disjoint = {**OLD_SPLIT, "EYRIE_TENSOR_PARALLEL_SIZE": "1", "EYRIE_GPU_SCHEDULER": "kueue"}
+    assert eyrie("run", "--config", tiny, "--plan", env=_env(tmp_path, **disjoint)).returncode == 0
+    twice = eyrie("run", "--config", tiny, "--plan", env=_env(tmp_path, EYRIE_INFERENCE_GPU_IDS="0,1,1"), check=False)
+    assert twice.returncode == 1
+    assert "EYRIE_INFERENCE_GPU_IDS=0,1,1 names GPU 1 twice: inference gets 2 GPUs, not 3." in twice.stderr
