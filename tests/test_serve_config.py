@@ -137,3 +137,33 @@ def test_the_stacks_inference_serves_the_active_runs_target_with_its_serve_secti
         assert "serving run act's target" in text and "--tensor-parallel-size 2 --max-model-len 512" in text
     finally:
         stop(proc)
+
+
+def test_serve_extraction_and_verify_start_vllm_with_the_runs_one_serve_section(tmp_path):
+    """The seed's example: `eyrie serve`, the vLLM extraction server and verify each start vLLM with
+    the run's serve section (tensor parallel 8, trust_remote_code, the reasoning parser, the context
+    length), not each with flags of its own."""
+    from types import SimpleNamespace
+
+    from eyrie_inference.extract_server import vllm_command
+    from eyrie_trainer.verify import Served, serve_flags
+
+    cfg = load_config(ROOT / "examples" / "run.kimi-k2.5.yaml")
+    settings = load_settings(server="vllm", vllm_command="vllm", extract_shared_dir=str(tmp_path))
+    model = "moonshotai/Kimi-K2.5"
+    manifest = SimpleNamespace(target=SimpleNamespace(model=model),  # the fields extraction reads
+                               extract=SimpleNamespace(max_length=cfg.extract.max_length, aux_layers=[2, 30, 58],
+                                                       num_layers=61))
+    served = command(settings, model, cfg.serve)
+    extracting = vllm_command(settings, cfg, manifest)
+    verifying = Served(settings, model, serve_flags(settings, cfg), tmp_path / "log").cmd
+
+    def flags(cmd: list[str]) -> dict[str, str | None]:
+        wanted = ("--tensor-parallel-size", "--trust-remote-code", "--reasoning-parser", "--max-model-len")
+        after = {f: cmd[cmd.index(f) + 1: cmd.index(f) + 2] for f in wanted if f in cmd}
+        return {f: (v[0] if v and not v[0].startswith("--") else None) for f, v in after.items()}
+
+    expected = {"--tensor-parallel-size": "8", "--trust-remote-code": None, "--reasoning-parser": "kimi_k2",
+                "--max-model-len": str(cfg.serve.max_model_len)}
+    assert flags(served) == flags(extracting) == flags(verifying) == expected
+    assert served[:3] == extracting[:3] == verifying[:3]  # the same vLLM, found the same way

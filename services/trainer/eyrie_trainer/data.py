@@ -51,6 +51,21 @@ def materialize(store, run: str, dest: str | Path,
     return len(samples)
 
 
+def prompt_token_ids(store, samples: list[dict], folder: Path) -> list[list[int]]:
+    """Each sample's prompt token ids (those before its first answer token), read from its stored
+    states file (fetched into `folder`, checked) without `datasets`: the verifier's image has none."""
+    from safetensors import safe_open
+
+    prompts = []
+    for sample in samples:
+        path = folder / f"{sample['sha256']}.safetensors"
+        if not path.exists() or sha256_file(path) != sample["sha256"]:
+            store.get_file(sample["key"], sample["sha256"], path)
+        with safe_open(str(path), "pt") as tensors:
+            prompts.append(tensors.get_tensor("token_ids")[: sample["prompt_len"]].tolist())
+    return prompts
+
+
 def _sizes_match(dest: Path, samples: list[dict]) -> bool:
     """A cheap check of a marked directory (a full re-hash of terabytes would not be): every file
     there, with its size. Anything else: every file is verified again and refetched if need be."""

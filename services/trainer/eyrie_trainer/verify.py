@@ -33,7 +33,7 @@ from eyrie.manifest import Layout, load_run_manifest, now_iso
 from eyrie.pipeline import VerifySection, stored_config
 from eyrie.stages import VERIFY
 from eyrie.vllm import serve_argv, serve_env, start_server, stop_server
-from eyrie_trainer.data import done_samples, heldout_ids, materialize
+from eyrie_trainer.data import done_samples, heldout_ids, prompt_token_ids
 from eyrie_trainer.export import download
 
 COUNTER = re.compile(r'^vllm:spec_decode_num_(drafts|accepted_tokens|accepted_tokens_per_pos)_total\{([^}]*)\} (\S+)$')
@@ -41,18 +41,12 @@ HELDOUT = "heldout"
 
 
 def heldout_prompts(store, run: str, cache_dir: Path) -> list[list[int]]:
-    """The held-out samples' prompts: their token ids before the first answer token."""
-    import datasets
-
-    manifest = load_run_manifest(store, run)
-    held = heldout_ids(done_samples(store, run), manifest.train.heldout_samples)
-    eval_dir = cache_dir / "runs" / run / "data" / "heldout"
-    materialize(store, run, eval_dir, lambda s: s["sample_id"] in held)
-    prompts = []
-    for row in datasets.load_from_disk(str(eval_dir)):
-        mask, ids = [int(m) for m in row["loss_mask"]], [int(t) for t in row["input_ids"]]
-        prompts.append(ids[: mask.index(1) if 1 in mask else len(mask)])
-    return prompts
+    """The held-out samples' prompts (the samples eyrie's τ was measured on), in stored order."""
+    manifest, samples = load_run_manifest(store, run), done_samples(store, run)
+    held = heldout_ids(samples, manifest.train.heldout_samples)
+    folder = cache_dir / "runs" / run / "verify" / "heldout"
+    folder.mkdir(parents=True, exist_ok=True)
+    return prompt_token_ids(store, [s for s in samples if s["sample_id"] in held], folder)
 
 
 def benchmark_prompts(target: str, names: list[str], limit: int | None) -> dict[str, list[list[int]]]:
