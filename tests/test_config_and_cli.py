@@ -1,6 +1,7 @@
 """Configuration validated at start, and errors that name the problem and the fix."""
 
 import json
+import os
 
 import pytest
 
@@ -115,3 +116,43 @@ def test_the_demo_is_eyrie_run_on_the_tiny_config(env, tmp_path):
     """`eyrie demo` loads its run config as `eyrie run` does, and checks the run name it puts in."""
     one_line_error(eyrie("demo", "--config", str(tmp_path / "none.yaml"), env=env, check=False), "no config file")
     one_line_error(eyrie("demo", "--run", "../evil", env=env, check=False), "invalid run name")
+
+
+def test_a_sigtermed_demo_stops_everything_it_started_and_named_its_server(env, tmp_path):
+    """`eyrie demo` stopped with SIGTERM (as a supervisor or `kill` stops it): its server and every
+    worker it started go too; its banner names the server it really starts."""
+    import signal
+    import subprocess
+
+    from conftest import BIN, stop, tiny_run_config, wait_for
+
+    config = tiny_run_config(tmp_path, "sig")
+    demo = subprocess.Popen([str(BIN / "eyrie"), "demo", "--config", config, "--run", "sig"], cwd=tmp_path,
+                            env={**env, "EYRIE_SERVER": "transformers"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        children = wait_for(lambda: len(kids := children_of(demo.pid)) >= 4 and kids,  # the server, 3+ workers
+                            "the demo's server and workers", timeout=180, every=0.5)
+        demo.send_signal(signal.SIGTERM)
+        banner = " ".join(demo.communicate(timeout=60)[0].split())  # rich wraps it in a pipe
+    finally:
+        stop(demo)
+    assert "on transformers serve (CPU)" in banner, banner
+    wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") and "Z" not in state_of(pid) for pid in children),
+             "the demo's children gone", timeout=60, every=0.5)
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and state_of(int(entry), field=3) == str(pid):
+            kids.append(int(entry))
+    return kids
+
+
+def state_of(pid: int, field: int = 2) -> str:
+    """A field of /proc/PID/stat after the command name (2: the state, 3: the parent's pid)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[field - 2]
+    except (OSError, IndexError):
+        return ""
