@@ -302,10 +302,10 @@ def worker(stage: str = typer.Argument(..., help="generate | extract | train | v
                          "run it where vLLM is installed (the inference image), or set EYRIE_VLLM_COMMAND to "
                          "vLLM's executable or a Python that has it.")
     preload(stage)
-    conn = connect(settings.redis_url)
     if stage == TRAIN.queue:  # its local copy of the hidden states: --plan reads the free space there
-        start_reporting(conn, TRAIN.queue, settings.cache_dir)
-    run_worker(conn, stage, burst)
+        # on a client of its own: RQ tunes the worker's connections for its blocking dequeue
+        start_reporting(connect(settings.redis_url), TRAIN.queue, settings.cache_dir)
+    run_worker(connect(settings.redis_url), stage, burst)
 
 
 @app.command()
