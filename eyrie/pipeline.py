@@ -216,7 +216,7 @@ def _next_stage(conn, store, config: RunConfig) -> str | None:
     if manifest.verify is None:
         skipped = verify_skipped(conn, config)
         if skipped is None:
-            enqueue(conn, VERIFY, {"run": config.run}, timeout_s=verify_timeout_s(conn, store, config, manifest))
+            enqueue(conn, VERIFY, {"run": config.run}, timeout_s=verify_timeout_s(conn, config, manifest))
             return "verify"
         manifest.verify = skipped  # never skipped in silence: the run's status says why and how
         store.put_json(layout.manifest, manifest.model_dump())
@@ -256,7 +256,7 @@ def verify_skipped(conn, config: RunConfig) -> dict | None:
                    f"run exports, set verify.enabled: true to wait for one, or {later}"}
 
 
-def verify_timeout_s(conn, store, config: RunConfig, manifest) -> int:
+def verify_timeout_s(conn, config: RunConfig, manifest) -> int:
     """The verify task's time budget from its plan: per pass (the target alone, then once per K) a
     vLLM start within the serve deadline and three times its greedy tokens at the rate generation
     measured (else a floor of MIN_VERIFY_TOK_S); benchmark sets counted at their --prompts cap."""

@@ -263,3 +263,19 @@ def stub_server(request):
     yield start
     for proc in procs:
         stop(proc)
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and state_of(int(entry), field=3) == str(pid):
+            kids.append(int(entry))
+    return kids
+
+
+def state_of(pid: int, field: int = 2) -> str:
+    """A field of /proc/PID/stat after the command name (2: the state, 3: the parent's pid)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[field - 2]
+    except (OSError, IndexError):
+        return ""

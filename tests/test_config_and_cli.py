@@ -1,7 +1,6 @@
 """Configuration validated at start, and errors that name the problem and the fix."""
 
 import json
-import os
 
 import pytest
 
@@ -124,7 +123,7 @@ def test_a_sigtermed_demo_stops_everything_it_started_and_named_its_server(env, 
     import signal
     import subprocess
 
-    from conftest import BIN, stop, tiny_run_config, wait_for
+    from conftest import BIN, children_of, state_of, stop, tiny_run_config, wait_for
 
     config = tiny_run_config(tmp_path, "sig")
     demo = subprocess.Popen([str(BIN / "eyrie"), "demo", "--config", config, "--run", "sig"], cwd=tmp_path,
@@ -138,21 +137,6 @@ def test_a_sigtermed_demo_stops_everything_it_started_and_named_its_server(env, 
     finally:
         stop(demo)
     assert "on transformers serve (CPU)" in banner, banner
-    wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") and "Z" not in state_of(pid) for pid in children),
+    wait_for(lambda: all(state_of(pid) in ("", "Z") for pid in children),  # gone, or a zombie
              "the demo's children gone", timeout=60, every=0.5)
 
-
-def children_of(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and state_of(int(entry), field=3) == str(pid):
-            kids.append(int(entry))
-    return kids
-
-
-def state_of(pid: int, field: int = 2) -> str:
-    """A field of /proc/PID/stat after the command name (2: the state, 3: the parent's pid)."""
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[field - 2]
-    except (OSError, IndexError):
-        return ""

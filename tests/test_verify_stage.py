@@ -3,10 +3,12 @@ run whose verify cannot run says why and how (never skipped in silence); its tas
 comes from the run's plan. Real Redis, real `eyrie worker` processes."""
 
 import subprocess
+import time
 
 import redis
 
 from conftest import BIN, eyrie, stop, tiny_run_config, wait_for
+from eyrie import progress
 from eyrie.pipeline import MIN_VERIFY_TOK_S, load_config, verify_skipped
 from eyrie.queue import workers_on
 from eyrie.stages import QUEUES, VERIFY
@@ -68,5 +70,10 @@ def test_verifys_time_budget_grows_with_its_plan(env, tmp_path, monkeypatch):
     small = load_config(tiny_run_config(tmp_path, "s", verify={"prompts": 10, "ks": [3]}))
     large = load_config(tiny_run_config(tmp_path, "l", verify={"prompts": 10, "ks": [3, 5],
                                                                 "benchmarks": ["gsm8k", "mt-bench"]}))
-    assert pipeline.verify_timeout_s(conn, None, small, Manifest) == int(2 * (100 + 3 * 10 * 64 / MIN_VERIFY_TOK_S))
-    assert pipeline.verify_timeout_s(conn, None, large, Manifest) == int(3 * (100 + 3 * 30 * 64 / MIN_VERIFY_TOK_S))
+    assert pipeline.verify_timeout_s(conn, small, Manifest) == int(2 * (100 + 3 * 10 * 64 / MIN_VERIFY_TOK_S))
+    assert pipeline.verify_timeout_s(conn, large, Manifest) == int(3 * (100 + 3 * 30 * 64 / MIN_VERIFY_TOK_S))
+    # a measured generation rate (its progress in Redis) replaces the floor: a far shorter budget
+    progress.report(conn, "s", "generate", "0", started=time.time(), tokens=0)
+    time.sleep(0.2)
+    progress.report(conn, "s", "generate", "0", started=time.time(), tokens=100_000)
+    assert 2 * 100 <= pipeline.verify_timeout_s(conn, small, Manifest) < 2 * (100 + 3 * 10 * 64 / 1000)

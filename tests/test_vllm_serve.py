@@ -17,7 +17,7 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
-from conftest import BIN, ROOT, TINY, eyrie, free_port, tiny_run_config, wait_for
+from conftest import BIN, ROOT, TINY, eyrie, free_port, state_of, tiny_run_config, wait_for
 from eyrie import inference
 from eyrie.gpu import GpuLease, holder
 from eyrie.manifest import Layout
@@ -179,13 +179,7 @@ def vllm_pids(port: int) -> list[int]:
         except OSError:
             return ""
 
-    def parent(pid: str) -> str:
-        try:
-            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]
-        except OSError:
-            return ""
-
     pids = [p for p in os.listdir("/proc") if p.isdigit()]
     servers = {p for p in pids if "vllm.entrypoints" in cmdline(p) and f"--port {port}" in cmdline(p)}
-    children = {p for p in pids if parent(p) in servers}
+    children = {p for p in pids if state_of(int(p), field=3) in servers}
     return sorted(int(p) for p in servers | children)
