@@ -100,14 +100,3 @@ def publish_extract(conn: redis.Redis, endpoint: Endpoint) -> None:
 def read_extract(conn: redis.Redis) -> Endpoint | None:
     raw = conn.get(keys.EXTRACT_ENDPOINT)
     return Endpoint.model_validate(orjson.loads(raw)) if raw else None
-
-
-def wait_extract_ready(conn: redis.Redis, deadline_s: float) -> Endpoint:
-    """The vLLM extraction server once it is ready; a clear error if it isn't by the deadline."""
-    def ready() -> tuple[Endpoint | None, Endpoint | None]:
-        endpoint = read_extract(conn)
-        return (endpoint if endpoint and endpoint.state == "ready" else None), endpoint
-
-    return _wait_ready(ready, deadline_s, "no ready vLLM extraction server",
-                       "start the extract-server service (`eyrie serve-extract`), or set "
-                       "EYRIE_EXTRACT_VLLM_URL to a running one (docs/vllm-extraction.md).")

@@ -13,6 +13,7 @@ import redis
 
 from conftest import BIN, ROOT, TINY, TRAIN_PROMPTS, free_port, stop
 from eyrie import inference, keys
+from eyrie_extractor.server_wait import ServerWait
 from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease, holder
 from eyrie.manifest import (ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
@@ -78,8 +79,8 @@ def test_every_way_eyrie_starts_vllm_finds_the_projects_own_when_none_is_on_path
 
 
 def test_the_extractor_waits_for_a_published_server_and_says_how_to_start_one(redis_url):
-    with pytest.raises(EyrieError, match="start the extract-server service"):
-        inference.wait_extract_ready(redis.Redis.from_url(redis_url), 0.5)
+    with pytest.raises(EyrieError, match="no vLLM extraction server became ready.*eyrie serve-extract"):
+        extract_server_ready(redis.Redis.from_url(redis_url), 0.5)
 
 
 def test_served_under_the_lease_from_the_run_config_and_stopped_once_extracted(redis_url, tmp_path):
@@ -105,7 +106,7 @@ def test_served_under_the_lease_from_the_run_config_and_stopped_once_extracted(r
             time.sleep(0.2)
         assert holder(conn)["holder"]["owner"] == "inference@test"  # never two owners: it waits
         inference_lease.release()  # inference drained and handed over
-        endpoint = inference.wait_extract_ready(conn, 60)
+        endpoint = extract_server_ready(conn, 60)
         assert holder(conn)["holder"]["owner"].startswith("extract-server@")
         assert inference.read(conn) is None or inference.read(conn).name != "extract"  # not an inference endpoint
         assert endpoint.model == str(TINY)
@@ -118,3 +119,8 @@ def test_served_under_the_lease_from_the_run_config_and_stopped_once_extracted(r
         assert "is extracted: stopping vLLM and handing over the GPUs" in log.read_text()
     finally:
         stop(proc)
+
+
+def extract_server_ready(conn, deadline_s: float):
+    """The wait an extract task does (nothing reported, never cancelled)."""
+    return ServerWait(conn, deadline_s, report=lambda text: None, cancelled=lambda: False).ready()
