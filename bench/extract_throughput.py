@@ -624,8 +624,9 @@ def profile_extract(bench: Bench, dtype: str) -> dict:
 
     timer = PhaseTimer()
     patches = [(xs, "save"), (xs, "sample_tensors"), (xs, "load_tokenizer"), (xs, "generated_records"),
-               *((xs.ExtractRunner, name) for name in ("_render_todo", "_collect", "_flush", "_finish", "_write",
-                                                        "_serialize", "_put", "_report"))]
+               *((next((c for c in xs.ExtractRunner.__mro__ if name in vars(c)), xs.ExtractRunner), name)
+                 for name in ("_render_todo", "_collect", "_flush", "_finish", "_write", "_serialize", "_put",
+                              "_report"))]  # where each is defined (_flush, _finish, _report: eyrie.sharded)
     saved = [(obj, name, obj.__dict__[name]) for obj, name in patches if name in obj.__dict__]
     for obj, name, fn in saved:
         setattr(obj, name, timer.wrap(name, fn))

@@ -225,6 +225,7 @@ def main() -> None:
         from eyrie_trainer.runner import TrainRunner
         runner = TrainRunner(Context(load_settings(), redis.Redis(port=port), FileStore(work / "store")),
                              TrainTask(run=RUN))
+        runner.load_plan()
         train_dir, _ = runner._prepare_data()
         argv = runner._argv(train_dir, a.device) + engine.path_flags(engine.SAFE_PATH)
         argv[argv.index("--save-path") + 1], argv[argv.index("--log-dir") + 1] = "SAVE", "LOGS"

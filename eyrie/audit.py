@@ -9,6 +9,9 @@ import orjson
 from pydantic import BaseModel
 
 from eyrie.manifest import Layout, RunManifest, ShardManifest, load_run_manifest
+from eyrie.stages.extract import Extract
+from eyrie.stages.generate import Generate
+from eyrie.stages.train import Train
 
 
 class Figure(BaseModel):
@@ -50,7 +53,7 @@ def _jsonl(data: bytes) -> list[dict]:
 
 
 def _generate(store, manifest: RunManifest, layout: Layout) -> tuple[Figure, dict[int, list[dict]]]:
-    figure, records = Figure(stage="generate"), {}
+    figure, records = Figure(stage=Generate.name), {}
     for plan in manifest.generate_shards:
         ids_in = [r["sample_id"] for r in _jsonl(store.get_verified(plan.input_key, plan.input_sha256))]
         if not store.exists(layout.generate_shard_manifest(plan.index)):
@@ -64,7 +67,7 @@ def _generate(store, manifest: RunManifest, layout: Layout) -> tuple[Figure, dic
 
 def _extract(store, manifest: RunManifest, layout: Layout,
              records: dict[int, list[dict]]) -> tuple[Figure, list[str]]:
-    figure, extracted = Figure(stage="extract"), []
+    figure, extracted = Figure(stage=Extract.name), []
     stored = set(store.list(f"{layout.root}/extract/shards/"))
     for plan in manifest.generate_shards:
         ids_in = [r["sample_id"] for r in records.get(plan.index, []) if r["status"] == "done"]
@@ -84,7 +87,7 @@ def _train(manifest: RunManifest, extracted: list[str]) -> Figure:
     p = manifest.train
     used = p.train_samples + p.heldout_samples
     unique = len(set(extracted))
-    return Figure(stage="train", samples_in=unique, done=min(used, unique) if manifest.drafter else 0,
+    return Figure(stage=Train.name, samples_in=unique, done=min(used, unique) if manifest.drafter else 0,
                   pending=0 if manifest.drafter else unique, duplicated=len(extracted) - unique,
                   lost=max(0, unique - used))
 

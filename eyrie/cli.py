@@ -7,51 +7,17 @@ sample lost or duplicated; 4 `--wait` or `watch` ended with the run cancelled.
 
 from __future__ import annotations
 
-import functools
-import os
 from pathlib import Path
 from typing import Optional
 
-import click
 import orjson
 import typer
 
+from eyrie.cli_app import app, command, context
 from eyrie.cli_options import checked, model_options
 from eyrie.errors import EyrieError
 from eyrie.stages import entry  # services' code by name: eyrie/ imports none
 from eyrie.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="eyrie: prompts + target LLM -> EAGLE-3 drafter.")
-
-def command(func):
-    """Run a command; a user-fixable error becomes one line on stderr and exit code 1. Anything
-    else is a bug of ours: one line too (EYRIE_DEBUG=1 shows the traceback), never a stack trace."""
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        try:
-            return func(*args, **kwargs)
-        except EyrieError as exc:
-            typer.echo(f"eyrie: error: {exc}", err=True)
-            raise typer.Exit(1) from None
-        except (typer.Exit, typer.Abort, click.ClickException, KeyboardInterrupt):
-            raise
-        except Exception as exc:
-            if os.environ.get("EYRIE_DEBUG"):
-                raise
-            typer.echo(f"eyrie: internal error: {type(exc).__name__}: {exc} Fix: rerun with EYRIE_DEBUG=1 "
-                       "for the traceback and report it.", err=True)
-            raise typer.Exit(1) from None
-    return wrapper
-
-
-def _context():
-    from eyrie.config import load_settings
-    from eyrie.queue import connect
-    from eyrie.store import open_store
-
-    settings = load_settings()
-    return settings, connect(settings.redis_url), open_store(settings)
 
 
 @app.command()
@@ -110,20 +76,22 @@ def generate(run: str = typer.Option(..., "--run", help="Run name."),
         return (f"run {run}: {rows} rows in {len(manifest.generate_shards)} shards; "
                 f"{enqueued} tasks enqueued now (store {store.url})")
 
-    _start_alone("generate", run, (GenerateSettings, asked), line, wait, dataset=(DatasetSection, prompts))
+    from eyrie.stages.generate import Generate
+
+    _start_alone(Generate.name, run, (GenerateSettings, asked), line, wait, dataset=(DatasetSection, prompts))
 
 
 def _start_alone(stage: str, run: str, asked: tuple, line, wait: bool, dataset: tuple | None = None) -> None:
     """`eyrie generate|extract|train`: the run's name and the options given checked (by the stage's
     settings model), the stage started through control.start_stage, `line` printed, then `--wait`."""
-    from eyrie.control import start_stage
+    from eyrie.control import await_started, start_stage
     from eyrie.manifest import check_run_name
 
     check_run_name(run)
     request, source = checked(*asked), checked(*dataset) if dataset else None
-    settings, conn, store = _context()
-    manifest, enqueued = start_stage(settings, conn, store, run, stage, request, source)
-    typer.echo(line(manifest, enqueued, store))
+    settings, conn, store = context()
+    started = await_started(conn, store, run, start_stage(settings, conn, store, run, stage, request, source))
+    typer.echo(line(started.manifest, started.enqueued, store))
     if wait:
         _wait(conn, store, run, stage)
 
@@ -151,7 +119,9 @@ def extract(run: str = typer.Option(..., "--run", help="Run name (its generate s
                 f"{p.dtype}: {human(p.projected_bytes)} projected ({p.truncated} truncated); "
                 f"{enqueued} tasks enqueued now")
 
-    _start_alone("extract", run, (ExtractSettings, asked), line, wait)
+    from eyrie.stages.extract import Extract
+
+    _start_alone(Extract.name, run, (ExtractSettings, asked), line, wait)
 
 
 @app.command()
@@ -197,7 +167,9 @@ def train(run: str = typer.Option(..., "--run", help="Run name (its extract stag
                 + (f", at most {p.max_steps} steps" if p.max_steps else "") + f", {vocab}"
                 + (f", from {p.base.source}" if p.base else "") + f"; {enqueued} task enqueued now")
 
-    _start_alone("train", run, (TrainSettings, asked), line, wait)
+    from eyrie.stages.train import Train
+
+    _start_alone(Train.name, run, (TrainSettings, asked), line, wait)
 
 
 @app.command()
@@ -208,7 +180,7 @@ def evaluate(run: str = typer.Option(..., "--run", help="Run name (trained)."),
     from eyrie.manifest import load_run_manifest
 
     done_samples, heldout_ids = entry("eyrie_trainer.data.done_samples"), entry("eyrie_trainer.data.heldout_ids")
-    settings, _, store = _context()
+    settings, _, store = context()
     manifest = load_run_manifest(store, run)
     if manifest.train is None:
         raise EyrieError(f"run {run} has not been trained.", f"run `eyrie train --run {run} --wait` first.")
@@ -230,7 +202,7 @@ def export(run: str = typer.Option(..., "--run", help="Run name (trained)."),
     """Write the run's exported drafter (the best checkpoint) into a directory vLLM loads."""
     from eyrie.manifest import load_run_manifest
 
-    _, _, store = _context()
+    _, _, store = context()
     record = entry("eyrie_trainer.export.download")(store, run, out)
     target = load_run_manifest(store, run).target.model
     typer.echo(f"run {run}: drafter (checkpoint {record['checkpoint']}, tau {record['tau']:.2f} with K={record['k']}, "
@@ -257,7 +229,7 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
     K beside eyrie's, identical outputs, tokens/s with and without at 1 and 8 in flight."""
     from eyrie.pipeline import VerifySection, stored_config
 
-    settings, _, store = _context()
+    settings, _, store = context()
     config = stored_config(store, run)
     given = {"benchmarks": bench, "ks": k, "prompts": prompts, "max_tokens": max_tokens, "serial_prompts": serial_prompts}
     planned = config.verify.model_dump(exclude={"enabled"}) if config else {}
@@ -278,7 +250,7 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
 def materialize(run: str = typer.Argument(..., help="Run name."),
                 out: Path = typer.Argument(..., help="Directory to write (speculators' training layout).")):
     """Copy a run's hidden states from the store into the directory speculators trains from."""
-    _, _, store = _context()
+    _, _, store = context()
     typer.echo(f"{entry('eyrie_trainer.data.materialize')(store, run, out)} samples in {out}")
 
 
@@ -290,21 +262,21 @@ def worker(stage: str = typer.Argument(..., help="generate | extract | train | v
     from eyrie.config import load_settings
     from eyrie.queue import connect, run_worker
     from eyrie.disk import start_reporting
-    from eyrie.stages import QUEUES, TRAIN, VERIFY, preload
+    from eyrie.stages import on_queue_stages, preload, queues
     from eyrie.vllm import available
 
-    if stage not in QUEUES:
-        raise EyrieError(f"unknown stage {stage!r} for a worker.", f"use: eyrie worker {'|'.join(QUEUES)}")
-    settings = load_settings()
-    if stage == VERIFY.queue and not available(settings.vllm_command):
+    if stage not in queues():
+        raise EyrieError(f"unknown stage {stage!r} for a worker.", f"use: eyrie worker {'|'.join(queues())}")
+    settings, stages = load_settings(), on_queue_stages(stage)
+    if any(s.needs_vllm for s in stages) and not available(settings.vllm_command):
         # a verify worker announces that runs may verify here: it must be able to
         raise EyrieError(f"a verify worker needs vLLM, and {settings.vllm_command!r} is not here.",
                          "run it where vLLM is installed (the inference image), or set EYRIE_VLLM_COMMAND to "
                          "vLLM's executable or a Python that has it.")
     preload(stage)
-    if stage == TRAIN.queue:  # its local copy of the hidden states: --plan reads the free space there
+    if any(s.reports_cache for s in stages):  # its local copy of the hidden states: --plan reads the free space
         # on a client of its own: RQ tunes the worker's connections for its blocking dequeue
-        start_reporting(connect(settings.redis_url), TRAIN.queue, settings.cache_dir)
+        start_reporting(connect(settings.redis_url), stage, settings.cache_dir)
     run_worker(connect(settings.redis_url), stage, burst)
 
 
@@ -316,7 +288,7 @@ def status(run: str = typer.Argument(..., help="Run name."),
     from eyrie.display import render_status
     from eyrie.status import run_status
 
-    _, conn, store = _context()
+    _, conn, store = context()
     result = run_status(conn, store, run)
     if as_json:
         typer.echo(result.model_dump_json(indent=2))
@@ -347,15 +319,17 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
         refuse(projection)  # vLLM support, expected bytes over the budget, GPUs: before any GPU work
         return
     refuse_unsupported_config(cfg)  # before Redis is even reached
-    from eyrie.control import pipeline_started, start_pipeline
+    from eyrie.control import pipeline_started, start_and_plan
     from eyrie.queue import connect
     from eyrie.store import open_store
 
     settings = load_settings(model=cfg.target.model)
     conn, store = connect(settings.redis_url), open_store(settings)
-    typer.echo(pipeline_started(start_pipeline(settings, conn, store, cfg)))
-    if wait:
-        _wait(conn, store, cfg.run, "train")
+    typer.echo(pipeline_started(start_and_plan(settings, conn, store, cfg)))
+    if wait:  # until its last stage with a status of its own is done (the drafter exported)
+        from eyrie.stages import PIPELINE
+
+        _wait(conn, store, cfg.run, [s for s in PIPELINE if s.shown][-1].name)
 
 
 @app.command()
@@ -370,7 +344,9 @@ def demo(run: str = typer.Option("demo", help="Run name (the config's is replace
     raise typer.Exit(run_demo(config, run, dataset))
 
 
-from eyrie import cli_control  # noqa: E402,F401  the control commands: api, runs, watch, show, cancel, retry, logs
+# the control commands (api, runs, watch, show, cancel, retry, logs, audit), registered on the same
+# app (eyrie.cli_app) after these, so that `eyrie --help` lists them after the pipeline's
+from eyrie import cli_control  # noqa: E402,F401
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ from typing import Optional
 import orjson
 import typer
 
-from eyrie.cli import _context, app, command
+from eyrie.cli_app import app, command, context
 
 
 def _print_json(obj) -> None:
@@ -37,7 +37,7 @@ def runs(as_json: bool = typer.Option(False, "--json", help="One JSON array.")):
     from eyrie.control import list_runs
     from eyrie.display import runs_table
 
-    _, conn, store = _context()
+    _, conn, store = context()
     listed = list_runs(conn, store)
     if as_json:
         _print_json(listed)
@@ -53,7 +53,7 @@ def watch(run: str = typer.Argument(..., help="Run name."),
     from eyrie.display import render_status, watch_status
     from eyrie.status import overall_state, run_status
 
-    _, conn, store = _context()
+    _, conn, store = context()
     final = watch_status(conn, store, run, interval)
     render_status(run_status(conn, store, run))
     raise typer.Exit({"done": 0, "failed": 3, "cancelled": 4}.get(overall_state(final), 0))
@@ -70,7 +70,7 @@ def show(run: str = typer.Argument(..., help="Run name."),
     from eyrie.display import render_charts, render_manifest
     from eyrie.manifest import load_run_manifest
 
-    _, _, store = _context()
+    _, _, store = context()
     manifest = load_run_manifest(store, run)
     if as_json:
         _print_json(manifest.model_dump())
@@ -83,7 +83,7 @@ def _on_run(action: str, run: str) -> dict:
     """eyrie.control's `{action}_run` (cancel, retry) on the run, as the API calls it."""
     from eyrie import control
 
-    _, conn, store = _context()
+    _, conn, store = context()
     return getattr(control, f"{action}_run")(conn, store, run)
 
 
@@ -113,7 +113,7 @@ def logs(run: str = typer.Argument(..., help="Run name."),
     """The run's recent errors, most recent first (and a block, if the run is blocked)."""
     from eyrie.control import recent_errors
 
-    _, conn, store = _context()
+    _, conn, store = context()
     errors = recent_errors(conn, store, run, limit)
     if as_json:
         _print_json(errors)
@@ -132,7 +132,7 @@ def audit(run: str = typer.Argument(..., help="Run name."),
     from eyrie.audit import audit as audit_run
     from eyrie.audit import clean
 
-    _, _, store = _context()
+    _, _, store = context()
     figures = audit_run(store, run)
     if as_json:
         _print_json([f.model_dump() for f in figures])

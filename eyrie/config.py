@@ -1,14 +1,20 @@
-"""The one configuration object: every EYRIE_* environment variable, validated at start."""
+"""The one configuration object: every EYRIE_* environment variable, validated at start. No other
+module reads an EYRIE_* variable (tests/test_architecture.py checks it): a field here, or
+`Settings.generate_defaults` for the generate settings' host defaults, EYRIE_<FIELD>."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import copy
+import functools
+import os
+from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from eyrie.errors import EyrieError
+from eyrie.stage_settings import GenerateSettings
 from eyrie.vllm import resolve_command
 
 DEFAULT_TINY_MODEL = "assets/tiny-target"
@@ -106,6 +112,26 @@ class Settings(BaseSettings):
     kubernetes_api: str | None = Field(None, description="Kubernetes API server URL (kueue only); unset: the pod's "
                                                          "own service account, in-cluster.")
     kubernetes_namespace: str | None = Field(None, description="Namespace of the GPU Jobs; unset: the pod's own.")
+    job_run: str | None = Field(None, description="The run whose GPU Job this pod is (kueue only): the chart's Job "
+                                                  "template sets it from the Job's annotation.")
+
+    data_dir: str | None = Field(None, description="The S3 bucket's directory on this host (the stack's MinIO "
+                                                   "volume): `eyrie run --plan` reads its free space there when "
+                                                   "neither the store's directory nor the S3 server says it.")
+    debug: bool = Field(False, description="`eyrie` shows the traceback of an internal error (a bug of ours) "
+                                           "instead of one line.")
+
+    def generate_defaults(self) -> GenerateSettings:
+        """This host's defaults of the generate settings a run does not give (a deployment's
+        default, e.g. EYRIE_MAX_RETRIES): EYRIE_<FIELD> for each field of GenerateSettings, read
+        from the environment when asked (a run is planned) and checked by those fields; the ones
+        set are its given (GenerateSettings.with_host_defaults takes them)."""
+        env = {name: value for name in GenerateSettings.model_fields
+               if (value := os.environ.get(f"EYRIE_{name.upper()}"))}
+        try:
+            return GenerateSettings.model_validate(env)
+        except ValidationError as exc:
+            raise _refused(exc, "correct these environment variables.") from None
 
     @field_validator("api_dataset_roots", mode="before")
     @classmethod
@@ -193,16 +219,39 @@ def _shown(loc: tuple, value) -> str:
     return repr(safe_url(value) if isinstance(value, str) else value)
 
 
+def _refused(exc: ValidationError, fix: str) -> EyrieError:
+    """One error listing every bad value by its variable."""
+    lines = []
+    for err in exc.errors():
+        name = "EYRIE_" + "_".join(str(p) for p in err["loc"]).upper()
+        lines.append(f"{name}={_shown(err['loc'], err.get('input'))}: {err['msg']}")
+    return EyrieError("invalid configuration: " + "; ".join(lines), fix)
+
+
 def load_settings(**overrides) -> Settings:
     """Read EYRIE_* from the environment; raise one EyrieError listing every bad value."""
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            name = "EYRIE_" + "_".join(str(p) for p in err["loc"]).upper()
-            lines.append(f"{name}={_shown(err['loc'], err.get('input'))}: {err['msg']}")
-        raise EyrieError(
-            "invalid configuration: " + "; ".join(lines),
-            "correct these environment variables (or flags) and start again.",
-        ) from None
+        raise _refused(exc, "correct these environment variables (or flags) and start again.") from None
+
+
+class _Alone(BaseSettings):
+    model_config = Settings.model_config
+
+
+@functools.cache
+def _alone(name: str) -> type[BaseSettings]:
+    field = Settings.model_fields[name]
+    return create_model(f"Settings_{name}", __base__=_Alone, **{name: (field.annotation, copy.copy(field))})
+
+
+def one_setting(name: str) -> Any:
+    """One field of Settings read alone, by its type and bounds (not for a field with a validator
+    of its own, e.g. vllm_command): where reading them all costs too much (every enqueue asks for
+    the GPU scheduler; Settings takes milliseconds) or the others may be what failed (the CLI's
+    last resort asks for EYRIE_DEBUG). A bad value: one EyrieError naming it."""
+    try:
+        return getattr(_alone(name)(), name)
+    except ValidationError as exc:
+        raise _refused(exc, "correct this environment variable.") from None

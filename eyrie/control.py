@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
-from pathlib import Path
 
 from rq import Worker
 from rq.command import send_command
@@ -14,11 +12,13 @@ from rq.serializers import JSONSerializer
 
 from eyrie import keys
 from eyrie.errors import EyrieError, UnknownRun
-from eyrie.manifest import Layout, now_iso
-from eyrie.pipeline import advance_or_record, config_key, run_job_ids, save_config, start_extract, stored_config
+from eyrie.manifest import Layout, load_run_manifest, now_iso
+from eyrie.planning import await_planning
+from eyrie.pipeline import advance_or_record, config_key, run_job_ids, run_view, save_config, stored_config
 from eyrie.projection import refuse_before_start
-from eyrie.queue import EyrieJob, enqueue, enqueue_task, job_errors, job_state, queue
-from eyrie.stages import FETCH, GENERATE, QUEUES, TRAIN, entry
+from eyrie.queue import EyrieJob, enqueue_task, job_errors, job_state, queue
+from eyrie.stages import PIPELINE, queues, stage, startable
+from eyrie.stages.base import Started
 from eyrie.status import overall_state, run_status
 from eyrie.status_models import RunSummary, StageSummary
 from eyrie.support import refuse_unsupported_config
@@ -28,47 +28,48 @@ log = logging.getLogger("eyrie.control")
 WAITING = {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value}
 
 
-class Cancelled(Exception):
-    """The run was cancelled while a task of it ran in the worker's own process."""
-
-
-class CancelWatch:
-    """Whether the run has been cancelled, asked of Redis at most every `every_s`: tasks that run
-    in the worker process (extract, train) poll it between batches or steps and stop cleanly."""
-
-    def __init__(self, conn, run: str, every_s: float = 2.0):
-        self.conn, self.run, self.every_s = conn, run, every_s
-        self.seen, self._asked = False, 0.0
-
-    def __call__(self) -> bool:
-        if not self.seen and time.monotonic() - self._asked >= self.every_s:
-            self._asked = time.monotonic()
-            self.seen = bool(self.conn.exists(keys.cancelled(self.run)))
-        return self.seen
-
-
 def start_pipeline(settings, conn, store, cfg) -> dict:
-    """What `eyrie run` does (and POST /runs, and `eyrie demo`): keep the config, start generate
-    (and the base drafter's fetch), then let `advance` start whatever stage is next. A rerun continues."""
+    """What `eyrie run` does (and POST /runs, and `eyrie demo`): check the config at once, keep it,
+    enqueue the first stage's planning task (generate: the dataset read on its own queue) and what
+    each stage starts ahead (the base drafter's fetch), then let `advance` start whatever stage is
+    next. A rerun continues. Returns at once: `start_and_plan` also waits for the planning."""
     refuse_unsupported_config(cfg)  # a run the pinned vLLM cannot carry: refused before anything starts
     refuse_before_start(cfg, settings)  # what --plan refuses: expected bytes over the budget, too few GPUs
     save_config(conn, store, cfg)
-    conn.delete(keys.cancelled(cfg.run))
+    conn.delete(keys.cancelled(cfg.run), keys.blocked(cfg.run))  # the user's rerun retries a refusal
+    first = PIPELINE[0]
     try:
-        manifest, enqueued = start_generate(settings, conn, store, cfg.run, cfg.dataset, cfg.generate)
+        started = first.start_alone(settings, conn, store, cfg.run, None, cfg.dataset)
     except EyrieError:
         _forget_unstarted(conn, store, cfg.run)
         raise
-    if cfg.train.base:  # fetched (and checked) by the trainer while the target serves
-        enqueue(conn, FETCH, {"run": cfg.run})
-    stage = advance_or_record(conn, store, cfg.run, retry_blocked=True)
-    return {"run": cfg.run, "rows": manifest.dataset.row_end - manifest.dataset.row_start,
-            "generate_enqueued": enqueued, "started": stage}
+    view = run_view(conn, store, cfg.run)
+    for each in PIPELINE:
+        each.on_pipeline_start(view)
+    stage = advance_or_record(conn, store, cfg.run)
+    return {"run": cfg.run, "planning": started.planning.task_id(cfg.run) if started.planning else None,
+            "started": stage}
+
+
+def start_and_plan(settings, conn, store, cfg) -> dict:
+    """start_pipeline, then its planning task's result: the rows planned and the tasks enqueued."""
+    out = start_pipeline(settings, conn, store, cfg)
+    started = await_started(conn, store, cfg.run, Started(planning=PIPELINE[0].planner))
+    rows = started.manifest.dataset.row_end - started.manifest.dataset.row_start
+    return {**out, "rows": rows, "enqueued": started.enqueued}
+
+
+def await_started(conn, store, run: str, started: Started) -> Started:
+    """A stage whose planning task was enqueued, once planned (its refusal raised)."""
+    if started.planning is None:
+        return started
+    result = await_planning(conn, started.planning, run)
+    return Started(load_run_manifest(store, run), result.get("enqueued", 0))
 
 
 def pipeline_started(out: dict) -> str:
-    """The line `eyrie run` (and `eyrie demo`) prints for what start_pipeline returned."""
-    return (f"run {out['run']}: {out['rows']} rows; {out['generate_enqueued']} generate tasks enqueued now; "
+    """The line `eyrie run` (and `eyrie demo`) prints for what start_and_plan returned."""
+    return (f"run {out['run']}: {out['rows']} rows; {out['enqueued']} {PIPELINE[0].name} tasks enqueued now; "
             + (f"{out['started']} started" if out["started"] else "stages follow by themselves"))
 
 
@@ -79,23 +80,14 @@ def _forget_unstarted(conn, store, run: str) -> None:
         store.delete(config_key(run))
 
 
-def start_stage(settings, conn, store, run: str, stage: str, section, dataset=None):
+def start_stage(settings, conn, store, run: str, name: str, section, dataset=None):
     """One stage on its own (`eyrie generate|extract|train`, POST /runs?stage=), from its section
     of a run config (generate also reads `dataset`): no pipeline is kept, so nothing starts after
-    it by itself. Returns the run manifest and how many tasks were enqueued now."""
-    if stage == "generate":
-        started = start_generate(settings, conn, store, run, dataset, section)
-    elif stage == "extract":
-        started = start_extract(conn, store, run, section)
-    else:
-        started = entry(TRAIN.start)(conn, store, run, section, Path(settings.cache_dir))
-    conn.delete(keys.cancelled(run))
-    return started
-
-
-def start_generate(settings, conn, store, run: str, dataset, generate):
-    """Plan the generate stage (the dataset read, its rows cut into shards) and enqueue its tasks."""
-    return entry(GENERATE.start)(settings, conn, store, run, dataset, generate)
+    it by itself. Returns what it started (`await_started` waits for a planning task)."""
+    if name not in startable():
+        raise EyrieError(f"no stage {name!r} to start on its own.", f"start one of: {', '.join(startable())}.")
+    conn.delete(keys.cancelled(run), keys.blocked(run))  # the user's start retries a refusal
+    return stage(name).start_alone(settings, conn, store, run, section, dataset)
 
 
 def run_names(conn) -> list[str]:
@@ -112,7 +104,7 @@ def list_runs(conn, store) -> list[RunSummary]:
             continue  # started but its manifest is not written yet, or deleted from the store
         summary_fields = set(StageSummary.model_fields)
         runs.append(RunSummary(
-            run=name, created_at=status.created_at, target=status.target["model"], state=overall_state(status),
+            run=name, created_at=status.created_at, target=status.target.get("model"), state=overall_state(status),
             active=conn.sismember(keys.ACTIVE_PIPELINES, name),
             blocked=status.pipeline.blocked if status.pipeline else None, cancelled=status.cancelled,
             stages={k: StageSummary(**s.model_dump(include=summary_fields)) for k, s in status.stages.items()}))
@@ -160,8 +152,8 @@ def _cancel_taken_on(conn, ids: set[str]) -> list[str]:
 def _stop_running(conn, ids: set[str]) -> list[str]:
     """By the workers' own current job (a task a worker took while we cancelled is stopped too)."""
     stopped = []
-    for stage in QUEUES:
-        for worker in Worker.all(queue=queue(conn, stage), serializer=JSONSerializer):
+    for name in queues():
+        for worker in Worker.all(queue=queue(conn, name), serializer=JSONSerializer):
             job_id = worker.get_current_job_id()
             if job_id in ids:
                 send_command(conn, worker.name, "stop-job", job_id=job_id)
@@ -175,13 +167,13 @@ def retry_run(conn, store, run: str) -> dict:
     ids = run_job_ids(store, run)
     conn.delete(keys.cancelled(run), keys.blocked(run))
     requeued = []
-    for stage in QUEUES:
-        q = queue(conn, stage)
+    for name in queues():
+        q = queue(conn, name)
         for registry in (q.failed_job_registry, q.canceled_job_registry):
-            for job_id in set(registry.get_job_ids()) & set(ids[stage]):
+            for job_id in set(registry.get_job_ids()) & set(ids.get(name, [])):
                 registry.requeue(job_id)
                 requeued.append(job_id)
-        requeued += _requeue_stopped_by_cancel(conn, stage, ids[stage])
+        requeued += _requeue_stopped_by_cancel(conn, name, ids.get(name, []))
     started = None
     if stored_config(store, run) is not None:
         conn.sadd(keys.ACTIVE_PIPELINES, run)

@@ -36,7 +36,7 @@ STATE_STYLE = {"done": "green", "in_progress": "yellow", "failed": "red", "pendi
 
 
 def stage_table(status: RunStatus) -> Table:
-    table = Table(title=f"run {status.run}  ·  {status.target['model']}", title_justify="left",
+    table = Table(title=f"run {status.run}  ·  {status.target.get('model', '(being planned)')}", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("stage", "state", "progress", "done/skip/fail", "tokens", "tok/s", "ETA"):
         table.add_column(column, no_wrap=True, justify="left" if column in ("stage", "state", "progress")
@@ -45,7 +45,7 @@ def stage_table(status: RunStatus) -> Table:
         processed = s.done + s.skipped + s.failed
         bar = Progress(BarColumn(bar_width=10), TextColumn("{task.percentage:>3.0f}%"))
         bar.add_task("", total=max(1, s.total), completed=processed)
-        counts = f"step {s.done} of {s.total or '?'}" if name == "train" else \
+        counts = f"step {s.done} of {s.total or '?'}" if isinstance(s, TrainStatus) else \
             f"{s.done}/{s.skipped}/{s.failed} of {s.total}"
         table.add_row(name, f"[{STATE_STYLE.get(s.state, '')}]{s.state}[/]", bar, counts, _si(s.tokens),
                       _si(s.tok_per_s), "-" if s.state == "done" else _eta(s.eta_s))
@@ -59,13 +59,12 @@ def render_status(status: RunStatus) -> None:
     pipeline = status.pipeline
     if pipeline:
         console.print("pipeline: next stages start by themselves"
-                      + (f"; base drafter {pipeline.fetch_state}" if pipeline.fetch_state else ""))
+                      + "".join(f"; {name} {task.state}" for name, task in pipeline.tasks.items()))
         if pipeline.blocked:
             console.print(f"[red]pipeline blocked[/] {pipeline.blocked}")
-        for error in pipeline.fetch_errors:
-            console.print(f"[red]base drafter error[/] {error}")
-        for error in pipeline.plan_extract_errors:
-            console.print(f"[red]extract plan error[/] {error}")
+        for name, task in pipeline.tasks.items():
+            for error in task.errors:
+                console.print(f"[red]{name} error[/] {error}")
     lease = status.gpu_lease
     if lease:
         held = [_lease_line(h) for h in lease.holders or ([lease.holder] if lease.holder else [])]
@@ -153,7 +152,7 @@ def live_progress(conn, store, run: str, stage: str, poll_s: float = 1.0) -> str
                 return "cancelled"
             pipeline = status.pipeline
             if any(s.state == "failed" for s in status.stages.values()) or pipeline and (
-                    pipeline.blocked or "failed" in (pipeline.fetch_state, pipeline.plan_extract_state)):
+                    pipeline.blocked or any(t.state == "failed" for t in pipeline.tasks.values())):
                 return "failed"
             time.sleep(poll_s)
 
@@ -196,7 +195,7 @@ def runs_table(runs: list[RunSummary]) -> None:
         table.add_column(column, no_wrap=column != "target")
     for r in runs:
         stages = "  ".join(f"{name} {_percent(s)}" for name, s in r.stages.items())
-        table.add_row(r.run, f"[{STATE_STYLE.get(r.state, '')}]{r.state}[/]", stages, r.created_at, r.target)
+        table.add_row(r.run, f"[{STATE_STYLE.get(r.state, '')}]{r.state}[/]", stages, r.created_at or "-", r.target or "-")
     console.print(table if runs else "no runs")
 
 

@@ -13,12 +13,13 @@ import orjson
 
 from eyrie import inference, keys
 from eyrie.config import load_settings, safe_url
-from eyrie.control import pipeline_started, start_pipeline
+from eyrie.control import pipeline_started, start_and_plan
 from eyrie.display import console, follow_stage, verify_lines
 from eyrie.manifest import Layout, check_run_name, load_run_manifest
 from eyrie.pipeline import load_config
 from eyrie.queue import connect, job_errors, job_state
-from eyrie.stages import VERIFY
+from eyrie.stages import PIPELINE
+from eyrie.stages.verify import Verify
 from eyrie.store import open_store
 from eyrie.vllm import available
 
@@ -44,9 +45,6 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-WORKERS = {"generate": "generator", "extract": "extractor", "train": "trainer"}  # queue: its log's name
-
-
 def run_demo(config: Path, run: str, dataset: str | None = None) -> int:
     """`eyrie run` on the config (its run name and dataset replaced), with the server and one
     worker per queue started here (a verifier where vLLM is): the pipeline starts each stage by
@@ -58,7 +56,7 @@ def run_demo(config: Path, run: str, dataset: str | None = None) -> int:
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "EYRIE_SERVE_STOP_WHEN_DRAINED": "1",
            # the verifier serves the drafter with vLLM: its CPU KV cache, in GiB
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    workers = {**WORKERS, **({"verify": "verifier"} if available(settings.vllm_command) else {})}
+    workers = {s.queue: s.worker for s in PIPELINE if not s.needs_vllm or available(settings.vllm_command)}
     console.print(f"[bold]eyrie demo[/]: `eyrie run --config {config}` as run {run}: Redis "
                   f"{safe_url(settings.redis_url)}, store {store.url}, target {cfg.target.model} on "
                   f"{SERVERS[settings.server]}; logs in {LOGS}/")
@@ -70,7 +68,7 @@ def run_demo(config: Path, run: str, dataset: str | None = None) -> int:
         inference.wait_ready(conn, 300)
         console.print(f"inference ready in {time.monotonic() - started:.1f} s")
         procs += [start(name, ["worker", queue], env) for queue, name in workers.items()]
-        console.print(pipeline_started(start_pipeline(settings, conn, store, cfg)))
+        console.print(pipeline_started(start_and_plan(settings, conn, store, cfg)))
         return follow(conn, store, cfg)
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -94,9 +92,9 @@ def demo_config(config: Path, run: str, dataset: str | None):
 
 def follow(conn, store, cfg) -> int:
     """Each stage live as the pipeline starts it; then the drafter exported, and vLLM's verdict."""
-    for stage in ("generate", "extract", "train"):
-        code = follow_stage(conn, store, cfg.run, stage)
-        if stage == "generate":
+    for stage in [s for s in PIPELINE if s.shown]:
+        code = follow_stage(conn, store, cfg.run, stage.name)
+        if stage is PIPELINE[0]:
             report(conn, store, cfg.run)
         if code:
             return code
@@ -109,7 +107,7 @@ def follow(conn, store, cfg) -> int:
 def wait_verified(conn, store, run: str, poll_s: float = 2.0) -> int:
     """The verify stage (the verifier serves the drafter with vLLM: two starts, minutes), or why it
     was skipped."""
-    task = VERIFY.task_id(run)
+    task = Verify.work.task_id(run)
     while (result := load_run_manifest(store, run).verify) is None:
         state, blocked = job_state(conn, task), conn.get(keys.blocked(run))
         if state == "canceled" or conn.exists(keys.cancelled(run)):

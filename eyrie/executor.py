@@ -27,11 +27,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from eyrie import progress
 from eyrie.config import Settings, load_settings
-from eyrie.control import Cancelled, CancelWatch
+from eyrie.cancel import Cancelled, CancelWatch
 from eyrie.errors import EyrieError
 from eyrie.gpu_admission import gpu_lease
 from eyrie.queue import Heartbeat, connect, held_task
-from eyrie.stages import STAGES, Stage, entry
+from eyrie.stages import TaskKind, entry, task_kinds
 from eyrie.store import open_store
 
 RUN_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -82,7 +82,7 @@ class StageTask:
     while `run` runs, `lease` (the task lease), `beat` (its heartbeat; `beat.lost`: another worker
     took the task over) and `gpu` (the GPU lease, if `devices` named any) are held for it."""
 
-    stage: ClassVar[Stage]
+    stage: ClassVar[TaskKind]
     Payload: ClassVar[type[RunTask]] = RunTask
     gpu_owner: ClassVar[str] = ""  # the GPU lease's holder in status: "<gpu_owner>@<host>"
     gpu_caches: ClassVar[tuple] = ()  # functools caches of models on the device, emptied before the GPU lease goes
@@ -169,11 +169,11 @@ def _on_device(task: StageTask) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """One task of a stage in this process, by the stage's name (a container's command)."""
     parser = argparse.ArgumentParser(prog="python -m eyrie.executor")
-    parser.add_argument("stage", choices=sorted(STAGES))
+    parser.add_argument("stage", choices=sorted(task_kinds()))
     parser.add_argument("payload", help='the task\'s JSON payload, e.g. \'{"run": "r1", "shard": 0}\'')
     args = parser.parse_args(argv)
     try:
-        result = entry(STAGES[args.stage].func)(json.loads(args.payload))
+        result = entry(task_kinds()[args.stage].func)(json.loads(args.payload))
     except (EyrieError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"eyrie: {exc}", file=sys.stderr)
         return 2

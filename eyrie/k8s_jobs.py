@@ -25,10 +25,6 @@ RUN_LABEL = "eyrie.dev/run"
 RUN_ANNOTATION = "eyrie.dev/run-name"
 GPU_RESOURCE = "nvidia.com/gpu"
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-# The GPU Jobs that serve an RQ stage's tasks, in the order they are created: generate needs the
-# target served; extract through vLLM needs the extraction server (where the chart renders it).
-JOBS_FOR_QUEUE = {"generate": ("serve",), "extract": ("extract-server", "extract"), "train": ("train",),
-                  "verify": ("verify",)}
 
 
 def run_label(run: str, slug_chars: int = 40) -> str:

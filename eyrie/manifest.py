@@ -101,6 +101,9 @@ class Layout:
     def shard_manifest(self, stage: str, shard: int) -> str:
         return getattr(self, f"{stage}_shard_manifest")(shard)
 
+    def parts(self, stage: str, shard: int) -> str:
+        return getattr(self, f"{stage}_parts")(shard)
+
 
 class DatasetRef(BaseModel):
     source: str = Field(description="HF dataset id, or the local file/directory it was read from.")

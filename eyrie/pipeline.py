@@ -10,14 +10,13 @@ from pathlib import Path
 import yaml
 from pydantic import Field, ValidationError, field_validator
 
-from eyrie import keys, progress
+from eyrie import keys
 from eyrie.errors import EyrieError
-from eyrie.k8s_jobs import load_templates
 from eyrie.config import load_settings
 from eyrie.manifest import RUN_NAME, Layout, check_run_name, load_run_manifest
-from eyrie.queue import enqueue, job_state, live_tasks, workers_on
+from eyrie.queue import job_state, live_tasks
 from eyrie.section import Section as _Section
-from eyrie.stages import EXTRACT, FETCH, GENERATE, PLAN_EXTRACT, TRAIN, VERIFY, entry
+from eyrie.stages import PIPELINE, RunView
 from eyrie.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
 from eyrie.store import open_store
 
@@ -179,10 +178,9 @@ def save_config(conn, store, config: RunConfig) -> None:
 def _open_sections(store, run: str) -> set[str]:
     if not store.exists(Layout(run).manifest):
         return set(RunConfig.model_fields)
-    manifest = load_run_manifest(store, run)
+    view = RunView(None, store, run, None, load_run_manifest(store, run))
     # how the target is served changes nothing the run records (a restart with more GPUs, say)
-    return {"serve", "plan"} | {name for name, planned in (("extract", manifest.extract), ("train", manifest.train),
-                                                           ("verify", manifest.verify)) if planned is None}
+    return {"serve", "plan"} | {name for stage in PIPELINE if not stage.planned(view) for name in stage.sections}
 
 
 def stored_config(store, run: str) -> RunConfig | None:
@@ -190,128 +188,65 @@ def stored_config(store, run: str) -> RunConfig | None:
     return RunConfig.model_validate(store.get_json(key)) if store.exists(key) else None
 
 
+def run_view(conn, store, run: str) -> RunView:
+    """The run as its stages read it (its manifest None before it is planned)."""
+    manifest = load_run_manifest(store, run) if store.exists(Layout(run).manifest) else None
+    return RunView(conn, store, run, stored_config(store, run), manifest)
+
+
 def advance(conn, store, run: str) -> str | None:
     """Start the next stage of the run's pipeline if the one before is done; returns its name."""
-    config = stored_config(store, run)
-    if config is None:
+    if stored_config(store, run) is None:
         return None
     with conn.lock(keys.advance_lock(run), timeout=300, blocking_timeout=300):
-        return _next_stage(conn, store, config)
+        return _next_stage(run_view(conn, store, run))
 
 
-def _next_stage(conn, store, config: RunConfig) -> str | None:
-    manifest, layout = load_run_manifest(store, config.run), Layout(config.run)
-    if not all(store.exists(layout.generate_shard_manifest(p.index)) for p in manifest.generate_shards):
-        return None
-    if manifest.extract is None:  # planned by the extractor (it has the tokenizer and the model config)
-        enqueue(conn, PLAN_EXTRACT, {"run": config.run})
-        return "extract"
-    if not _all_extracted(store, manifest, layout):
-        start_extract(conn, store, config.run, config.extract)  # planned: this only enqueues what is missing
-        return "extract"
-    if manifest.drafter is None:
-        # planned by the trainer (which fetches and checks the base drafter in its own cache)
-        enqueue(conn, TRAIN, {"run": config.run, "request": config.train.model_dump()})  # the settings given
-        return "train"
-    if manifest.verify is None:
-        skipped = verify_skipped(conn, config)
-        if skipped is None:
-            enqueue(conn, VERIFY, {"run": config.run}, timeout_s=verify_timeout_s(conn, config, manifest))
-            return "verify"
-        manifest.verify = skipped  # never skipped in silence: the run's status says why and how
-        store.put_json(layout.manifest, manifest.model_dump())
-    conn.srem(keys.ACTIVE_PIPELINES, config.run)  # exported (and verified): the pipeline is done
+def _next_stage(view: RunView) -> str | None:
+    for stage in PIPELINE:
+        if stage.done(view):
+            continue
+        started = stage.start(view)  # idempotent: its planner, or what is missing
+        if stage.done(view):  # done at its start (verify skipped, with the reason recorded)
+            continue
+        return stage.name if started else None
+    view.conn.srem(keys.ACTIVE_PIPELINES, view.run)  # exported (and verified): the pipeline is done
     return None
-
-
-MIN_VERIFY_TOK_S = 5.0  # tokens/s: a floor where generation measured nothing (e.g. a stub server)
-BENCHMARK_PROMPTS_BOUND = 1319  # the largest shipped benchmark (GSM8K test)
-
-
-def generate_tok_s(conn, run: str) -> float | None:
-    """Completion tokens per second over the run's generate stage, as its progress recorded it."""
-    entries = progress.read(conn, run, GENERATE.name).values()
-    started = progress.started_at(conn, run, GENERATE.name)
-    tokens, last = sum(e.get("tokens", 0) for e in entries), max((e.get("updated_at", 0) for e in entries), default=0)
-    return tokens / (last - started) if started and tokens and last > started else None
-
-
-def verify_skipped(conn, config: RunConfig) -> dict | None:
-    """Why the run's verify stage does not run (None: it runs). By default it runs wherever it can:
-    on Kubernetes (a verify Job), or where a worker of the verify queue (which has vLLM) is up."""
-    if config.verify.enabled:
-        return None
-    later = f"later: `eyrie verify --run {config.run}` where vLLM is installed"
-    if config.verify.enabled is False:
-        return {"skipped": "verify.enabled is false in the run config", "fix": later}
-    settings = load_settings()
-    if settings.gpu_scheduler == "kueue":
-        if VERIFY.name in load_templates(settings.kueue_jobs_file).get("stages", {}):
-            return None
-        return {"skipped": "the chart renders no verify Job", "fix": f"set gpuJobs.verify.enabled: true, or {later}"}
-    if workers_on(conn, VERIFY.queue):
-        return None
-    return {"skipped": "no worker of the verify queue is up (it runs where vLLM is installed)",
-            "fix": "start one (`eyrie worker verify`; in the Compose stack, the verifier service) before the "
-                   f"run exports, set verify.enabled: true to wait for one, or {later}"}
-
-
-def verify_timeout_s(conn, config: RunConfig, manifest) -> int:
-    """The verify task's time budget from its plan: per pass (the target alone, then once per K) a
-    vLLM start within the serve deadline and three times its greedy tokens at the rate generation
-    measured (else a floor of MIN_VERIFY_TOK_S); benchmark sets counted at their --prompts cap."""
-    request = config.verify
-    cap = request.prompts or BENCHMARK_PROMPTS_BOUND
-    prompts = min(cap, manifest.train.heldout_samples) + cap * len(request.benchmarks)
-    tokens = prompts * (request.max_tokens or manifest.generate.sampling.max_tokens)
-    measured = generate_tok_s(conn, config.run) or 0.0
-    passes = 1 + max(1, len(request.ks))
-    return int(passes * (load_settings().serve_deadline_s + 3 * tokens / max(measured, MIN_VERIFY_TOK_S)))
 
 
 def drained_run(conn, store) -> str | None:
     """A pipeline whose generation has drained (no generate task queued, scheduled or running, so
     no request in flight) while its later stages still wait: the server may stop and hand over
     the GPUs. None while anything is generating."""
-    if live_tasks(conn, "generate"):
+    first = PIPELINE[0]
+    if live_tasks(conn, first.queue):
         return None
     for run in sorted(m.decode() for m in conn.smembers(keys.ACTIVE_PIPELINES)):
-        try:
-            manifest = load_run_manifest(store, run)
-        except EyrieError:
+        if not store.exists(Layout(run).manifest):
             continue
-        layout = Layout(run)
-        generated = all(store.exists(layout.generate_shard_manifest(p.index)) for p in manifest.generate_shards)
-        if generated and (manifest.drafter is None or manifest.verify is None) and not _stalled(conn, store, run):
+        view = run_view(conn, store, run)
+        if first.done(view) and not all(s.done(view) for s in PIPELINE) and not _stalled(view):
             return run
     return None
 
 
-def _stalled(conn, store, run: str) -> bool:
+def _stalled(view: RunView) -> bool:
     """Blocked, cancelled or with a task failed for good: its later stages wait for a person, not
     for the GPUs (a restarted inference service must not stay down for it)."""
-    if conn.exists(keys.blocked(run), keys.cancelled(run)):
+    if view.conn.exists(keys.blocked(view.run), keys.cancelled(view.run)):
         return True
-    ids = run_job_ids(store, run)
-    return any(job_state(conn, job_id) == "failed" for job_id in ids["extract"] + ids["train"])
+    later = [job for stage in PIPELINE[1:] for job in stage.task_ids(view)]
+    return any(job_state(view.conn, job_id) == "failed" for job_id in later)
 
 
 def run_job_ids(store, run: str) -> dict[str, list[str]]:
     """Every task id the run may have, by queue (raises UnknownRun for an unknown run)."""
-    manifest = load_run_manifest(store, run)
-    shards = [p.index for p in manifest.generate_shards]
-    return {"generate": [GENERATE.task_id(run, i) for i in shards],
-            "extract": [EXTRACT.task_id(run, i) for i in shards] + [PLAN_EXTRACT.task_id(run)],
-            "train": [TRAIN.task_id(run), FETCH.task_id(run)], "verify": [VERIFY.task_id(run)]}
-
-
-def start_extract(conn, store, run: str, extract: ExtractSettings):
-    """Plan the extract stage (or check it against its plan) and enqueue what is missing."""
-    return entry(EXTRACT.start)(conn, store, run, extract)
-
-
-def _all_extracted(store, manifest, layout) -> bool:
-    return all(store.exists(layout.extract_shard_manifest(p.index)) for p in manifest.generate_shards)
+    view = RunView(None, store, run, stored_config(store, run), load_run_manifest(store, run))
+    ids: dict[str, list[str]] = {}
+    for stage in PIPELINE:
+        for job in stage.task_ids(view):
+            ids.setdefault(stage.queue, []).append(job)
+    return ids
 
 
 def on_task_done(job, connection, result, *args, **kwargs) -> None:

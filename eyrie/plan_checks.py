@@ -8,6 +8,7 @@ import math
 
 from eyrie.budget import UNITS, human, length_that_fits, projected_bytes, samples_that_fit
 from eyrie.errors import EyrieError
+from eyrie.stages.generate import Generate
 
 
 def over_budget(p: dict) -> tuple[str, str] | None:
@@ -31,7 +32,7 @@ def over_budget(p: dict) -> tuple[str, str] | None:
                     f"extract.dtype: fp8 ({human(fp8)}, still too big) with " + " or ".join(shorter("fp8")))
     ways += shorter(dtype)
     ways.append(f"extract.budget: {_at_least(expected)} on a disk that holds it")
-    generate = p["hours"]["generate"]["hours"]
+    generate = p["hours"][Generate.name]["hours"]
     after = f" after {generate:,.2f} h of generation" if generate else " after generation"
     return (f"run {p['run']}: the hidden states are expected to need {human(expected)} ({n:,} samples x "
             f"{mean:,} tokens x {shape[0]} states x {shape[1]} x {dtype}) but extract.budget is {human(budget)}: "

@@ -6,7 +6,6 @@ work (eyrie/plan_checks.py). docs/planning.md walks through the seed's case."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from datetime import datetime
@@ -21,7 +20,9 @@ from eyrie.layers import resolve_aux_layers
 from eyrie.manifest import Layout, ShardManifest, load_run_manifest
 from eyrie.pipeline import RunConfig
 from eyrie.plan_checks import budget_verdict, gpu_lines, gpu_plan, over_budget, refuse
-from eyrie.stages import TRAIN
+from eyrie.stages.extract import Extract
+from eyrie.stages.generate import Generate
+from eyrie.stages.train import Train
 from eyrie.store import open_store
 from eyrie.support import architecture, check
 from eyrie.target import text_config
@@ -71,7 +72,7 @@ def project(config: RunConfig, settings, measure: bool = True) -> dict:
     hidden, num_layers, vocab, shape_from, architecture = target_shape(config)
     aux = resolve_aux_layers(config.extract.layers, num_layers)
     n = samples(config)
-    generate = config.generate.with_host_defaults()
+    generate = config.generate.with_host_defaults(settings.generate_defaults())
     max_tokens = generate.max_tokens
     prompt = config.generate.prompt_tokens_estimate
     tokens = n * (prompt + max_tokens)
@@ -161,11 +162,11 @@ def space(config: RunConfig, settings, p: dict) -> dict:
         out["bucket_free"] = shutil.disk_usage(bucket_dir).free
     elif (said := _s3_free(settings)) is not None:
         out["bucket_free"], out["bucket_dir"] = said, f"{settings.store_url} (the S3 server's own figure)"
-    elif data_dir := _existing(os.environ.get("EYRIE_DATA_DIR")):
+    elif data_dir := _existing(settings.data_dir):
         bucket_dir, out["bucket_dir"], out["bucket_free"] = data_dir, str(data_dir), shutil.disk_usage(data_dir).free
     if cache_dir:
         out["trainer_free"] = shutil.disk_usage(cache_dir).free
-    elif reports := reported(settings.redis_url, TRAIN.queue):
+    elif reports := reported(settings.redis_url, Train.queue):
         least = reports[0]  # any trainer may take the run's train task: the one with the least room
         age = max(0.0, time.time() - least["at"])
         several = f"; {len(reports)} trainers, the least free" if len(reports) > 1 else ""
@@ -216,13 +217,13 @@ def hours(config: RunConfig, p: dict) -> dict:
     epochs = config.train.epochs
     trained = n * min(mean, p["lengths"]["train_seq_len"]) * epochs
     measured = p.get("generate_measured")  # once the run has generated, its own rate beats a guess
-    stages = {"generate": _stage(completion, None if measured else config.plan.generate_tokens_per_s, measured,
+    stages = {Generate.name: _stage(completion, None if measured else config.plan.generate_tokens_per_s, measured,
                                  "plan.generate_tokens_per_s"),
-              "extract": _stage(stored, config.plan.extract_tokens_per_s, EXTRACT_FIGURES.get(shape),
+              Extract.name: _stage(stored, config.plan.extract_tokens_per_s, EXTRACT_FIGURES.get(shape),
                                 "plan.extract_tokens_per_s"),
-              "train": _stage(trained, config.plan.train_tokens_per_s, TRAIN_FIGURES.get(shape),
+              Train.name: _stage(trained, config.plan.train_tokens_per_s, TRAIN_FIGURES.get(shape),
                               "plan.train_tokens_per_s")}
-    stages["train"]["epochs"] = epochs
+    stages[Train.name]["epochs"] = epochs
     known = [s["hours"] for s in stages.values()]
     return {**stages, "basis": "upper bound" if p["mean_tokens"] is None else "expected mean",
             "total": None if None in known else round(sum(known), 2)}
@@ -288,9 +289,9 @@ def _length_lines(length: dict) -> list[str]:
 def _hour_lines(p: dict) -> list[str]:
     h = p["hours"]
     lines = [f"  hours ({h['basis']}):"]
-    what = {"generate": f"completion tokens at C={p['concurrency']}", "extract": "tokens stored",
-            "train": f"tokens trained ({h['train']['epochs']} epochs)"}
-    for stage in ("generate", "extract", "train"):
+    what = {Generate.name: f"completion tokens at C={p['concurrency']}", Extract.name: "tokens stored",
+            Train.name: f"tokens trained ({h[Train.name]['epochs']} epochs)"}
+    for stage in what:
         s = h[stage]
         rate = f"{s['tokens_per_s']:,.0f} tok/s ({s['source']})" if s["tokens_per_s"] else s["source"]
         took = f"{s['hours']:,.2f} h" if s["hours"] is not None else "? h"

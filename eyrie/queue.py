@@ -18,7 +18,8 @@ from rq.serializers import JSONSerializer
 from eyrie import keys
 from eyrie.config import safe_url
 from eyrie.errors import EyrieError
-from eyrie.stages import CALLBACKS, GPU_QUEUES, ON_TASK_DONE, QUEUE_PREFIX, TASK_FUNCS, Stage, queue_name
+from eyrie.kueue import dispatch
+from eyrie.task_kinds import CALLBACKS, ON_TASK_DONE, QUEUE_PREFIX, TaskKind, gpu_queues, queue_name, task_funcs
 
 RETRY_INTERVALS_S = [10, 60, 300]
 ADVANCE_TIMEOUT_S = 3600  # planning the next stage reads every record (25k samples: minutes)
@@ -35,7 +36,7 @@ class EyrieJob(Job):
 
     @property
     def func(self):
-        if self.func_name not in TASK_FUNCS or self.instance is not None:
+        if self.func_name not in task_funcs() or self.instance is not None:
             raise RefusedTask(f"{self.func_name!r} is not an eyrie task; refused unexecuted")
         return super().func
 
@@ -114,7 +115,7 @@ def job_errors(conn: redis.Redis, job_ids: list[str], limit: int = 5) -> list[st
 
 
 def enqueue_task(conn: redis.Redis, stage: str, func: str, payload: dict, job_id: str,
-                 timeout_s: int = 48 * 3600) -> bool:
+                 timeout_s: int = 48 * 3600, at_front: bool = False) -> bool:
     """Enqueue one task unless a live one with the same id exists. True if enqueued now.
 
     A job that RQ still lists as started but whose lease is gone belonged to a dead worker:
@@ -127,28 +128,26 @@ def enqueue_task(conn: redis.Redis, stage: str, func: str, payload: dict, job_id
         return False
     if state is not None:
         Job.fetch(job_id, connection=conn, serializer=JSONSerializer).delete()
-    _enqueue(conn, stage, func, payload, job_id, timeout_s)
+    _enqueue(conn, stage, func, payload, job_id, timeout_s, at_front)
     return True
 
 
-def enqueue(conn: redis.Redis, stage: Stage, payload: dict, shard: int = 0, timeout_s: int | None = None) -> bool:
-    """One task of a stage: its queue, function, task id and timeout (given, else the registry's)."""
-    return enqueue_task(conn, stage.queue, stage.func, payload, stage.task_id(payload["run"], shard),
-                        timeout_s=timeout_s or stage.timeout_s)
+def enqueue(conn: redis.Redis, kind: TaskKind, payload: dict, shard: int = 0, timeout_s: int | None = None,
+            at_front: bool = False) -> bool:
+    """One task of a kind: its queue, function, task id and timeout (given, else its kind's);
+    `at_front` for a planning task, so a queue full of long shards does not hold it back."""
+    return enqueue_task(conn, kind.queue, kind.func, payload, kind.task_id(payload["run"], shard),
+                        timeout_s=timeout_s or kind.timeout_s, at_front=at_front)
 
 
-def _enqueue(conn, stage: str, func: str, payload: dict, job_id: str, timeout_s: int) -> None:
+def _enqueue(conn, stage: str, func: str, payload: dict, job_id: str, timeout_s: int, at_front: bool = False) -> None:
     queue(conn, stage).enqueue(
-        func, payload, job_id=job_id, job_timeout=timeout_s, result_ttl=7 * 86400,
+        func, payload, job_id=job_id, job_timeout=timeout_s, result_ttl=7 * 86400, at_front=at_front,
         on_success=Callback(ON_TASK_DONE, timeout=ADVANCE_TIMEOUT_S),
         failure_ttl=30 * 86400, retry=Retry(max=len(RETRY_INTERVALS_S), interval=RETRY_INTERVALS_S),
         description=f"{stage} {job_id}",
     )
-    # on Kubernetes, a GPU stage's Job for Kueue to admit; imported here: gpu_admission imports
-    # this module (it drains the queues)
-    from eyrie.gpu_admission import dispatch
-
-    dispatch(conn, stage, payload.get("run", ""))
+    dispatch(conn, stage, payload.get("run", ""))  # on Kubernetes, a GPU stage's Job for Kueue to admit
 
 
 def _abandoned(conn: redis.Redis, job_id: str) -> bool:
@@ -325,7 +324,7 @@ def run_worker(conn: redis.Redis, stage: str, burst: bool) -> None:
     reclaim_abandoned(conn, stage)
     # GPU stages run tasks in the worker process itself: the model stays loaded between tasks
     # (and CUDA does not survive a fork). The generator forks a work horse per task.
-    worker_class = InProcessWorker if stage in GPU_QUEUES else ForkingWorker
+    worker_class = InProcessWorker if stage in gpu_queues() else ForkingWorker
     worker = worker_class([queue(conn, stage)], connection=conn, serializer=JSONSerializer,
                           job_class=EyrieJob, name=worker_name(stage), maintenance_interval=2 * LEASE_TTL_S,
                           worker_ttl=3 * LEASE_TTL_S)

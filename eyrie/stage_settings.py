@@ -5,10 +5,9 @@ the plan made from them (eyrie.manifest's GenerateParams, ExtractParams, TrainPa
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_serializer, model_validator
 
 from eyrie.budget import parse_size
 from eyrie.errors import EyrieError
@@ -37,16 +36,11 @@ class StageSettings(Section):
         """The settings asked for, by name (not the defaults)."""
         return {name: getattr(self, name) for name in type(self).model_fields if name in self.model_fields_set}
 
-    def with_host_defaults(self):
-        """These settings where a field not given takes this host's default, EYRIE_<FIELD> in the
-        environment (a deployment's default, e.g. EYRIE_MAX_RETRIES); still only the given count as asked."""
-        env = {name: os.environ[f"EYRIE_{name.upper()}"] for name in type(self).model_fields
-               if name not in self.model_fields_set and os.environ.get(f"EYRIE_{name.upper()}")}
-        try:
-            resolved = type(self).model_validate({**env, **self.given()})
-        except ValidationError as exc:
-            bad = "; ".join(f"EYRIE_{str(e['loc'][0]).upper()}={e.get('input')!r}: {e['msg']}" for e in exc.errors())
-            raise EyrieError(f"invalid configuration: {bad}.", "correct these environment variables.") from None
+    def with_host_defaults(self, host: "StageSettings"):
+        """These settings where a field not given takes the host's default: `host`, the settings a
+        deployment sets (eyrie.config.Settings.generate_defaults: EYRIE_<FIELD>, e.g. EYRIE_MAX_RETRIES);
+        still only the given count as asked."""
+        resolved = type(self).model_validate({**host.given(), **self.given()})
         object.__setattr__(resolved, "__pydantic_fields_set__", set(self.model_fields_set))
         return resolved
 

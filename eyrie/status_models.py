@@ -64,14 +64,17 @@ class TrainStatus(StageStatus):
     params: dict = Field(default_factory=dict)
 
 
+class TaskState(BaseModel):
+    state: str
+    errors: list[str] = Field(default_factory=list, description="Last line of each failed attempt's error.")
+
+
 class PipelineStatus(BaseModel):
-    """Set for runs started by `eyrie run`: whether the chain is blocked, and the base drafter's fetch."""
+    """Set for runs started by `eyrie run`: whether the chain is blocked, and the stages' planners
+    and side tasks (e.g. plan-extract, the base drafter's fetch) by task kind, once enqueued."""
 
     blocked: str | None = None
-    fetch_state: str | None = None
-    fetch_errors: list[str] = Field(default_factory=list)
-    plan_extract_state: str | None = None
-    plan_extract_errors: list[str] = Field(default_factory=list)
+    tasks: dict[str, TaskState] = Field(default_factory=dict)
 
 
 class GpuHolder(BaseModel):
@@ -85,7 +88,7 @@ class GpuHolder(BaseModel):
 
 class RunStatus(BaseModel):
     run: str
-    created_at: str
+    created_at: str | None = Field(None, description="When it was planned (None while its planning task runs).")
     target: dict
     dataset: dict
     stages: dict[str, TrainStatus | StageStatus]
@@ -108,8 +111,8 @@ class RunSummary(BaseModel):
     """One line of `GET /runs` and `eyrie runs`."""
 
     run: str
-    created_at: str
-    target: str
+    created_at: str | None = None
+    target: str | None = None
     state: State
     active: bool
     blocked: str | None = None

@@ -148,7 +148,7 @@ def test_cancel_and_retry_a_live_run_with_status_and_metrics(env, api, stub_serv
         retried = requests.post(f"{url}/runs/live/retry", headers=AUTH).json()
         assert set(cancelled["cancelled"]) <= set(retried["requeued"])
         wait_for(lambda: status()["stages"]["generate"]["state"] == "done", timeout=180)
-        wait_for(lambda: status()["pipeline"]["plan_extract_state"] == "queued")  # the pipeline moved on
+        wait_for(lambda: status()["pipeline"]["tasks"]["plan-extract"]["state"] == "queued")  # the pipeline moved on
         final = status()
         assert final["cancelled"] is None and final["stages"]["generate"]["done"] == 40
         [generate] = requests.get(f"{url}/runs/live/audit", headers=AUTH).json()  # cancelled, retried: once each

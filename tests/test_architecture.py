@@ -1,6 +1,7 @@
 """The shape of the code, read from its source (ast; nothing is imported): the shared package
 depends on no service, a service on no other service, project imports stand at the top of their
-module, no source file is over 400 lines, and every function eyrie/ names as text (the stage
+module, the imports of eyrie/ form no circle, no module but eyrie/config.py reads an EYRIE_*
+variable, no source file is over 400 lines, and every function eyrie/ names as text (the stage
 registry, the CLI's `entry` calls) exists."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eyrie.stages import CALLBACKS, STAGES
+from eyrie.stages import CALLBACKS, PIPELINE, task_kinds
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = {"eyrie_generator": "generator", "eyrie_extractor": "extractor", "eyrie_trainer": "trainer",
@@ -22,12 +23,9 @@ MAX_LINES = 400
 # chart and its goldens.
 KNOWN_SERVICE_EDGES = {("services/inference/eyrie_inference/extract_server.py", "eyrie_extractor")}
 # The CLI's command bodies import what they use, so that `eyrie --help` and its errors stay fast.
-LAZY_BY_DESIGN = {"eyrie/cli.py", "eyrie/cli_control.py"}
+LAZY_BY_DESIGN = {"eyrie/cli.py", "eyrie/cli_app.py", "eyrie/cli_control.py"}
 # Project imports kept inside a function, each with its reason.
-KNOWN_IMPORTS_IN_FUNCTIONS = {
-    # gpu_admission imports eyrie.queue at its top (it drains the queues); every enqueue calls its dispatch
-    ("eyrie/queue.py", "eyrie.gpu_admission"),
-}
+KNOWN_IMPORTS_IN_FUNCTIONS: set[tuple[str, str]] = set()
 
 
 def modules(under: str) -> list[Path]:
@@ -110,8 +108,165 @@ def named_entries() -> set[str]:
             and node.args and isinstance(node.args[0], ast.Constant)}
 
 
-@pytest.mark.parametrize("dotted", sorted({s.func for s in STAGES.values()} | {s.start for s in STAGES.values()
-                                                                               if s.start} | CALLBACKS
+@pytest.mark.parametrize("dotted", sorted({k.func for k in task_kinds().values()} | {s.starter for s in PIPELINE
+                                                                                   if s.starter}
+                                          | {s.checker for s in PIPELINE if getattr(s, "checker", None)} | CALLBACKS
                                           | named_entries()))
 def test_every_name_eyrie_uses_for_a_service_function_is_defined(dotted):
     assert _defined(dotted), f"{dotted} is named in eyrie/ but not defined"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(under: str = "eyrie") -> dict[str, set[str]]:
+    """Module -> the project modules it imports, at its top or in a function (relative imports
+    resolved; `from P import m` is P.m where m is a module; a package a module outside it imports
+    through is an edge too: Python runs its __init__ first)."""
+    paths = {module_name(p): p for p in modules(under)}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets.add(base)
+                targets.update(f"{base}.{alias.name}" for alias in node.names)
+        edges = set()
+        for target in filter(None, map(resolve, targets)):
+            parts = target.split(".")
+            edges.update(".".join(parts[:i]) for i in range(1, len(parts) + 1)
+                         if not (name + ".").startswith(".".join(parts[:i]) + "."))
+        graph[name] = {e for e in edges if e in paths and e != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One shortest circle through each group of modules that import each other (Tarjan's strongly
+    connected components), as [a, b, ..., a]."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while v not in group:
+                group.add(stack.pop())
+            on_stack.difference_update(group)
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for group in groups:  # breadth first from its first module back to it
+        start = min(group)
+        parent, frontier = {start: start}, [start]
+        while not (last := [v for v in frontier if start in graph[v]]):
+            step = []
+            for v in frontier:
+                for w in sorted((graph[v] & group) - parent.keys()):
+                    parent[w] = v
+                    step.append(w)
+            frontier = step
+        path = [last[0]]
+        while path[-1] != start:
+            path.append(parent[path[-1]])
+        cycles.append(path[::-1] + [start])
+    return sorted(cycles)
+
+
+def test_the_import_graph_check_sees_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}}
+    assert import_cycles(graph) == [["a", "b", "c", "a"], ["e", "e2", "e"]]
+
+
+def test_eyrie_imports_form_no_circle():
+    """Imports point one way, in functions too: a circle is cut by moving code where it belongs
+    (or a lower module taking what it needs as a parameter), never by importing late."""
+    graph = import_graph("eyrie")
+    assert "eyrie.queue" in graph and graph["eyrie.cli"]  # the graph is read
+    cycles = import_cycles(graph)
+    assert not cycles, "import circles in eyrie/: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+ENVIRON_CALLS = {"get", "getenv"}
+
+
+def eyrie_variables_read(source: str) -> list[tuple[int, str]]:
+    """(line, name) of each EYRIE_* variable the source reads from the environment: os.environ[NAME],
+    os.environ.get(NAME), os.getenv(NAME), NAME in os.environ; NAME a literal, an f-string or a
+    concatenation that starts with it, or a module constant. A dict of its own (a child's env) is not
+    the environment."""
+    tree = ast.parse(source)
+    constants = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                 for target in node.targets if isinstance(target, ast.Name)}
+
+    def text(expr) -> str:
+        if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+            return expr.value
+        if isinstance(expr, ast.JoinedStr) and expr.values:
+            return text(expr.values[0])
+        if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add):
+            return text(expr.left)
+        return constants.get(expr.id, "") if isinstance(expr, ast.Name) else ""
+
+    def environ(expr) -> bool:
+        return getattr(expr, "attr", None) == "environ" or getattr(expr, "id", None) == "environ"
+
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Subscript) and environ(node.value):
+            names = [node.slice]
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            if (getattr(func, "attr", None) == "get" and environ(func.value)) or \
+                    getattr(func, "attr", getattr(func, "id", None)) == "getenv":
+                names = [node.args[0]]
+        elif isinstance(node, ast.Compare) and any(environ(c) for c in node.comparators):
+            names = [node.left]
+        found += [(node.lineno, text(n)) for n in names if text(n).startswith("EYRIE_")]
+    return found
+
+
+def test_the_environment_check_sees_every_way_of_reading():
+    source = ("import os\nfrom os import environ, getenv\nNAME = 'EYRIE_C'\n"
+              "os.environ['EYRIE_A']\nos.environ.get(f'EYRIE_{x}')\nos.getenv('EYRIE_' + x)\ngetenv(NAME)\n"
+              "'EYRIE_B' in os.environ\nenviron.get('EYRIE_D', '')\n"
+              "env = {**os.environ, 'EYRIE_E': '1'}\nenv.get('EYRIE_E')\nos.environ.get('HOME')\n")
+    assert eyrie_variables_read(source) == [(4, "EYRIE_A"), (5, "EYRIE_"), (6, "EYRIE_"), (7, "EYRIE_C"),
+                                            (8, "EYRIE_B"), (9, "EYRIE_D")]
+
+
+def test_only_the_settings_read_eyrie_variables():
+    """Every EYRIE_* variable is a field of eyrie.config.Settings (or, for the generate settings'
+    host defaults, Settings.generate_defaults): typed, documented, validated in one place. Passing
+    an environment to a child process is not reading it."""
+    reads = {f"{rel(p)}:{line}": name for d in ("eyrie", "services") for p in modules(d)
+             if rel(p) != "eyrie/config.py" for line, name in eyrie_variables_read(p.read_text())}
+    assert not reads, f"read EYRIE_* through eyrie.config.Settings, not the environment: {reads}"

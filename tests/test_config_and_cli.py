@@ -17,7 +17,7 @@ def test_defaults_are_the_embedded_default(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     settings = load_settings()
     assert settings.store_url.startswith("file://")
-    generate = GenerateSettings().with_host_defaults()
+    generate = GenerateSettings().with_host_defaults(settings.generate_defaults())
     assert generate.concurrency == 200 and generate.max_tokens == 8192 and generate.request_timeout_s == 1800
 
 
@@ -26,11 +26,35 @@ def test_a_stage_setting_not_given_takes_the_hosts_default(monkeypatch):
     the run gives wins, and the host's default does not count as asked (a rerun is not checked on it)."""
     monkeypatch.setenv("EYRIE_MAX_RETRIES", "1")
     monkeypatch.setenv("EYRIE_MAX_TOKENS", "64")
-    generate = GenerateSettings(max_tokens=32).with_host_defaults()
+    settings = load_settings()
+    assert settings.generate_defaults().given() == {"max_retries": 1, "max_tokens": 64}
+    generate = GenerateSettings(max_tokens=32).with_host_defaults(settings.generate_defaults())
     assert (generate.max_retries, generate.max_tokens) == (1, 32) and generate.given() == {"max_tokens": 32}
     monkeypatch.setenv("EYRIE_CONCURRENCY", "0")
     with pytest.raises(EyrieError, match=r"EYRIE_CONCURRENCY='0': Input should be greater than or equal to 1"):
-        GenerateSettings().with_host_defaults()
+        settings.generate_defaults()
+
+
+def test_an_internal_error_is_one_line_unless_eyrie_debug(monkeypatch, capsys):
+    """A bug of ours: one line; its traceback with EYRIE_DEBUG (Settings.debug, read alone: the
+    rest of the configuration may be what failed); a value that is not a yes or a no asks for it."""
+    import typer
+
+    from eyrie.cli_app import command
+
+    @command
+    def broken():
+        raise RuntimeError("boom")
+
+    monkeypatch.setenv("EYRIE_REDIS_URL", "http://not-redis")  # the rest may be invalid
+    monkeypatch.delenv("EYRIE_DEBUG", raising=False)
+    with pytest.raises(typer.Exit):
+        broken()
+    assert "eyrie: internal error: RuntimeError: boom Fix: rerun with EYRIE_DEBUG=1" in capsys.readouterr().err
+    for value, traceback in (("0", False), ("false", False), ("1", True), ("yes", True), ("please", True)):
+        monkeypatch.setenv("EYRIE_DEBUG", value)
+        with pytest.raises(RuntimeError if traceback else typer.Exit):
+            broken()
 
 
 def test_the_old_name_of_the_request_timeout_still_reads():

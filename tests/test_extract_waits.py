@@ -20,7 +20,7 @@ from rq.serializers import JSONSerializer
 
 from conftest import TINY, eyrie, free_port, wait_for
 from eyrie import inference, keys
-from eyrie.control import Cancelled
+from eyrie.cancel import Cancelled
 from eyrie.errors import EyrieError
 from eyrie_extractor.server_wait import ServerWait, health
 

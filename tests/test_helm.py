@@ -267,7 +267,7 @@ def test_the_environment_is_eyries_own_settings(rendered, monkeypatch):
     host default), and the literal values validate."""
     _, _, _, docs = rendered
     fields = {f"EYRIE_{name.upper()}" for name in (*Settings.model_fields, *GenerateSettings.model_fields)}
-    extra = {"EYRIE_REDIS_PASSWORD", "EYRIE_JOB_RUN"}  # used inside the pod (URL, downward API)
+    extra = {"EYRIE_REDIS_PASSWORD"}  # used inside the pod, in the Redis URL
     templates = gpu_jobs(docs)
     pods = [pod for _, pod in pod_specs(docs)]
     pods += [k8s_jobs.build_job(templates, s, RUNS[0])["spec"]["template"]["spec"] for s in templates["stages"]]
@@ -282,8 +282,8 @@ def test_the_environment_is_eyries_own_settings(rendered, monkeypatch):
             for key, value in env.items():
                 if key.startswith("EYRIE_") and value is not None and key not in extra:
                     monkeypatch.setenv(key, value.replace("$(EYRIE_REDIS_PASSWORD)", "pw"))
-            Settings()  # raises on any value eyrie would refuse at start
-            GenerateSettings().with_host_defaults()  # ... or when it plans a run's generate stage
+            Settings().generate_defaults()  # raises on any value eyrie would refuse at start, or when
+            # it plans a run's generate stage
 
 
 @pytest.mark.parametrize("values, problem", [

@@ -18,6 +18,8 @@ from eyrie.config import load_settings
 from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease, holder
 from eyrie.queue import enqueue_task
+from eyrie.stages import queues
+from eyrie.task_kinds import jobs_for_queue
 from kube_stub import KubeStub
 from test_helm import gpu_jobs, render_text, value_set
 
@@ -102,6 +104,13 @@ def test_extract_reading_the_extraction_server_needs_no_gpu():
 ])
 def test_job_state(status, state):
     assert k8s_jobs.job_state(status) == state
+
+
+def test_the_jobs_dispatched_on_enqueue_are_the_ones_the_stages_declare():
+    """eyrie.queue dispatches on every enqueue through eyrie.kueue, below the stages, from what the
+    stages' task kinds declare: the servers first, then the Job that drains the queue."""
+    assert {q: jobs_for_queue(q) for q in queues()} == {
+        "generate": ("serve",), "extract": ("extract-server", "extract"), "train": ("train",), "verify": ("verify",)}
 
 
 def test_redis_scheduler_is_the_lease_unchanged(redis_url, monkeypatch):
@@ -199,15 +208,15 @@ def test_drained_extraction_stops_the_runs_extraction_server(redis_url, tmp_path
     stub = KubeStub()
     try:
         (tmp_path / "gpu-jobs.json").write_text(json.dumps(chart_templates("seed-8gpu")))
-        settings = load_settings(gpu_scheduler="kueue", kueue_jobs_file=str(tmp_path / "gpu-jobs.json"),
-                                 kubernetes_api=stub.url, extract_vllm_url="http://eyrie-extract-server:8000")
         monkeypatch.setenv("EYRIE_GPU_SCHEDULER", "kueue")
+        monkeypatch.setenv("EYRIE_JOB_RUN", "r1")  # the chart's Job template sets it: the Job's run
+        settings = load_settings(kueue_jobs_file=str(tmp_path / "gpu-jobs.json"),
+                                 kubernetes_api=stub.url, extract_vllm_url="http://eyrie-extract-server:8000")
         conn = redis.Redis.from_url(redis_url)
         admission = gpu_admission.KueueAdmission(settings)
         server = admission.dispatch(conn, "extract-server", "r1")
         other = admission.dispatch(conn, "extract-server", "r2")
-        monkeypatch.setenv("EYRIE_JOB_RUN", "r1")
-        assert gpu_admission.stop_extract_server(settings) == [server]
+        assert gpu_admission.stop_servers(settings, "extract") == [server]
         assert list(stub.jobs) == [other]
     finally:
         stub.close()

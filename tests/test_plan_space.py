@@ -93,6 +93,10 @@ def test_plan_reads_the_buckets_free_space_from_the_s3_server(fake_minio, tmp_pa
     # no trainer reports to this (unreachable) Redis: said, not measured on this container's own disk
     assert plan["space"]["trainer_free"] is None
     assert "the trainer's free space is not known here: no `eyrie worker train` reports it" in out
+    _FakeMinio.info = {"servers": []}  # the S3 server says nothing: the bucket's directory here (EYRIE_DATA_DIR)
+    plan = json.loads(eyrie("run", "--config", path, "--plan", "--json",
+                            env={**env, "EYRIE_DATA_DIR": str(tmp_path)}).stdout)
+    assert plan["space"]["bucket_dir"] == str(tmp_path) and plan["space"]["bucket_free"] > 0
 
 
 def test_the_trainer_reports_its_caches_free_space_and_plan_uses_it(redis_url, s3_server, tmp_path):

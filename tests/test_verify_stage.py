@@ -9,13 +9,14 @@ import redis
 
 from conftest import BIN, eyrie, stop, tiny_run_config, wait_for
 from eyrie import progress
-from eyrie.pipeline import MIN_VERIFY_TOK_S, load_config, verify_skipped
+from eyrie.pipeline import load_config
 from eyrie.queue import workers_on
-from eyrie.stages import QUEUES, VERIFY
+from eyrie.stages import VERIFY, queues
+from eyrie.stages.verify import MIN_VERIFY_TOK_S, verify_skipped, verify_timeout_s
 
 
 def test_verify_has_a_queue_of_its_own():
-    assert VERIFY.queue == "verify" and "verify" in QUEUES  # not the trainer's: its image has no vLLM
+    assert VERIFY.queue == "verify" and "verify" in queues()  # not the trainer's: its image has no vLLM
 
 
 def test_a_verify_worker_refuses_to_start_without_vllm(env):
@@ -70,10 +71,10 @@ def test_verifys_time_budget_grows_with_its_plan(env, tmp_path, monkeypatch):
     small = load_config(tiny_run_config(tmp_path, "s", verify={"prompts": 10, "ks": [3]}))
     large = load_config(tiny_run_config(tmp_path, "l", verify={"prompts": 10, "ks": [3, 5],
                                                                 "benchmarks": ["gsm8k", "mt-bench"]}))
-    assert pipeline.verify_timeout_s(conn, small, Manifest) == int(2 * (100 + 3 * 10 * 64 / MIN_VERIFY_TOK_S))
-    assert pipeline.verify_timeout_s(conn, large, Manifest) == int(3 * (100 + 3 * 30 * 64 / MIN_VERIFY_TOK_S))
+    assert verify_timeout_s(conn, small, Manifest) == int(2 * (100 + 3 * 10 * 64 / MIN_VERIFY_TOK_S))
+    assert verify_timeout_s(conn, large, Manifest) == int(3 * (100 + 3 * 30 * 64 / MIN_VERIFY_TOK_S))
     # a measured generation rate (its progress in Redis) replaces the floor: a far shorter budget
     progress.report(conn, "s", "generate", "0", started=time.time(), tokens=0)
     time.sleep(0.2)
     progress.report(conn, "s", "generate", "0", started=time.time(), tokens=100_000)
-    assert 2 * 100 <= pipeline.verify_timeout_s(conn, small, Manifest) < 2 * (100 + 3 * 10 * 64 / 1000)
+    assert 2 * 100 <= verify_timeout_s(conn, small, Manifest) < 2 * (100 + 3 * 10 * 64 / 1000)

@@ -33,6 +33,7 @@ from aiohttp import web
 from safetensors.torch import save_file
 
 from conftest import TINY, free_port
+from eyrie.config import load_settings
 from eyrie.errors import EyrieError
 from eyrie_extractor.vllm_backend import VllmCapture, VllmCaptureError, connector_env, extract_command, main
 from vllm_real import SMALL, VLLM_PYTHON, start_vllm, stop_vllm, vllm_env
@@ -244,11 +245,19 @@ def test_extract_command_carries_the_layers_and_shared_dir(tmp_path):
         extract_command(str(TINY), [2, 2], shared, num_layers=8)
 
 
-def test_module_prints_the_command(tmp_path, capsys):
+def test_module_prints_the_command(tmp_path, capsys, monkeypatch):
+    """Its vLLM by default: Settings.vllm_command (EYRIE_VLLM_COMMAND), found as every start of vLLM finds it."""
+    monkeypatch.delenv("EYRIE_VLLM_COMMAND", raising=False)
     assert main([str(TINY), "--layers", "2,4,5", "--shared-dir", str(tmp_path), "--port", "9000", "--",
                  "--max-model-len", "512"]) == 0
     printed = shlex.split(capsys.readouterr().out)
-    assert printed == extract_command(str(TINY), [2, 4, 5], tmp_path, 1, 9000, ["--max-model-len", "512"])
+    assert printed == extract_command(str(TINY), [2, 4, 5], tmp_path, 1, 9000, ["--max-model-len", "512"],
+                                      vllm_command=load_settings().vllm_command)
+    monkeypatch.setenv("EYRIE_VLLM_COMMAND", "/opt/vllm/bin/vllm")
+    assert main([str(TINY), "--layers", "2,4,5", "--shared-dir", str(tmp_path)]) == 0
+    assert shlex.split(capsys.readouterr().out)[:2] == ["/opt/vllm/bin/vllm", "serve"]
+    assert main([str(TINY), "--layers", "2,4,5", "--shared-dir", str(tmp_path), "--vllm-command", "vllm"]) == 0
+    assert shlex.split(capsys.readouterr().out)[:2] == ["vllm", "serve"]
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,7 @@ def test_vllm_stops_and_hands_the_gpus_over_when_generation_drains(served, env, 
     assert "generation has drained" in served["log"].read_text()
     status = json.loads(eyrie("status", "handover", "--json", env=env).stdout)
     assert status["stages"]["generate"]["state"] == "done"
-    assert status["pipeline"]["plan_extract_state"] == "queued"  # for the extractor, which has the GPUs now
+    assert status["pipeline"]["tasks"]["plan-extract"]["state"] == "queued"  # for the extractor, which has the GPUs now
     assert status["inference"]["state"] == "stopped"
     extractor.release()
 

@@ -21,7 +21,8 @@ from eyrie.errors import EyrieError, UnknownRun
 from eyrie.manifest import RUN_NAME, load_run_manifest
 from eyrie.pipeline import RunConfig
 from eyrie.queue import connect, task_counts
-from eyrie.stages import QUEUES, STARTABLE
+from eyrie import stages
+from eyrie.stages import PIPELINE, queues, startable
 from eyrie.status import run_status
 from eyrie.status_models import QueueTasks, RunStatus, RunSummary
 from eyrie.store import open_store
@@ -31,8 +32,8 @@ RunName = Annotated[str, Path(pattern=RUN_NAME.pattern, description="Run name.")
 ERRORS = {401: {"description": "No bearer token."}, 403: {"description": "Wrong token, or none configured."}}
 UNKNOWN = {**ERRORS, 404: {"description": "Unknown run."}}
 BAD = {**ERRORS, 400: {"description": "A problem the user can fix (`detail` and `fix`)."}}
-Stage = Literal[STARTABLE]
-QueueName = Literal[QUEUES]
+Stage = Literal[startable()]
+QueueName = Literal[queues()]
 
 
 def create_app(settings=None) -> FastAPI:
@@ -81,14 +82,15 @@ def routes():
         """Start (or continue) a pipeline: the body is the config `eyrie run --config` takes.
         With `?stage=generate|extract|train`, that stage only (nothing follows by itself)."""
         state = request.app.state
-        if stage in (None, "generate"):  # the stages that read the dataset, on this host
+        if "dataset" in (PIPELINE[0] if stage is None else stages.stage(stage)).sections:  # read on this host
             check_dataset_source(config.dataset.source, state.settings.api_dataset_roots)
         settings = state.settings.model_copy(update={"model": config.target.model})
         if stage:
-            _, enqueued = control.start_stage(settings, state.conn, state.store, config.run, stage,
-                                              getattr(config, stage), config.dataset)
-            return {"run": config.run, "stage": stage, "enqueued": enqueued}
-        return control.start_pipeline(settings, state.conn, state.store, config)
+            section = stages.stage(stage).settings_in(config)
+            started = control.start_stage(settings, state.conn, state.store, config.run, stage, section, config.dataset)
+            planning = started.planning.task_id(config.run) if started.planning else None
+            return {"run": config.run, "stage": stage, "enqueued": started.enqueued, "planning": planning}
+        return control.start_pipeline(settings, state.conn, state.store, config)  # planned by its own task
 
     @r.get("/runs/{name}", dependencies=[Depends(can_read)], responses=UNKNOWN, tags=["runs"])
     def status(name: RunName, request: Request) -> RunStatus:

@@ -12,7 +12,7 @@ from eyrie import gpu
 from eyrie.control import run_names
 from eyrie.errors import UnknownRun
 from eyrie.queue import queue, task_counts, workers_on
-from eyrie.stages import QUEUES
+from eyrie.stages import queues
 from eyrie.status import overall_state, run_status
 from eyrie.status_models import RunStatus, StageStatus, TrainStatus
 
@@ -31,7 +31,7 @@ class EyrieCollector:
     def _queues(self):
         jobs = GaugeMetricFamily("eyrie_queue_jobs", "Tasks per queue and state.", labels=["queue", "state"])
         workers = GaugeMetricFamily("eyrie_workers", "Workers listening on a stage's queue.", labels=["queue"])
-        for stage in QUEUES:
+        for stage in queues():
             failed = queue(self.conn, stage).failed_job_registry.count
             for state, count in {**task_counts(self.conn, stage), "failed": failed}.items():
                 jobs.add_metric([stage, state], count)
@@ -82,8 +82,8 @@ def _run_families() -> dict[str, GaugeMetricFamily]:
 
 
 def _acceptance(family: GaugeMetricFamily, run: str, status: RunStatus) -> None:
-    train = status.stages.get("train")
-    drafter = (train.drafter if isinstance(train, TrainStatus) else None) or {}
+    trained = [s for s in status.stages.values() if isinstance(s, TrainStatus)]
+    drafter = (trained[0].drafter if trained else None) or {}
     for source, key in (("eyrie", "tau"), ("vllm", "vllm_acceptance_length")):
         if isinstance(drafter.get(key), (int, float)):
             family.add_metric([run, source], drafter[key])

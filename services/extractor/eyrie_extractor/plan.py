@@ -51,7 +51,7 @@ def start_extract(conn, store, run: str, request: ExtractSettings) -> tuple[RunM
     if manifest.extract is None:
         manifest.extract = _plan(store, manifest, request)
         store.put_json(layout.manifest, manifest.model_dump())
-        progress.reset(conn, run, "extract")
+        progress.reset(conn, run, EXTRACT.name)
     else:
         _check_same(manifest.extract, request)
     enqueued = sum(

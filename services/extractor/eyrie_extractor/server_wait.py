@@ -17,7 +17,7 @@ from collections.abc import Callable
 from urllib.parse import urlparse
 
 from eyrie import inference
-from eyrie.control import Cancelled
+from eyrie.cancel import Cancelled
 from eyrie.errors import EyrieError
 from eyrie.inference import Endpoint
 from eyrie.queue import RETRY_INTERVALS_S, stop_requested

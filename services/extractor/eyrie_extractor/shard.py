@@ -9,8 +9,6 @@ in parts as they land, so a retried task forwards only what is missing; the shar
 from __future__ import annotations
 
 import socket
-import time
-from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 
@@ -19,14 +17,14 @@ import torch
 from safetensors.torch import save
 
 from eyrie.config import Settings
-from eyrie.control import Cancelled
+from eyrie.cancel import Cancelled
 from eyrie.errors import EyrieError
-from eyrie.executor import Context, StageTask, execute, outcomes
+from eyrie.executor import execute
 from eyrie.gpu import pick_device
 from eyrie.gpu_admission import gpu_lease
-from eyrie.manifest import Counts, Layout, ShardManifest, load_run_manifest, now_iso
-from eyrie.partlog import PartLog
+from eyrie.manifest import Counts, ExtractParams
 from eyrie.queue import LEASE_TTL_S
+from eyrie.sharded import ShardedStageTask
 from eyrie.stages import EXTRACT
 from eyrie_extractor.capture import HFCapture, token_budget_batches
 from eyrie_extractor.plan import generated_records, load_tokenizer
@@ -70,31 +68,21 @@ def extractor_gpu_lease(settings: Settings, conn: redis.Redis, device: str):
     return gpu_lease(settings, conn, f"extractor@{socket.gethostname()}", device, caches=(loaded_capture,))
 
 
-class ExtractRunner(StageTask):
-    """One extract shard; the executor (eyrie.executor) holds its leases and checks for its manifest."""
+class ExtractRunner(ShardedStageTask):
+    """One extract shard; the executor (eyrie.executor) holds its leases and checks for its manifest.
+    Its parts, counts and shard manifest are eyrie.sharded's; its own are the forward passes."""
 
     stage, Payload = EXTRACT, ExtractTask
     gpu_owner, gpu_caches = "extractor", (loaded_capture,)
 
-    def __init__(self, ctx: Context, payload: ExtractTask):
-        super().__init__(ctx, payload)
-        self.layout = Layout(self.run_name)
-        self.manifest = load_run_manifest(self.store, self.run_name)
-        self.params = self.manifest.extract
-        self.parts = PartLog(self.store, self.layout.extract_parts(self.shard))
-        self.entries: dict[str, dict] = {}
-        self.pending: list[dict] = []
-
-    def done_key(self) -> str:
-        return self.layout.extract_shard_manifest(self.shard)
+    @property
+    def params(self) -> ExtractParams:
+        return self.manifest.extract
 
     def devices(self) -> str | None:
         # vLLM holds the GPUs itself when it extracts: this worker then needs no lease
         self.device = "cpu" if self.params.backend == "vllm" else pick_device(self.settings.device)
         return self.device if self.device.startswith("cuda") else None  # CPU-only runs need no GPU lease
-
-    def report_waiting(self, what: str) -> None:
-        self._report(waiting_for=what)
 
     def on_cancel(self) -> dict:
         self._report()
@@ -122,9 +110,7 @@ class ExtractRunner(StageTask):
 
     def run(self) -> dict:
         device, gpu = self.device, self.gpu
-        started_at, t0 = now_iso(), time.monotonic()
-        for entry in self.parts.load():
-            self.entries.setdefault(entry["sample_id"], entry)
+        self.resume()
         todo = self._render_todo()
         capture = loaded_capture(self.manifest.target.model, tuple(self.params.aux_layers), device,
                                  self.params.backend, self.params.num_layers, self.params.hidden_size,
@@ -154,14 +140,14 @@ class ExtractRunner(StageTask):
             while in_flight:
                 self._collect(in_flight.pop(0), gpu)
         self._flush()
-        return self._finish(started_at, time.monotonic() - t0)
+        return self._finish()
 
     def _render_todo(self) -> list[dict]:
         tokenizer = load_tokenizer(self.manifest.target.model)
         think = (self.manifest.generate.think_start, self.manifest.generate.think_end)
         todo = []
         for record in generated_records(self.store, self.manifest, self.shard):
-            if record["sample_id"] in self.entries:
+            if record["sample_id"] in self.records:
                 continue
             base = {"sample_id": record["sample_id"], "row": record["row"]}
             try:
@@ -201,41 +187,20 @@ class ExtractRunner(StageTask):
             gpu.renew()
         self._report()
 
-    def _add(self, entry: dict) -> None:
-        self.entries[entry["sample_id"]] = entry
-        self.pending.append(entry)
+    def count_fields(self) -> dict:
+        done = [e for e in self.records.values() if e["status"] == "done"]
+        return {"total": len(self.records), "tokens": sum(e["seq_len"] for e in done),
+                "bytes": sum(e["bytes"] for e in done)}
 
-    def _flush(self) -> None:
-        if self.pending:
-            self.store.put_bytes(self.parts.take_key(), self.parts.encode(self.pending))
-            self.pending = []
+    def manifest_fields(self, records: list[dict], counts: Counts) -> dict:
+        return {"bytes": counts.bytes, "samples": [e for e in records if e["status"] == "done"],
+                "not_done": [{k: e[k] for k in ("sample_id", "status", "reason", "error") if k in e}
+                             for e in records if e["status"] != "done"],
+                "mismatches": sum(1 for e in records if e.get("mismatch")),
+                "truncated": sum(1 for e in records if e.get("truncated"))}
 
-    def _counts(self) -> Counts:
-        statuses = Counter(e["status"] for e in self.entries.values())
-        done = [e for e in self.entries.values() if e["status"] == "done"]
-        return Counts(total=len(self.entries), done=statuses["done"], skipped=statuses["skipped"],
-                      failed=statuses["failed"], tokens=sum(e["seq_len"] for e in done),
-                      bytes=sum(e["bytes"] for e in done))
-
-    def _report(self, final: bool = False, waiting_for: str | None = None) -> None:
-        self.progress.report(**self._counts().model_dump(), final=final, waiting_for=waiting_for)
-
-    def _finish(self, started_at: str, wall: float) -> dict:
-        entries = sorted(self.entries.values(), key=lambda e: e["row"])
-        counts = self._counts()
-        manifest = ShardManifest(
-            run=self.run_name, stage="extract", shard=self.shard, bytes=counts.bytes, counts=counts,
-            **outcomes(entries), started_at=started_at, finished_at=now_iso(), worker=socket.gethostname(),
-            samples=[e for e in entries if e["status"] == "done"],
-            not_done=[{k: e[k] for k in ("sample_id", "status", "reason", "error") if k in e}
-                      for e in entries if e["status"] != "done"],
-            mismatches=sum(1 for e in entries if e.get("mismatch")),
-            truncated=sum(1 for e in entries if e.get("truncated")))
-        self.write_manifest(manifest)
-        self.parts.clear()
-        self._report(final=True)
-        return self.result("done", **counts.model_dump(), wall_s=round(wall, 3),
-                           tok_per_s=round(counts.tokens / max(wall, 1e-9), 1))
+    def result_fields(self, counts: Counts, wall: float) -> dict:
+        return {"tok_per_s": round(counts.tokens / wall, 1)}
 
 
 def run_extract_shard(payload: dict) -> dict:

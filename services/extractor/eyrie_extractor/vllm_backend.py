@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from eyrie.config import load_settings
+from eyrie.errors import EyrieError
 from eyrie.layers import resolve_aux_layers
 from eyrie.vllm import serve_argv
 from eyrie_extractor.plan import target_shape
@@ -259,15 +261,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--vllm-command", default=os.environ.get("EYRIE_VLLM_COMMAND", "vllm"),
-                        help="the vllm executable or a Python with vLLM (default: $EYRIE_VLLM_COMMAND or vllm)")
+    parser.add_argument("--vllm-command", help="the vllm executable or a Python with vLLM (default: "
+                                               "EYRIE_VLLM_COMMAND, else `vllm` on PATH, else the project's .venv-vllm)")
     parser.add_argument("--cpu", action="store_true", help="vLLM's CPU build: use eyrie's CPU-safe connector")
     parser.add_argument("--exec", action="store_true", help="run it instead of printing it")
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
+    try:
+        vllm_command = args.vllm_command or load_settings().vllm_command
+    except EyrieError as exc:
+        print(f"eyrie: {exc}", file=sys.stderr)
+        return 2
     cmd = extract_command(args.model, [int(x) for x in args.layers.split(",")], args.shared_dir,
                           args.tensor_parallel_size, args.port, extra, num_layers=args.num_layers,
-                          host=args.host, vllm_command=args.vllm_command, cpu=args.cpu)
+                          host=args.host, vllm_command=vllm_command, cpu=args.cpu)
     if args.exec:
         Path(args.shared_dir).mkdir(parents=True, exist_ok=True)
         os.execvpe(cmd[0], cmd, connector_env() if args.cpu else dict(os.environ))

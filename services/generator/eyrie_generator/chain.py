@@ -24,29 +24,30 @@ from eyrie.stages import GENERATE
 from eyrie_generator.client import ChatClient
 
 
-def recover_claims(conn, store, manifest, task: str) -> int:
+def recover_claims(conn, store, run: str, task: str) -> int:
     """Requeue the shards an earlier attempt of `task` took on and did not finish (once their
     leases, renewed by that dead attempt, have lapsed)."""
     requeued = 0
     for raw in conn.smembers(keys.generate_claims(task)):
         shard = int(raw)
-        claimed = GENERATE.task_id(manifest.run, shard)
-        if store.exists(Layout(manifest.run).generate_shard_manifest(shard)):
+        claimed = GENERATE.task_id(run, shard)
+        if store.exists(Layout(run).generate_shard_manifest(shard)):
             continue
         lease = task_lease(conn, claimed)
         if lease.acquire(blocking=True):  # waits out a dead holder's lease (LEASE_TTL_S)
             release(lease)
-            requeued += enqueue(conn, GENERATE, {"run": manifest.run, "shard": shard}, shard)
+            requeued += enqueue(conn, GENERATE, {"run": run, "shard": shard}, shard)
     conn.delete(keys.generate_claims(task))
     return requeued
 
 
 class Chain:
-    """One task's lanes over its own shard, then over every shard it can take on."""
+    """One task's lanes over its own shard, then over every shard it can take on. Its rows are
+    read in `run`, not here."""
 
     def __init__(self, first):
         self.first, self.conn, self.beat = first, first.conn, first.beat
-        self.todo = first.prepare()
+        self.todo: list[dict] = []
         self.current, self.rows = first, iter(self.todo)
         self.leases = {}  # the shards taken on (the first one's lease is the executor's)
         self.outstanding = {first.shard: 0}
@@ -58,6 +59,8 @@ class Chain:
         self.no_more = False
 
     async def run(self) -> dict:
+        self.todo = self.first.prepare()
+        self.rows = iter(self.todo)
         t0 = time.monotonic()
         reporter = asyncio.create_task(self._report_loop())
         try:
@@ -73,7 +76,7 @@ class Chain:
             for lease in self.leases.values():
                 self._release(lease)
             # all done: only forgets the list; after an error, requeues what was taken on and not done
-            recover_claims(self.conn, self.first.store, self.first.manifest, self.first.task)
+            recover_claims(self.conn, self.first.store, self.first.run_name, self.first.task)
         own = next(r for r in self.results if r["shard"] == self.first.shard)
         wall = max(1e-9, time.monotonic() - t0)
         return {**own, "wall_s": round(wall, 3), "mean_in_flight": round(self.in_flight_area / wall, 2),
@@ -130,7 +133,7 @@ class Chain:
     def _take_next(self):
         """Take on the next queued shard of the run (None when there is none): out of the queue,
         under its lease, listed under this task, marked started; then its rows to ask for."""
-        first, q = self.first, queue(self.conn, "generate")
+        first, q = self.first, queue(self.conn, GENERATE.queue)
         if first.cancelled():
             return None  # a cancelled run's shards stay where the cancel left them
         for plan in first.manifest.generate_shards:
@@ -155,7 +158,7 @@ class Chain:
             job.set_status(JobStatus.STARTED)
             runner = first.for_shard(plan.index)
             # that task's own earlier attempt may have died on shards it had taken on: requeue them
-            recover_claims(self.conn, first.store, first.manifest, job_id)
+            recover_claims(self.conn, first.store, first.run_name, job_id)
             rows = runner.prepare()
             self.beat.hold(lease)
             self.leases[plan.index], self.outstanding[plan.index] = lease, 0

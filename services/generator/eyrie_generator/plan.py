@@ -1,4 +1,6 @@
-"""Start (or continue) the generate stage of a run: freeze inputs, write the manifest, enqueue.
+"""Plan (or continue) the generate stage of a run: freeze inputs, write the manifest, enqueue.
+Run by its planning task (PlanGenerate, first on the generate queue) after `check_dataset` at the
+edge (the CLI, the API) has checked the dataset at once.
 
 The dataset rows are copied into the store as input shards, so workers on any host need only
 Redis and the store, and a rerun reads exactly the rows the first attempt read.
@@ -17,7 +19,9 @@ from eyrie.errors import EyrieError
 from eyrie.manifest import (GenerateParams, Layout, RunManifest, SamplingParams, ShardPlan, TargetRef,
                             code_version, now_iso)
 from eyrie.queue import enqueue
-from eyrie.stages import GENERATE
+from eyrie import pipeline
+from eyrie.executor import RunTask, StageTask, execute
+from eyrie.stages import GENERATE, PLAN_GENERATE
 from eyrie.stage_settings import DatasetSection, GenerateSettings
 from eyrie.store import Store
 from eyrie.target import check_served, describe
@@ -38,7 +42,8 @@ def start_generate(settings: Settings, conn, store: Store, run: str, source: Dat
         manifest = RunManifest.model_validate(store.get_json(layout.manifest))
         _check_same(manifest, source, request)
     else:
-        manifest = _new_run(settings, conn, store, layout, source, request.with_host_defaults())
+        planned = request.with_host_defaults(settings.generate_defaults())
+        manifest = _new_run(settings, conn, store, layout, source, planned)
     conn.sadd(keys.RUNS, run)  # the runs list: no listing of the store
     enqueued = sum(
         enqueue(conn, GENERATE, {"run": run, "shard": plan.index}, plan.index)
@@ -60,7 +65,7 @@ def _new_run(settings, conn, store, layout, source: DatasetSection, request: Gen
                            target=_target(settings, conn), dataset=ref, generate=generate,
                            generate_shards=shards, input_skips=skips)
     store.put_json(layout.manifest, manifest.model_dump())
-    progress.reset(conn, layout.run, "generate")
+    progress.reset(conn, layout.run, GENERATE.name)
     return manifest
 
 
@@ -136,3 +141,54 @@ def _check_same(manifest: RunManifest, source: DatasetSection, request: Generate
     if problems:
         raise EyrieError(f"run {manifest.run} already exists with other settings: {'; '.join(problems)}.",
                          "rerun with the original settings to continue it, or choose a new --run name.")
+
+
+def check_dataset(source: DatasetSection) -> None:
+    """At once, where a run is started (the CLI, the API): the dataset is reachable and has a
+    usable row; the full read and the shard plan run in the planning task (PlanGenerate)."""
+    _check_usable(dataset.resolve(source.source, source.split, source.revision, source.limit))
+
+
+class PlanGenerateTask(RunTask):
+    """The planning task's payload: for a stage started on its own, what to plan (a pipeline's
+    planner reads its stored config); `model` when the target was named where it was started."""
+
+    dataset: DatasetSection | None = None
+    request: GenerateSettings | None = None
+    model: str | None = None
+
+
+class PlanGenerate(StageTask):
+    """The run's dataset read and cut into input shards in the store, the run manifest written,
+    one generate task per shard enqueued; a rerun checks it against its plan and enqueues what is
+    missing. A refusal blocks the run (shown by status) until the user starts it again. No
+    done-check: a plan made already is checked and its missing shards enqueued again."""
+
+    stage = PLAN_GENERATE
+    Payload = PlanGenerateTask
+
+    def run(self) -> dict:
+        try:
+            settings, source, request = self._what_to_plan()
+            manifest, enqueued = start_generate(settings, self.conn, self.store, self.run_name, source, request)
+        except EyrieError as exc:
+            pipeline.block(self.conn, self.run_name, exc)
+            return self.result("refused", error=exc.problem, fix=exc.fix)
+        return self.result("planned", rows=manifest.dataset.row_end - manifest.dataset.row_start,
+                           shards=len(manifest.generate_shards), enqueued=enqueued)
+
+    def _what_to_plan(self):
+        payload = self.payload
+        if payload.dataset is not None:
+            named = {"model": payload.model} if payload.model else {}
+            return self.settings.model_copy(update=named), payload.dataset, payload.request or GenerateSettings()
+        config = pipeline.stored_config(self.store, self.run_name)
+        if config is None:
+            raise EyrieError(f"run {self.run_name}: nothing to plan (no pipeline config and no dataset given).",
+                             "start it with `eyrie run --config run.yaml` or `eyrie generate --dataset ...`.")
+        return self.settings.model_copy(update={"model": config.target.model}), config.dataset, config.generate
+
+
+def run_plan_generate_task(payload: dict) -> dict:
+    """RQ entry point (generate queue)."""
+    return execute(PlanGenerate, payload)

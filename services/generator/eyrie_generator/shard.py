@@ -8,18 +8,16 @@ its manifest (the proof of completion), then the parts are removed.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
-from collections import Counter
 
 import orjson
 
 from eyrie import inference
 from eyrie.config import parse_endpoints
-from eyrie.control import Cancelled
-from eyrie.executor import Context, StageTask, execute, outcomes
-from eyrie.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest, now_iso
-from eyrie.partlog import PartLog
+from eyrie.cancel import Cancelled
+from eyrie.executor import Context, execute
+from eyrie.manifest import Counts, ShardPlan
+from eyrie.sharded import ShardedStageTask
 from eyrie.stages import GENERATE
 from eyrie.target import same_target
 from eyrie_generator.chain import Chain, recover_claims
@@ -32,50 +30,45 @@ FLUSH_EVERY = 64
 FLUSH_SECONDS = 10.0
 
 
-class ShardRunner(StageTask):
+class ShardRunner(ShardedStageTask):
     """One generate shard (the executor, eyrie.executor, holds its lease and checks for its
-    manifest); its lanes go on to other queued shards of the run (eyrie_generator.chain)."""
+    manifest); its lanes go on to other queued shards of the run (eyrie_generator.chain). Its
+    parts, counts and shard manifest are eyrie.sharded's; its own are the answers."""
 
     stage, Payload = GENERATE, GenerateTask
 
     def __init__(self, ctx: Context, payload: GenerateTask):
         super().__init__(ctx, payload)
-        self.layout = Layout(self.run_name)
-        self.manifest: RunManifest = load_run_manifest(self.store, self.run_name)
-        self.plan = self.manifest.generate_shards[self.shard]
-        self.records: dict[str, dict] = {}
-        self.pending: list[dict] = []
         self.flushes: list[asyncio.Future] = []
         self._last_flush = time.monotonic()
-        self.parts = PartLog(self.store, self.layout.generate_parts(self.shard))
         self.in_flight = 0
         self.in_flight_area = 0.0
         self._last_tick = time.monotonic()
 
-    def recover(self) -> None:
-        recover_claims(self.conn, self.store, self.manifest, self.task)  # shards an earlier, dead attempt had taken on
+    @property
+    def plan(self) -> ShardPlan:
+        return self.manifest.generate_shards[self.shard]
 
-    def done_key(self) -> str:
-        return self.layout.generate_shard_manifest(self.shard)
+    def recover(self) -> None:
+        recover_claims(self.conn, self.store, self.run_name, self.task)  # shards an earlier, dead attempt had taken on
 
     def run(self) -> dict:
         return asyncio.run(Chain(self).run())
 
     def for_shard(self, shard: int) -> "ShardRunner":
         """The runner of another shard of the same run, on the same context (a shard taken on)."""
-        return ShardRunner(self.ctx, GenerateTask(run=self.run_name, shard=shard))
+        return type(self)(self.ctx, GenerateTask(run=self.run_name, shard=shard))
 
     def prepare(self) -> list[dict]:
         """The rows still to answer (a retried task reads its parts back first)."""
-        self.started_at, self._t0 = now_iso(), time.monotonic()
-        self._load_parts()
+        self.resume()
         return [row for row in self._input_rows() if row["sample_id"] not in self.records]
 
     async def close(self) -> dict:
         """Every row has its record: the last part, then the shard and its manifest."""
         self._flush()
         await asyncio.gather(*self.flushes)
-        return await asyncio.to_thread(self._finish, self.started_at)
+        return await asyncio.to_thread(self._finish)
 
     def _input_rows(self) -> list[dict]:
         raw = self.store.get_verified(self.plan.input_key, self.plan.input_sha256)
@@ -89,26 +82,22 @@ class ShardRunner(StageTask):
                 rows.append({"row": row["row"], "sample_id": row["sample_id"], "messages": prompt})
         return rows
 
-    def _load_parts(self) -> None:
-        for record in self.parts.load():
-            self.records.setdefault(record["sample_id"], record)
-
     def budget(self, endpoints: list[inference.Endpoint]) -> PromptBudget:
         lengths = [e.max_model_len for e in endpoints if e.max_model_len]
         return PromptBudget.load(self.manifest.target.model, min(lengths) if lengths else None)
 
     async def answer_one(self, client: ChatClient, budget: "PromptBudget", row: dict) -> None:
         if "skip" in row:
-            return self._add(row, Completion("skipped", reason=row["skip"]))
+            return self._record(row, Completion("skipped", reason=row["skip"]))
         max_tokens = budget.max_tokens(row["messages"], self.manifest.generate.sampling.max_tokens)
         if isinstance(max_tokens, Skip):
-            return self._add(row, Completion("skipped", reason=max_tokens.reason))
+            return self._record(row, Completion("skipped", reason=max_tokens.reason))
         self._tick(+1)
         try:
             result = await client.complete(row["messages"], max_tokens)
         finally:
             self._tick(-1)
-        self._add(row, result)
+        self._record(row, result)
 
     def _tick(self, delta: int) -> None:
         now = time.monotonic()
@@ -131,11 +120,9 @@ class ShardRunner(StageTask):
         if self.cancelled():
             raise Cancelled(self.run_name)
 
-    def _add(self, row: dict, result: Completion) -> None:
-        record = {"sample_id": row["sample_id"], "row": row["row"], "messages": row.get("messages"),
-                  **result.__dict__}
-        self.records[row["sample_id"]] = record
-        self.pending.append(record)
+    def _record(self, row: dict, result: Completion) -> None:
+        self._add({"sample_id": row["sample_id"], "row": row["row"], "messages": row.get("messages"),
+                   **result.__dict__})
         if len(self.pending) >= FLUSH_EVERY:
             self._flush()
 
@@ -145,51 +132,38 @@ class ShardRunner(StageTask):
         for flush in self.flushes:
             if flush.done() and flush.exception():
                 raise flush.exception()  # the store failed: the task fails and is retried
-        if not self.pending:
+        part = self._take_part()
+        if part is None:
             return
-        data, key = self.parts.encode(self.pending), self.parts.take_key()
-        self.pending, self._last_flush = [], time.monotonic()
-        self.flushes.append(asyncio.ensure_future(asyncio.to_thread(self.store.put_bytes, key, data)))
+        self._last_flush = time.monotonic()
+        self.flushes.append(asyncio.ensure_future(asyncio.to_thread(self.store.put_bytes, *part)))
 
     def flush_if_stale(self) -> None:
         if self.pending and time.monotonic() - self._last_flush > FLUSH_SECONDS:
             self._flush()
 
-    def _report(self, final: bool = False, waiting_for: str | None = None) -> None:
-        counts = self._counts()
-        self.progress.report(**counts.model_dump(), in_flight=self.in_flight, final=final,
-                             waiting_for=waiting_for)
+    def progress_fields(self) -> dict:
+        return {"in_flight": self.in_flight}
 
-    def _counts(self) -> Counts:
-        statuses = Counter(r["status"] for r in self.records.values())
-        counts = Counts(total=self.plan.row_end - self.plan.row_start, done=statuses["done"],
-                      skipped=statuses["skipped"], failed=statuses["failed"],
-                      prompt_tokens=sum((r.get("usage") or {}).get("prompt_tokens", 0) or 0
-                                        for r in self.records.values()),
-                      completion_tokens=sum((r.get("usage") or {}).get("completion_tokens", 0) or 0
-                                            for r in self.records.values()))
-        counts.tokens = counts.completion_tokens
-        return counts
+    def count_fields(self) -> dict:
+        records = self.records.values()
+        prompt = sum((r.get("usage") or {}).get("prompt_tokens", 0) or 0 for r in records)
+        completion = sum((r.get("usage") or {}).get("completion_tokens", 0) or 0 for r in records)
+        return {"total": self.plan.row_end - self.plan.row_start, "prompt_tokens": prompt,
+                "completion_tokens": completion, "tokens": completion}
 
-    def _finish(self, started_at: str) -> dict:
-        records = sorted(self.records.values(), key=lambda r: r["row"])
+    def manifest_fields(self, records: list[dict], counts: Counts) -> dict:
+        """The shard itself, every row's record in row order, stored ahead of its manifest."""
         expected = self.plan.row_end - self.plan.row_start
         if len(records) != expected:
             raise RuntimeError(f"shard {self.shard}: {len(records)} records for {expected} rows")
         data = b"".join(orjson.dumps(r) + b"\n" for r in records)
         info = self.store.put_bytes(self.layout.generate_shard(self.shard), data)
-        counts = self._counts()
-        shard_manifest = ShardManifest(
-            run=self.run_name, stage="generate", shard=self.shard, object=info.key, sha256=info.sha256,
-            bytes=info.size, counts=counts, **outcomes(records), started_at=started_at, finished_at=now_iso(),
-            worker=socket.gethostname())
-        self.write_manifest(shard_manifest)
-        self.parts.clear()
-        self._report(final=True)
+        return {"object": info.key, "sha256": info.sha256, "bytes": info.size}
+
+    def result_fields(self, counts: Counts, wall: float) -> dict:
         self._tick(0)
-        wall = max(1e-9, time.monotonic() - self._t0)
-        return self.result("done", **counts.model_dump(), wall_s=round(wall, 3),
-                           mean_in_flight=round(self.in_flight_area / wall, 2))
+        return {"mean_in_flight": round(self.in_flight_area / wall, 2)}
 
 
 def run_generate_shard(payload: dict) -> dict:

@@ -35,7 +35,7 @@ def ensure_plan(conn, store, run: str, request: TrainSettings, cache_dir: Path) 
     if manifest.train is None:
         manifest.train = plan(store, manifest, request, cache_dir)
         store.put_json(layout.manifest, manifest.model_dump())
-        progress.reset(conn, run, "train")
+        progress.reset(conn, run, TRAIN.name)
     else:
         _check_same(manifest.train, request)
     return manifest

@@ -37,19 +37,14 @@ class Interrupted(RuntimeError):
 
 class TrainRunner(StageTask):
     """The run's one train task; the executor (eyrie.executor) holds its leases and checks for
-    the exported drafter's manifest."""
+    the exported drafter's manifest. The constructor reads nothing: the plan (made here when the
+    pipeline asks, a base drafter fetched and checked) is `run`'s, after the done-check."""
 
     stage, Payload, gpu_owner = TRAIN, TrainTask, "trainer"
 
     def __init__(self, ctx: Context, payload: TrainTask):
         super().__init__(ctx, payload)
-        if payload.request is not None:  # the pipeline's train stage: the trainer plans it
-            ensure_plan(self.conn, self.store, self.run_name, payload.request, Path(self.settings.cache_dir))
         self.layout = Layout(self.run_name)
-        self.manifest = load_run_manifest(self.store, self.run_name)
-        self.params = self.manifest.train
-        if self.params is None:
-            raise EyrieError(f"run {self.run_name} has no train plan.", f"run `eyrie train --run {self.run_name}`.")
         self.work = Path(self.settings.cache_dir) / "runs" / self.run_name
         self.live: dict = {"phase": "starting", "step": 0, "tokens": 0, "checkpoints": []}
         self._last_report = 0.0
@@ -64,8 +59,18 @@ class TrainRunner(StageTask):
     def report_waiting(self, what: str) -> None:
         self._report(phase="waiting", waiting_for=what, force=True)
 
+    def load_plan(self) -> None:
+        """The run's train plan (the pipeline's train stage: the trainer makes it, or checks it)."""
+        if self.payload.request is not None:
+            ensure_plan(self.conn, self.store, self.run_name, self.payload.request, Path(self.settings.cache_dir))
+        self.manifest = load_run_manifest(self.store, self.run_name)
+        self.params = self.manifest.train
+        if self.params is None:
+            raise EyrieError(f"run {self.run_name} has no train plan.", f"run `eyrie train --run {self.run_name}`.")
+
     def run(self) -> dict:
         device = self.device
+        self.load_plan()
         self._report(phase="data", force=True)
         try:
             train_dir, eval_dir = self._prepare_data()

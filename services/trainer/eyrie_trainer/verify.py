@@ -44,7 +44,7 @@ def heldout_prompts(store, run: str, cache_dir: Path) -> list[list[int]]:
     """The held-out samples' prompts (the samples eyrie's τ was measured on), in stored order."""
     manifest, samples = load_run_manifest(store, run), done_samples(store, run)
     held = heldout_ids(samples, manifest.train.heldout_samples)
-    folder = cache_dir / "runs" / run / "verify" / "heldout"
+    folder = cache_dir / "runs" / run / VERIFY.name / "heldout"
     folder.mkdir(parents=True, exist_ok=True)
     return prompt_token_ids(store, [s for s in samples if s["sample_id"] in held], folder)
 
@@ -156,7 +156,7 @@ def verify(settings, store, run: str, request: VerifySection | None = None, log=
     sets = {HELDOUT: heldout_prompts(store, run, Path(settings.cache_dir))[:request.prompts],
             **benchmark_prompts(target, request.benchmarks, request.prompts)}
     limits = answer_limits(sets, request.max_tokens or manifest.generate.sampling.max_tokens, max_model_len(flags))
-    logs = Path(settings.cache_dir) / "runs" / run / "verify"
+    logs = Path(settings.cache_dir) / "runs" / run / VERIFY.name
     logs.mkdir(parents=True, exist_ok=True)
     counts = ", ".join(f"{name} {len(p)}" for name, p in sets.items())
     with tempfile.TemporaryDirectory() as tmp:
@@ -250,7 +250,7 @@ class VerifyRunner(StageTask):
     """The pipeline's verify stage (train queue), under the GPU lease: vLLM takes the GPUs, as
     `eyrie serve --server vllm` does, never beside another owner."""
 
-    stage, gpu_owner = VERIFY, "verify"
+    stage, gpu_owner = VERIFY, VERIFY.name
 
     def devices(self) -> str:
         return "all"

@@ -1,0 +1,58 @@
+"""The generate stage: the target answers the dataset's prompts, one task per shard of rows,
+planned by the first task on its own queue (the dataset read, its rows copied into the store as
+input shards) after a cheap check where it is started (the dataset reachable, a usable row)."""
+
+from __future__ import annotations
+
+from eyrie import keys
+from eyrie.queue import enqueue, job_errors, job_state, workers_on
+from eyrie.stages.base import RunView, Started, state_of
+from eyrie.stages.sharded import ShardedStage
+from eyrie.task_kinds import TaskKind, entry
+from eyrie.status_models import StageStatus
+
+
+class Generate(ShardedStage):
+    name = queue = "generate"
+    sections = ("dataset", "generate")
+    planner = TaskKind("plan-generate", "generate", "eyrie_generator.plan.run_plan_generate_task")
+    work = TaskKind("generate", "generate", "eyrie_generator.shard.run_generate_shard", jobs=("serve",))
+    checker = "eyrie_generator.plan.check_dataset"  # at once, where it is started: reachable, a usable row
+    worker, starts_alone = "generator", True
+
+    def planned(self, view: RunView) -> bool:
+        return view.manifest is not None
+
+    def start(self, view: RunView) -> bool:
+        """Its planner enqueues its tasks; a shard that failed for good waits for `eyrie retry`."""
+        if self.planned(view):
+            return False
+        enqueue(view.conn, self.planner, {"run": view.run}, at_front=True)
+        return True
+
+    def start_alone(self, settings, conn, store, run: str, section, dataset=None) -> Started:
+        """Checked here, planned by its planning task (first in its queue). On its own (`section`
+        given) what to plan travels with the task; a pipeline's planner reads the stored config.
+        A rerun plans again: the run checked against its plan, the missing shards enqueued."""
+        entry(self.checker)(dataset)
+        payload = {"run": run}
+        if section is not None:
+            named = settings.model if "model" in settings.model_fields_set else None
+            payload.update(dataset=dataset.model_dump(exclude_unset=True),
+                           request=section.model_dump(exclude_unset=True), model=named)
+        enqueue(conn, self.planner, payload, at_front=True)
+        return Started(planning=self.planner)
+
+    def total(self, view: RunView) -> int:
+        return view.manifest.dataset.row_end - view.manifest.dataset.row_start
+
+    def status(self, view: RunView) -> StageStatus | None:
+        if self.planned(view):
+            return super().status(view)
+        task = self.planner.task_id(view.run)  # the run's first task: its planning, shown as it goes
+        state, refused = job_state(view.conn, task), view.conn.get(keys.blocked(view.run))
+        if state is None:
+            return None
+        errors = [f"{task}: {refused.decode()}"] if refused else job_errors(view.conn, [task])
+        return StageStatus(state="failed" if refused else state_of(0, 1, {state: 1}), jobs={state: 1}, errors=errors,
+                           workers=workers_on(view.conn, self.queue), waiting_for=["planning"])

@@ -1,0 +1,74 @@
+"""The train stage: one task that plans it (the base drafter fetched and checked in the
+trainer's cache), trains the drafter with speculators, evaluates and exports it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eyrie import progress
+from eyrie.charts import chart_series
+from eyrie.queue import enqueue, job_errors, job_state, workers_on
+from eyrie.stages.base import PipelineStage, RunView, Started, state_of
+from eyrie.task_kinds import TaskKind, entry
+from eyrie.status_models import TrainStatus
+
+
+class Train(PipelineStage):
+    name = queue = "train"
+    sections = ("train",)
+    work = TaskKind("train", "train", "eyrie_trainer.runner.run_train_task", gpu=True, timeout_s=7 * 24 * 3600,
+                    jobs=("train",))
+    # the base drafter, fetched and checked by the trainer while the target still serves
+    side_tasks = (TaskKind("fetch", "train", "eyrie_trainer.plan.run_fetch_task"),)
+    starter = "eyrie_trainer.plan.start_train"
+    worker, starts_alone = "trainer", True
+    reports_cache = True  # its local copy of the hidden states
+
+    def planned(self, view: RunView) -> bool:
+        return view.manifest is not None and view.manifest.train is not None
+
+    def done(self, view: RunView) -> bool:
+        return view.manifest is not None and view.manifest.drafter is not None
+
+    def enqueue_work(self, view: RunView) -> None:
+        # planned by the trainer from the settings given (it fetches and checks the base drafter)
+        enqueue(view.conn, self.work, {"run": view.run, "request": view.config.train.model_dump()})
+
+    def on_pipeline_start(self, view: RunView) -> None:
+        if view.config.train.base:
+            enqueue(view.conn, self.side_tasks[0], {"run": view.run})
+
+    def start_alone(self, settings, conn, store, run: str, section, dataset=None) -> Started:
+        return Started(*entry(self.starter)(conn, store, run, section, Path(settings.cache_dir)))
+
+    def status(self, view: RunView) -> TrainStatus | None:
+        return train_status(view, self) if self.planned(view) else None
+
+
+def train_status(view: RunView, stage: Train) -> TrainStatus:
+    """The one training task: steps as its progress, the latest loss and per-TTT-step accuracy,
+    checkpoints, τ per checkpoint once evaluated, the exported drafter, and the charts' series."""
+    conn, store, manifest, layout = view.conn, view.store, view.manifest, view.layout
+    live = progress.read(conn, view.run, stage.name).get("0", {})
+    job = stage.work.task_id(view.run)
+    state = job_state(conn, job) or "missing"
+    done = manifest.drafter is not None
+    total, step = live.get("total_steps") or 0, live.get("step", 0)
+    elapsed = max(1e-6, live.get("updated_at", 0) - live.get("started", 0))
+    steps_this_attempt = step - live.get("resumed_at_step", 0)
+    rate = steps_this_attempt / elapsed if steps_this_attempt > 0 else None
+    evaluation, curve = (store.get_json(key) if store.exists(key) else None
+                         for key in (layout.evaluation, layout.train_curve))
+    return TrainStatus(
+        state="done" if done else state_of(0, 1, {state: 1}, step),
+        total=total, done=step, tokens=live.get("tokens", 0),
+        tok_per_s=round(live.get("tokens", 0) / elapsed, 1) if live.get("tokens") else None,
+        eta_s=0.0 if done else (round((total - step) / rate, 1) if rate and total else None),
+        phase="done" if done else live.get("phase", "pending"), epoch=live.get("epoch"),
+        epochs=manifest.train.epochs, loss=live.get("loss"), val_loss=live.get("val_loss"),
+        acc=live.get("acc"), path=live.get("path"), notes=live.get("notes", []),
+        checkpoints=live.get("checkpoints", []), evaluation=evaluation, drafter=manifest.drafter,
+        verify=manifest.verify, charts=chart_series(evaluation, manifest.verify, curve),
+        waiting_for=[live["waiting_for"]] if live.get("waiting_for") and live.get("phase") == "waiting" else [],
+        workers=workers_on(conn, stage.queue), errors=job_errors(conn, [job]), jobs={state: 1},
+        params=manifest.train.model_dump())

@@ -1,0 +1,116 @@
+"""A stage task's constructor reads, plans, fetches and loads nothing: the run manifest, the train
+plan, a base drafter's download and the models are `run`'s, after the executor's done-check and
+under the task lease (eyrie.executor.execute). On real Redis and a real store (a local directory)."""
+
+import socket
+
+import pytest
+import redis
+
+from conftest import TINY
+from eyrie.config import load_settings
+from eyrie.errors import EyrieError
+from eyrie.executor import Context, execute
+from eyrie.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
+                            ShardManifest, ShardPlan, TargetRef, code_version, load_run_manifest, now_iso)
+from eyrie.store import open_store
+from eyrie_extractor.plan import PlanExtract
+from eyrie_extractor.shard import ExtractRunner
+from eyrie_generator.shard import ShardRunner
+from eyrie_trainer.plan import FetchBase
+from eyrie_trainer.runner import TrainRunner
+from eyrie_trainer.verify import VerifyRunner
+
+pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
+
+RUN = "ctor"
+STAGE_TASKS = {  # every stage class with a payload of hers
+    "generate": (ShardRunner, {"run": RUN, "shard": 0}),
+    "extract": (ExtractRunner, {"run": RUN, "shard": 1}),
+    "train": (TrainRunner, {"run": RUN}),
+    "train-planned-by-the-trainer": (TrainRunner, {"run": RUN, "request": {"base": "{missing}", "epochs": 1}}),
+    "verify": (VerifyRunner, {"run": RUN}),
+    "plan-extract": (PlanExtract, {"run": RUN}),
+    "fetch": (FetchBase, {"run": RUN}),
+}
+
+
+@pytest.fixture
+def ctx(env, tmp_path, monkeypatch) -> Context:
+    monkeypatch.setenv("EYRIE_CACHE_DIR", str(tmp_path / "cache"))
+    settings = load_settings()
+    return Context(settings, redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(settings))
+
+
+def payload_of(name: str, tmp_path) -> dict:
+    """The stage's payload; a base drafter that does not exist (fetching it would fail)."""
+    payload = dict(STAGE_TASKS[name][1])
+    if "request" in payload:
+        payload["request"] = {**payload["request"], "base": str(tmp_path / "no-such-base-drafter")}
+    return payload
+
+
+def extracted_run(store) -> None:
+    """A run whose extract is finished and whose train is not planned yet: planning it now would
+    fetch its base drafter."""
+    layout = Layout(RUN)
+    plans = [ShardPlan(index=0, row_start=0, row_end=3, input_key=layout.generate_input(0), input_sha256="0" * 64)]
+    manifest = RunManifest(
+        run=RUN, created_at=now_iso(), code_version=code_version(), generate_shards=plans,
+        target=TargetRef(model=str(TINY), revision="r", chat_template_sha256=None, server="transformers"),
+        dataset=DatasetRef(source="synthetic", kind="jsonl", revision="0" * 64, row_end=3),
+        generate=GenerateParams(sampling=SamplingParams(max_tokens=16), concurrency=1, request_timeout_s=60.0,
+                                max_retries=0, shard_size=3),
+        extract=ExtractParams(backend="hf", aux_layers=[2, 4, 5], dtype="bf16", max_length=None, num_layers=8,
+                              hidden_size=64, samples=3, tokens=48, truncated=0, projected_bytes=1, budget_bytes=None))
+    store.put_json(layout.manifest, manifest.model_dump())
+    samples = [{"sample_id": f"s{row}", "row": row, "status": "done", "key": layout.extract_sample(0, f"s{row}"),
+                "sha256": "0" * 64, "bytes": 1, "seq_len": 16, "prompt_len": 4, "source": "template",
+                "mismatch": False, "truncated": False} for row in range(3)]
+    counts = Counts(total=3, done=3, tokens=48, bytes=3)
+    store.put_json(layout.extract_shard_manifest(0), ShardManifest(
+        run=RUN, stage="extract", shard=0, bytes=3, counts=counts, skip_reasons={}, failure_errors={},
+        started_at=now_iso(), finished_at=now_iso(), worker=socket.gethostname(), samples=samples).model_dump())
+
+
+@pytest.mark.parametrize("name", sorted(STAGE_TASKS))
+def test_constructing_a_stage_task_reads_and_writes_nothing(ctx, tmp_path, name):
+    """An empty store (no run manifest, no plan) and a base drafter that does not exist: the
+    constructor and the done-check stand; neither the store nor Redis is touched."""
+    stage_class = STAGE_TASKS[name][0]
+    before = set(ctx.conn.keys())
+    task = stage_class(ctx, stage_class.Payload.model_validate(payload_of(name, tmp_path)))
+    done = task.done_key()
+    assert done is None or not ctx.store.exists(done)
+    assert ctx.store.list("") == [] and set(ctx.conn.keys()) == before
+    assert not (tmp_path / "cache").exists()  # nothing fetched, converted or materialized
+
+
+@pytest.mark.parametrize("name", ["generate", "extract"])
+def test_a_done_shard_returns_at_once_without_reading_the_run(ctx, tmp_path, name):
+    """Its shard manifest is stored: `already_done`, the run manifest never read (none is stored)."""
+    stage_class, payload = STAGE_TASKS[name]
+    task = stage_class(ctx, stage_class.Payload.model_validate(payload))
+    ctx.store.put_json(task.done_key(), {"done": True})
+    assert execute(stage_class, payload, ctx) == {"shard": payload["shard"], "status": "already_done"}
+    assert ctx.store.list("") == [task.done_key()]
+
+
+@pytest.mark.parametrize("name", ["train", "train-planned-by-the-trainer"])
+def test_a_trained_run_returns_at_once_without_planning_or_fetching(ctx, tmp_path, name):
+    """The drafter's manifest is stored: `already_done`, though the train plan is still to make
+    and its base drafter cannot be had (planning or fetching first would fail the task)."""
+    stage_class, payload = STAGE_TASKS[name][0], payload_of(name, tmp_path)
+    extracted_run(ctx.store)
+    ctx.store.put_json(Layout(RUN).drafter_manifest, {"done": True})
+    assert execute(stage_class, payload, ctx) == {"status": "already_done"}
+    assert load_run_manifest(ctx.store, RUN).train is None  # no plan made
+    assert not (tmp_path / "cache").exists()
+
+
+def test_the_trainer_plans_under_the_task_lease_and_a_missing_base_fails_it_there(ctx, tmp_path):
+    """Not done: the plan is made in `run`, where fetching the missing base drafter is refused."""
+    extracted_run(ctx.store)
+    with pytest.raises(EyrieError, match="no such directory"):
+        execute(TrainRunner, payload_of("train-planned-by-the-trainer", tmp_path), ctx)
+    assert load_run_manifest(ctx.store, RUN).train is None
