@@ -5,12 +5,13 @@ first, so the user's command still answers at once. The task lease makes it run 
 
 from __future__ import annotations
 
+import logging
 import time
 
 from rq.serializers import JSONSerializer
 
 from eyrie.errors import EyrieError
-from eyrie.queue import EyrieJob, InProcessWorker, job_errors, job_state, queue, workers_on
+from eyrie.queue import EyrieJob, InProcessWorker, job_errors, job_state, queue, task_result, workers_on
 from eyrie.task_kinds import TaskKind
 
 PICKUP_S = 10.0
@@ -26,7 +27,7 @@ def await_planning(conn, kind: TaskKind, run: str, pickup_s: float = PICKUP_S, p
             continue
         time.sleep(poll_s)
     if state == "finished":
-        result = EyrieJob.fetch(task, connection=conn, serializer=JSONSerializer).return_value() or {}
+        result = task_result(conn, task)
         if result.get("status") == "refused":
             raise EyrieError(result["error"], result.get("fix", ""))
         return result
@@ -36,11 +37,15 @@ def await_planning(conn, kind: TaskKind, run: str, pickup_s: float = PICKUP_S, p
 
 
 def _run_here(conn, kind: TaskKind, task: str) -> None:
+    """The one task, as a worker of its queue would run it (its state, result and callback in RQ);
+    its log lines are a worker's: here the caller prints its result."""
     q = queue(conn, kind.queue)
     job = EyrieJob.fetch(task, connection=conn, serializer=JSONSerializer)
     worker = InProcessWorker([q], connection=conn, serializer=JSONSerializer, job_class=EyrieJob)
     worker.register_birth()
+    logging.disable(logging.WARNING)
     try:
         worker.execute_job(job, q)
     finally:
+        logging.disable(logging.NOTSET)
         worker.register_death()

@@ -99,6 +99,14 @@ def job_state(conn: redis.Redis, job_id: str) -> str | None:
     return status.value if status else None
 
 
+def task_result(conn: redis.Redis, job_id: str) -> dict:
+    """A finished task's result ({} when it has none, or is gone)."""
+    try:
+        return EyrieJob.fetch(job_id, connection=conn, serializer=JSONSerializer).return_value() or {}
+    except Exception:  # NoSuchJobError, or a payload that is not ours
+        return {}
+
+
 def workers_on(conn: redis.Redis, stage: str) -> int:
     return Worker.count(queue=queue(conn, stage))
 

@@ -96,7 +96,7 @@ def test_the_api_reads_local_datasets_only_under_its_roots(env, api, stub_server
     assert hub.status_code == 400 and "EYRIE_API_DATASET_ROOTS" not in hub.json()["detail"]  # offline: no hub
     inside = requests.post(f"{url}/runs?stage=generate", json=run_config("in", prompts(allowed / "p.jsonl", 3)),
                            headers=AUTH)
-    assert inside.status_code == 202 and inside.json()["enqueued"] == 1
+    assert inside.status_code == 202 and inside.json()["planning"] == "plan-generate-in-00000"
     closed = api(EYRIE_API_DATASET_ROOTS="")  # the default: no local dataset through the API
     refused = requests.post(f"{closed}/runs", json=run_config("in2", str(allowed / "p.jsonl")), headers=AUTH)
     assert refused.status_code == 400 and "EYRIE_API_DATASET_ROOTS (none set" in refused.json()["detail"]
@@ -132,8 +132,8 @@ def test_cancel_and_retry_a_live_run_with_status_and_metrics(env, api, stub_serv
     url = api(EYRIE_INFERENCE_URL=stub, EYRIE_SERVER="vllm")
     started = requests.post(f"{url}/runs", json=run_config("live", prompts(tmp_path / "p.jsonl", 40),
                                                            shard_size=4), headers=AUTH)
-    assert started.status_code == 202 and started.json()["generate_enqueued"] == 10
-    worker = start_worker(env, burst=False)
+    assert started.status_code == 202 and started.json()["planning"] == "plan-generate-live-00000"
+    worker = start_worker(env, burst=False)  # plans the run (the first task on its queue), then generates
     try:
         status = lambda: requests.get(f"{url}/runs/live", headers=AUTH).json()  # noqa: E731
         wait_for(lambda: status()["stages"]["generate"]["shards_done"] >= 1)
@@ -247,8 +247,13 @@ def test_one_stage_only(env, api, stub_server, tmp_path):
     early = requests.post(f"{url}/runs?stage=extract", json=body, headers=AUTH)
     assert early.status_code == 404 and "unknown run 'single'" in early.json()["detail"]
     started = requests.post(f"{url}/runs?stage=generate", json=body, headers=AUTH)
-    assert started.status_code == 202 and started.json() == {"run": "single", "stage": "generate", "enqueued": 1}
-    eyrie("worker", "generate", "--burst", env={**env, "EYRIE_INFERENCE_URL": stub, "EYRIE_SERVER": "vllm"})
+    assert started.status_code == 202 and started.json() == {"run": "single", "stage": "generate", "enqueued": 0,
+                                                             "planning": "plan-generate-single-00000"}
+    planning = requests.get(f"{url}/runs/single", headers=AUTH).json()  # answered before any row was read
+    assert planning["created_at"] is None and planning["stages"]["generate"]["waiting_for"] == ["planning"]
+    assert planning["stages"]["generate"]["jobs"] == {"queued": 1}
+    worker = eyrie("worker", "generate", "--burst", env={**env, "EYRIE_INFERENCE_URL": stub, "EYRIE_SERVER": "vllm"})
+    assert "plan-generate-single-00000" in worker.stdout + worker.stderr  # planned by the generator's worker
     status = requests.get(f"{url}/runs/single", headers=AUTH).json()
     assert status["stages"]["generate"]["state"] == "done" and status["pipeline"] is None
     assert "extract" not in status["stages"]  # nothing followed by itself

@@ -4,8 +4,7 @@ input shards) after a cheap check where it is started (the dataset reachable, a 
 
 from __future__ import annotations
 
-from eyrie import keys
-from eyrie.queue import enqueue, job_errors, job_state, workers_on
+from eyrie.queue import enqueue, job_errors, job_state, task_result, workers_on
 from eyrie.stages.base import RunView, Started, state_of
 from eyrie.stages.sharded import ShardedStage
 from eyrie.task_kinds import TaskKind, entry
@@ -47,12 +46,16 @@ class Generate(ShardedStage):
         return view.manifest.dataset.row_end - view.manifest.dataset.row_start
 
     def status(self, view: RunView) -> StageStatus | None:
-        if self.planned(view):
-            return super().status(view)
         task = self.planner.task_id(view.run)  # the run's first task: its planning, shown as it goes
-        state, refused = job_state(view.conn, task), view.conn.get(keys.blocked(view.run))
+        state = job_state(view.conn, task)
+        result = task_result(view.conn, task) if state == "finished" else {}
+        refusal = [f"{task}: {result['error']}"] if result.get("status") == "refused" else []
+        if self.planned(view):
+            status = super().status(view)
+            status.errors = refusal + status.errors  # a rerun refused (other settings): the run as it was
+            return status
         if state is None:
             return None
-        errors = [f"{task}: {refused.decode()}"] if refused else job_errors(view.conn, [task])
-        return StageStatus(state="failed" if refused else state_of(0, 1, {state: 1}), jobs={state: 1}, errors=errors,
-                           workers=workers_on(view.conn, self.queue), waiting_for=["planning"])
+        return StageStatus(state="failed" if refusal else state_of(0, 1, {state: 1}), jobs={state: 1}, shards_done=0,
+                           errors=refusal or job_errors(view.conn, [task]), workers=workers_on(view.conn, self.queue),
+                           waiting_for=["planning"])
