@@ -12,6 +12,7 @@ import redis
 import requests
 
 from conftest import start_worker, stop, wait_for
+from eyrie.queue import job_state
 from test_api import TOKEN, prompts, run_config, start_api
 from test_helm import default_docs, keda_triggers, one, trigger_secret
 
@@ -49,11 +50,12 @@ def test_keda_counts_the_running_generate_task_once_the_list_is_empty(env, stub_
     try:
         started = requests.post(f"{url}/runs", json=run_config("scaled", prompts(tmp_path / "p.jsonl", 2)),
                                 headers={"Authorization": f"Bearer {TOKEN}"})
-        assert started.status_code == 202 and started.json()["generate_enqueued"] == 1
-        assert keda.live_tasks() == keda.queued() == 1
+        assert started.status_code == 202 and started.json()["planning"] == "plan-generate-scaled-00000"
+        assert keda.live_tasks() == keda.queued() == 1  # its planning task: a worker is scaled up for it too
 
-        worker = start_worker(env, burst=False)
-        running = wait_for(lambda: (c := keda.counts())["started"] and c, "the worker to start the task")
+        worker = start_worker(env, burst=False)  # plans the run, then takes its one shard
+        shard = "generate-scaled-00000"
+        running = wait_for(lambda: job_state(keda.conn, shard) == "started" and keda.counts(), "the shard to start")
         assert running == {"queue": "generate", "queued": 0, "started": 1, "scheduled": 0, "deferred": 0, "live": 1}
         assert keda.live_tasks(running) == 1 and keda.queued() == 0  # the list alone would let KEDA scale to zero
 
