@@ -142,17 +142,19 @@ def load_config(path: Path) -> RunConfig:
         fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors())
         raise EyrieError(f"{path}: {fields}.", "correct these fields (README: `eyrie run`).") from None
     check_run_name(config.run)
-    return with_absolute_target(config)
+    return with_absolute_paths(config)
 
 
-def with_absolute_target(config: RunConfig) -> RunConfig:
-    """A target directory named relative to where `eyrie run` reads the config, made absolute: the
-    stored config then names it for every service that mounts it there (the server, the verifier),
-    whatever their working directory."""
-    model = Path(config.target.model)
-    if model.is_absolute() or not model.is_dir():
-        return config
-    return config.model_copy(update={"target": config.target.model_copy(update={"model": str(model.resolve())})})
+def with_absolute_paths(config: RunConfig) -> RunConfig:
+    """A target directory or a dataset file named relative to where `eyrie run` reads the config,
+    made absolute: the stored config then names them for every service that mounts them there (the
+    server, the verifier, the generator workers that plan the run), whatever their working directory."""
+    model, source = Path(config.target.model), Path(config.dataset.source)
+    if not model.is_absolute() and model.is_dir():
+        config = config.model_copy(update={"target": config.target.model_copy(update={"model": str(model.resolve())})})
+    if not source.is_absolute() and source.exists():
+        config = config.model_copy(update={"dataset": config.dataset.model_copy(update={"source": str(source.resolve())})})
+    return config
 
 
 def config_key(run: str) -> str:

@@ -167,3 +167,17 @@ def test_serve_extraction_and_verify_start_vllm_with_the_runs_one_serve_section(
                 "--max-model-len": str(cfg.serve.max_model_len)}
     assert flags(served) == flags(extracting) == flags(verifying) == expected
     assert served[:3] == extracting[:3] == verifying[:3]  # the same vLLM, found the same way
+
+
+def test_relative_target_and_dataset_paths_are_stored_absolute(tmp_path, monkeypatch):
+    """The generator workers plan the run (its dataset read) and the servers load its target,
+    each in its own working directory: the stored config names both absolutely."""
+    from eyrie.pipeline import load_config
+
+    monkeypatch.chdir(ROOT)
+    config = load_config(ROOT / "examples" / "run.tiny.yaml")
+    assert config.target.model == str(ROOT / "assets" / "tiny-target")
+    assert config.dataset.source == str(ROOT / "tests" / "data" / "tiny_train_prompts.jsonl")
+    hub = tmp_path / "hub.yaml"
+    hub.write_text("run: h\ntarget: {model: org/model}\ndataset: {source: org/prompts}\n")
+    assert (load_config(hub).target.model, load_config(hub).dataset.source) == ("org/model", "org/prompts")
