@@ -6,6 +6,8 @@ import re
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Literal
+from pathlib import Path
 
 from pydantic import BaseModel, Field
 
@@ -151,6 +153,10 @@ class ExtractParams(BaseModel):
     truncated: int
     projected_bytes: int
     budget_bytes: int | None
+    storage: Literal["offline", "hybrid", "online"] = "offline"  # extract.storage resolved (never auto)
+    # hybrid: the hidden-state bytes each shard may store (the budget over the shards); past it a
+    # sample's token ids alone are stored and training asks the extraction service for its states
+    shard_allowance_bytes: int | None = None
 
 
 class BaseDrafter(BaseModel):

@@ -81,6 +81,11 @@ class ExtractSettings(StageSettings):
                                                            "the prompt alone is longer).")
     budget: str | None = Field(None, description="Refuse if the projection exceeds this, e.g. 2.8TB.")
     backend: Literal["hf", "vllm"] = Field("hf", description="hf (transformers) or vllm (docs/vllm-extraction.md).")
+    storage: Literal["auto", "offline", "hybrid", "online"] = Field(
+        "offline", description="Where training's hidden states come from (docs/storage-modes.md): offline (all "
+                               "in the bucket first), hybrid (the bucket up to extract.budget, the rest from the "
+                               "vLLM extraction service during training), online (all from the service, every "
+                               "epoch), auto (the fastest that fits extract.budget).")
 
     @field_validator("layers", mode="before")
     @classmethod
