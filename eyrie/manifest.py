@@ -7,7 +7,6 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
-from pathlib import Path
 
 from pydantic import BaseModel, Field
 
