@@ -233,8 +233,10 @@ def drained_run(conn, store) -> str | None:
 
 
 def _stalled(view: RunView) -> bool:
-    """Blocked, cancelled or with a task failed for good: its later stages wait for a person, not
-    for the GPUs (a restarted inference service must not stay down for it)."""
+    """Blocked, cancelled or with a task of a later stage failed for good (verify's included: a
+    run whose verify failed is not waiting for the inference GPUs either): its later stages wait
+    for a person (`eyrie retry`), not for the GPUs, so a restarted inference service need not
+    stay down for it."""
     if view.conn.exists(keys.blocked(view.run), keys.cancelled(view.run)):
         return True
     later = [job for stage in PIPELINE[1:] for job in stage.task_ids(view)]

@@ -32,6 +32,9 @@ def await_planning(conn, kind: TaskKind, run: str, pickup_s: float = PICKUP_S, p
             raise EyrieError(result["error"], result.get("fix", ""))
         return result
     errors = job_errors(conn, [task], limit=1) or [f"{task}: {state or 'gone'}"]
+    if state == "scheduled":  # failed once; RQ runs it again after its backoff, as a worker takes it
+        raise EyrieError(f"planning the run failed once and is retried after a pause: {errors[0]}.",
+                         f"`eyrie status {run}` shows when it is planned; fix what it names if it fails again.")
     raise EyrieError(f"planning the run did not finish: {errors[0]}.",
                      f"fix what it names, then start it again; `eyrie logs {run}` shows its errors.")
 

@@ -4,6 +4,7 @@ input shards) after a cheap check where it is started (the dataset reachable, a 
 
 from __future__ import annotations
 
+from eyrie import keys
 from eyrie.queue import enqueue, job_errors, job_state, task_result, workers_on
 from eyrie.stages.base import RunView, Started, state_of
 from eyrie.stages.sharded import ShardedStage
@@ -47,10 +48,13 @@ class Generate(ShardedStage):
 
     def status(self, view: RunView) -> StageStatus | None:
         task = self.planner.task_id(view.run)  # the run's first task: its planning, shown as it goes
-        state = job_state(view.conn, task)
-        result = task_result(view.conn, task) if state == "finished" else {}
+        state, planned = job_state(view.conn, task), self.planned(view)
+        # its result is read only where it can hold a refusal: a planned run's refused rerun blocks
+        # the run, so the common case (planned, not blocked) costs no job fetch on every poll
+        refusable = state == "finished" and (not planned or view.conn.exists(keys.blocked(view.run)))
+        result = task_result(view.conn, task) if refusable else {}
         refusal = [f"{task}: {result['error']}"] if result.get("status") == "refused" else []
-        if self.planned(view):
+        if planned:
             status = super().status(view)
             status.errors = refusal + status.errors  # a rerun refused (other settings): the run as it was
             return status
