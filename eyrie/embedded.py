@@ -67,7 +67,8 @@ def run_demo(config: Path, run: str, dataset: str | None = None) -> int:
         started = time.monotonic()
         inference.wait_ready(conn, 300)
         console.print(f"inference ready in {time.monotonic() - started:.1f} s")
-        procs += [start(name, ["worker", queue], env) for queue, name in workers.items()]
+        for queue, name in workers.items():  # each kept as it starts: a SIGTERM between two stops both
+            procs.append(start(name, ["worker", queue], env))
         console.print(pipeline_started(start_and_plan(settings, conn, store, cfg)))
         return follow(conn, store, cfg)
     finally:
