@@ -163,4 +163,22 @@ def test_a_sigtermed_demo_stops_everything_it_started_and_named_its_server(env, 
     assert "on transformers serve (CPU)" in banner, banner
     wait_for(lambda: all(state_of(pid) in ("", "Z") for pid in children),  # gone, or a zombie
              "the demo's children gone", timeout=60, every=0.5)
+    # and none it started after that snapshot (a worker started as the SIGTERM came was once orphaned)
+    wait_for(lambda: not _living_in(tmp_path), "no process of the demo left in its directory", timeout=60, every=0.5)
+
+
+def _living_in(folder) -> list[int]:
+    """Processes (not zombies) whose working directory is `folder`."""
+    import os
+
+    from conftest import state_of
+
+    living = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.readlink(f"/proc/{entry}/cwd") == str(folder):
+                living.append(int(entry))
+        except OSError:
+            continue
+    return [pid for pid in living if state_of(pid) not in ("", "Z")]
 
