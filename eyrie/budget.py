@@ -9,6 +9,7 @@ from eyrie.errors import EyrieError
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 FILE_OVERHEAD = 256  # safetensors header of one sample file
+TOKEN_ID_BYTES = 8  # int64, as speculators reads input_ids
 
 
 def parse_size(text: str) -> int:
@@ -28,7 +29,12 @@ def human(n: float) -> str:
 def bytes_per_token(n_states: int, hidden: int, dtype: str) -> float:
     """Stored bytes per token: the states, their fp8 scale, and the int64 token id."""
     states = n_states * hidden * (1 if dtype == "fp8" else 2)
-    return states + (4 if dtype == "fp8" else 0) + 8
+    return states + (4 if dtype == "fp8" else 0) + TOKEN_ID_BYTES
+
+
+def token_id_bytes(tokens: int, samples: int) -> int:
+    """A sample stored without its hidden states (hybrid's rest, online): its token ids only."""
+    return tokens * TOKEN_ID_BYTES + samples * FILE_OVERHEAD
 
 
 def projected_bytes(tokens: int, samples: int, n_states: int, hidden: int, dtype: str) -> int:

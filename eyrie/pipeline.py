@@ -11,6 +11,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator
 
 from eyrie import keys
+from eyrie.budget import parse_size
 from eyrie.errors import EyrieError
 from eyrie.config import load_settings
 from eyrie.manifest import RUN_NAME, Layout, check_run_name, load_run_manifest
@@ -109,6 +110,21 @@ class PlanSection(_Section):
     train_tokens_per_s: float | None = Field(None, gt=0, description="Else our benchmark's figure for the shape.")
     store_path: str | None = Field(None, description="Local directory behind the bucket (MinIO's data dir).")
     trainer_cache_path: str | None = Field(None, description="Where the trainer keeps its copy (EYRIE_CACHE_DIR).")
+    target_weights: str | None = Field(None, description="The target's weights in bytes, e.g. 540GB (else its local "
+                                                         "safetensors, else a dense bf16 estimate from its shape).")
+    gpu_memory: str = Field("141GB", description="Memory of one GPU (default: an H200's), for what shares a GPU.")
+
+    @field_validator("target_weights", "gpu_memory")
+    @classmethod
+    def _readable_size(cls, value):
+        if value is not None:
+            try:
+                size = parse_size(value)
+            except EyrieError:
+                size = 0
+            if size <= 0:
+                raise ValueError("write a size above 0 like 540GB, 141GB or 80GiB")
+        return value
 
 
 class RunConfig(_Section):

@@ -6,16 +6,31 @@ from __future__ import annotations
 
 import math
 
-from eyrie.budget import UNITS, human, length_that_fits, projected_bytes, samples_that_fit
+from eyrie.budget import (TOKEN_ID_BYTES, UNITS, human, length_that_fits, projected_bytes, samples_that_fit,
+                          token_id_bytes)
 from eyrie.errors import EyrieError
 from eyrie.stages.generate import Generate
+from eyrie.storage import auto_choice
 
 
 def over_budget(p: dict) -> tuple[str, str] | None:
-    """(problem, fix) when the expected hidden states exceed extract.budget: extract would refuse
-    them only after generation, hours of GPU time later. The ways out, each with its number."""
+    """(problem, fix) when the storage mode asked cannot hold the expected bytes in extract.budget:
+    extract would refuse them only after generation, hours of GPU time later. offline: every hidden
+    state; hybrid and online: the token ids (hybrid stores states up to the budget); auto: none of them."""
+    budget, s = p["budget_bytes"], p["storage"]
+    if budget is None or p["hidden_states_bytes_expected"] is None:
+        return None
+    if s["asked"] == "offline":
+        return _offline_over(p)
+    if s["chosen"] is not None and s["modes"][s["chosen"]]["fits"]:
+        return None
+    return _ids_over(p)
+
+
+def _offline_over(p: dict) -> tuple[str, str] | None:
+    """Every hidden state over the budget: the ways out, each with its number (the storage modes among them)."""
     budget, expected = p["budget_bytes"], p["hidden_states_bytes_expected"]
-    if budget is None or expected is None or expected <= budget:
+    if expected <= budget:
         return None
     n, mean, dtype, prompt = p["samples"], p["stored_mean_tokens"], p["dtype"], p["prompt_tokens_estimate"]
     shape = (len(p["aux_layers"]) + 1, p["hidden_size"])
@@ -32,11 +47,55 @@ def over_budget(p: dict) -> tuple[str, str] | None:
                     f"extract.dtype: fp8 ({human(fp8)}, still too big) with " + " or ".join(shorter("fp8")))
     ways += shorter(dtype)
     ways.append(f"extract.budget: {_at_least(expected)} on a disk that holds it")
-    generate = p["hours"][Generate.name]["hours"]
-    after = f" after {generate:,.2f} h of generation" if generate else " after generation"
+    ways += [storage_way(p, mode) for mode in ("hybrid", "online") if p["storage"]["modes"][mode]["fits"]]
     return (f"run {p['run']}: the hidden states are expected to need {human(expected)} ({n:,} samples x "
             f"{mean:,} tokens x {shape[0]} states x {shape[1]} x {dtype}) but extract.budget is {human(budget)}: "
-            f"extract would refuse them{after}.", "set " + "; or ".join(ways) + " (--plan again to check).")
+            f"extract would refuse them{_after_generation(p)}.",
+            "set " + "; or ".join(ways) + " (--plan again to check).")
+
+
+def storage_refusal(p: dict) -> tuple[str, str] | None:
+    """What the extract stage would refuse in hybrid and online, after generation: hybrid without
+    a budget to fill, and the hf backend (the vLLM extraction service makes the states not stored)."""
+    s = p["storage"]
+    if s["asked"] == "hybrid" and p["budget_bytes"] is None:
+        return (f"run {p['run']}: extract.storage: hybrid stores hidden states up to extract.budget, and none is set.",
+                "set extract.budget (e.g. 2.8TB), or extract.storage: offline or online.")
+    if s["chosen"] not in ("hybrid", "online") or s["backend"] == "vllm":
+        return None
+    chose = "" if s["asked"] == s["chosen"] else f" (auto's choice: {s['why'].removeprefix('auto: ')})"
+    return (f"run {p['run']}: extract.storage {s['chosen']}{chose} has the vLLM extraction service make hidden "
+            f"states during training, and extract.backend is {s['backend']}.",
+            "set extract.backend: vllm (docs/vllm-extraction.md), or extract.storage: offline with an "
+            "extract.budget that holds every state.")
+
+
+def storage_way(p: dict, mode: str) -> str:
+    """A storage mode as a way out, with what it costs: extract.storage: hybrid (2.80 TB in the bucket, ...)."""
+    m = p["storage"]["modes"][mode]
+    gpu_h = "service GPU-h unknown (set plan.extract_tokens_per_s)" if m["service_gpu_hours"] is None else \
+        f"{m['service_gpu_hours']:,.1f} service GPU-h"
+    auto = "; auto picks it" if auto_choice(p["storage"]["modes"]) == mode else ""
+    return (f"extract.storage: {mode} ({human(m['stored_bytes'])} in the bucket, {m['extraction_passes']:.2f} "
+            f"extraction passes, {gpu_h}, {m['gpus_at_once']} GPUs at once{auto})")
+
+
+def _ids_over(p: dict) -> tuple[str, str]:
+    """Not even the token ids fit (hybrid and online store at least those, auto has no mode left)."""
+    budget, n, mean, s = p["budget_bytes"], p["samples"], p["stored_mean_tokens"], p["storage"]
+    ids = s["modes"]["online"]["stored_bytes"]
+    limit = budget // token_id_bytes(mean, 1)
+    asked = "no storage mode fits (extract.storage: auto)" if s["asked"] == "auto" else \
+        f"extract.storage: {s['asked']} stores at least them"
+    ways = ([f"dataset.limit: {limit:,}"] if limit else []) + [f"extract.budget: {_at_least(ids)} or more"]
+    return (f"run {p['run']}: even the token ids alone are expected to need {human(ids)} ({n:,} samples x {mean:,} "
+            f"tokens x {TOKEN_ID_BYTES} B) but extract.budget is {human(budget)}: {asked}, which would show only"
+            f"{_after_generation(p)}.", "set " + "; or ".join(ways) + " (--plan again to check).")
+
+
+def _after_generation(p: dict) -> str:
+    generate = p["hours"][Generate.name]["hours"]
+    return f" after {generate:,.2f} h of generation" if generate else " after generation"
 
 
 def _at_least(n: int) -> str:
@@ -123,6 +182,12 @@ def budget_verdict(p: dict) -> str:
     if p["fits_expected"]:
         return verdict + (f"; expected {human(expected)} at {mean:,} tokens a sample: fits (extract refuses before "
                           "any forward pass if the real samples are longer)")
+    s = p["storage"]
+    if s["chosen"] in ("hybrid", "online") and s["modes"][s["chosen"]]["fits"]:
+        kept = s["modes"][s["chosen"]]["stored_fraction"]
+        return verdict + (f"; expected {human(expected)} at {mean:,} tokens a sample: does NOT fit in full: "
+                          f"extract.storage {s['chosen']} stores {kept:.1%} of the samples' states "
+                          "(storage modes below)")
     return verdict + f"; expected {human(expected)} at {mean:,} tokens a sample: does NOT fit (refused below)"
 
 

@@ -19,8 +19,9 @@ from eyrie.errors import EyrieError
 from eyrie.layers import resolve_aux_layers
 from eyrie.manifest import Layout, ShardManifest, load_run_manifest
 from eyrie.pipeline import RunConfig
-from eyrie.plan_checks import budget_verdict, gpu_lines, gpu_plan, over_budget, refuse
+from eyrie.plan_checks import budget_verdict, gpu_lines, gpu_plan, over_budget, refuse, storage_refusal
 from eyrie.stages.extract import Extract
+from eyrie.storage import sharing_lines, storage_lines, storage_plan
 from eyrie.stages.generate import Generate
 from eyrie.stages.train import Train
 from eyrie.store import open_store
@@ -96,20 +97,23 @@ def project(config: RunConfig, settings, measure: bool = True) -> dict:
          "fits_expected": None if budget is None or expected is None else expected <= budget}
     p["generate_measured"] = measured_generation(config, settings) if measure else None
     p["lengths"] = length
-    p["space"] = space(config, settings, p) if measure else None
     p["hours"] = hours(config, p)
     p["support"] = check(architecture, config.extract.backend)
     p["gpus"] = gpu_plan(config, settings)
-    p["refusals"] = [r for r in (over_budget(p),) if r] + p["gpus"]["refusals"]
+    p["storage"] = storage_plan(config, p)
+    p["space"] = space(config, settings, p) if measure else None
+    p["refusals"] = [r for r in (over_budget(p), storage_refusal(p)) if r] + p["gpus"]["refusals"]
     return p
 
 
 def refuse_before_start(config: RunConfig, settings) -> None:
     """`eyrie run` and POST /runs, before anything is enqueued: what --plan refuses (expected bytes
-    over extract.budget, GPUs), as far as it can be known here (the target's shape and the row
-    count: else only the GPUs are checked; extract still checks the real bytes)."""
+    over extract.budget, a storage mode the extract stage would refuse, GPUs), as far as it can be
+    known here (the target's shape and the row count: else only the GPUs are checked; extract
+    still checks the real bytes)."""
     p = {"support": {"refusal": None}, "refusals": gpu_plan(config, settings)["refusals"]}
-    if config.extract.budget and config.plan.mean_tokens:  # else no expected bytes to hold against it
+    # else no expected bytes to hold against the budget; hybrid and online are checked anyway (backend, budget)
+    if (config.extract.budget and config.plan.mean_tokens) or config.extract.storage in ("hybrid", "online"):
         try:
             p = project(config, settings, measure=False)
         except EyrieError:
@@ -145,17 +149,19 @@ def lengths(config: RunConfig, n: int, longest: int) -> dict:
 
 
 def space(config: RunConfig, settings, p: dict) -> dict:
-    """Bucket + the trainer's local copy of the hidden states, against the free space where they
+    """Bucket + the trainer's local copy of the hidden states (as the storage mode keeps them:
+    offline all, hybrid what the budget holds, online none), against the free space where they
     go: the bucket's directory where this host sees it (plan.store_path, a file:// store), else
     what the S3 server says (MinIO's admin info), else EYRIE_DATA_DIR; the trainer's cache as the
     trainers report it to Redis (eyrie.disk; in the stack --plan runs in another container), or
     this host's own with a file:// store or plan.trainer_cache_path; and the configured budget."""
-    states = p["hidden_states_bytes_expected"] or p["hidden_states_bytes"][p["dtype"]]
-    bucket = states + p["records_bytes"]
+    mode = p["storage"]["modes"][p["storage"]["chosen"] or "offline"]
+    states, bucket = mode["trainer_cache_bytes"], mode["bucket_bytes"]
     local = urlparse(settings.store_url).scheme == "file"
     bucket_dir = _existing(config.plan.store_path or _store_dir(settings.store_url))
     cache_dir = _existing(config.plan.trainer_cache_path or (settings.cache_dir if local else None))
-    out = {"bucket_bytes": bucket, "trainer_copy_bytes": states, "bucket_dir": bucket_dir and str(bucket_dir),
+    out = {"bucket_bytes": bucket, "trainer_copy_bytes": states, "mode": p["storage"]["chosen"] or "offline",
+           "bucket_dir": bucket_dir and str(bucket_dir),
            "trainer_dir": cache_dir and str(cache_dir), "bucket_free": None, "trainer_free": None,
            "same_device": False, "basis": "upper bound" if p["hidden_states_bytes_expected"] is None else "expected mean"}
     if bucket_dir:
@@ -251,12 +257,13 @@ def render(p: dict) -> list[str]:
              f"  generated records: at most {human(p['records_bytes'])}"]
     if p["budget_bytes"] is not None:
         lines.append(f"  budget {human(p['budget_bytes'])}, {p['dtype']}: {budget_verdict(p)}")
-    return (lines + _space_lines(p["space"]) + _length_lines(p["lengths"]) + _hour_lines(p) + _support_lines(p)
-            + gpu_lines(p) + ["  extract checks the real projection (actual tokens) before any forward pass."])
+    return (lines + _space_lines(p["space"]) + _length_lines(p["lengths"]) + _hour_lines(p) + storage_lines(p)
+            + _support_lines(p) + gpu_lines(p) + sharing_lines(p)
+            + ["  extract checks the real projection (actual tokens) before any forward pass."])
 
 
 def _space_lines(s: dict) -> list[str]:
-    lines = [f"  every copy ({s['basis']}): bucket {human(s['bucket_bytes'])} (hidden states + records), "
+    lines = [f"  every copy ({s['basis']}, {s['mode']}): bucket {human(s['bucket_bytes'])} (hidden states + records), "
              f"the trainer's local copy {human(s['trainer_copy_bytes'])} (on the trainer's host: "
              "EYRIE_CACHE_DIR, EYRIE_TRAINER_CACHE_DIR in the stack)"]
     if s["bucket_free"] is not None:

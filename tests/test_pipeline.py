@@ -24,9 +24,9 @@ SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
 def test_plan_of_the_seeds_pipeline_needs_no_server_gpu_or_hub(tmp_path):
     out = eyrie("run", "--config", str(SEED), "--plan", env={**os.environ, **OFFLINE}).stdout
     assert "hidden 7168, 61 layers, vocab 163,840 (from target.shape in the run config)" in out
-    assert "samples 20,000" in out and "layers [2, 30, 58] + last" in out
-    assert "9.98 TB in bf16, 4.99 TB in fp8" in out  # 20,000 x (512 + 8192) tokens x 4 x 7168
-    assert "budget 2.80 TB, fp8: the upper bound does NOT fit; it fits while samples average at most 4,880" in out
+    assert "samples 25,000" in out and "layers [2, 30, 58] + last" in out
+    assert "12.48 TB in bf16, 6.24 TB in fp8" in out  # 25,000 x (512 + 8192) tokens x 4 x 7168
+    assert "budget 2.80 TB, fp8: the upper bound does NOT fit; it fits while samples average at most 3,904" in out
 
 
 def test_a_bad_config_names_the_field(tmp_path):

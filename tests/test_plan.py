@@ -22,15 +22,18 @@ def _env(tmp_path) -> dict:
 
 def test_the_seed_plans_hours_bytes_and_support_with_no_gpu(tmp_path):
     out = eyrie("run", "--config", str(SEED), "--plan", env=_env(tmp_path)).stdout
-    assert "expected 2.35 TB in fp8" in out  # 20,000 x 4,096 x (4 states x 7,168 x 1 byte + scale + id)
-    assert "bucket 2.35 TB (hidden states + records), the trainer's local copy 2.35 TB" in out
+    assert "expected 2.94 TB in fp8" in out  # 25,000 x 4,096 x (4 states x 7,168 x 1 byte + scale + id)
+    # extract.storage: auto takes hybrid: the bucket and the trainer's copy hold what the 2.8 TB budget allows
+    assert "every copy (expected mean, hybrid): bucket 2.80 TB (hidden states + records), the trainer's local " \
+           "copy 2.80 TB" in out
     assert "every stored token is trained on" in out
-    assert "extract      7.81 h: 81,920,000 tokens stored at 2,912 tok/s (the seed" in out
-    assert "generate     3.98 h" in out and "total" in out
+    assert "extract      9.77 h: 102,400,000 tokens stored at 2,912 tok/s (the seed" in out
+    assert "generate     4.98 h" in out and "total" in out
     assert "KimiK25ForConditionalGeneration (vllm/model_executor/models/kimi_k25.py) implements SupportsEagle3" in out
     plan = json.loads(eyrie("run", "--config", str(SEED), "--plan", "--json", env=_env(tmp_path)).stdout)
     assert plan["hours"]["extract"]["tokens_per_s"] == 2912 and plan["support"]["eagle3"] is True
-    assert plan["space"]["trainer_copy_bytes"] == plan["hidden_states_bytes_expected"]
+    assert plan["space"]["trainer_copy_bytes"] == plan["storage"]["modes"]["hybrid"]["trainer_cache_bytes"]
+    assert plan["storage"]["modes"]["offline"]["trainer_cache_bytes"] == plan["hidden_states_bytes_expected"]
     assert plan["lengths"]["unseen_tokens_upper_bound"] == 0
 
 

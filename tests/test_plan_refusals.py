@@ -70,7 +70,8 @@ def test_every_shipped_example_passes_its_own_plan(example, split, tmp_path):
     plan = json.loads(result.stdout)
     assert plan["refusals"] == [] and plan["support"]["refusal"] is None
     if plan["budget_bytes"] is not None and plan["hidden_states_bytes_expected"] is not None:
-        assert plan["hidden_states_bytes_expected"] <= plan["budget_bytes"]
+        storage = plan["storage"]  # the mode the run takes holds its bytes in the budget
+        assert storage["modes"][storage["chosen"]]["stored_bytes"] <= plan["budget_bytes"]
     if gpus:
         assert plan["gpus"]["serve_gpus"] <= len(set(gpus["EYRIE_INFERENCE_GPU_IDS"].split(",")))
 
@@ -78,9 +79,10 @@ def test_every_shipped_example_passes_its_own_plan(example, split, tmp_path):
 def test_the_seeds_example_fits_its_budget_and_its_8_gpus(tmp_path):
     split = documented_splits()[".env.example"]
     out = eyrie("run", "--config", str(SEED), "--plan", env=_env(tmp_path, **split)).stdout
-    assert "samples 20,000" in out and "expected 2.35 TB in fp8" in out
-    assert ("budget 2.80 TB, fp8: the upper bound does NOT fit; it fits while samples average at most 4,880 tokens; "
-            "expected 2.35 TB at 4,096 tokens a sample: fits") in out
+    assert "samples 25,000" in out and "expected 2.94 TB in fp8" in out
+    assert ("budget 2.80 TB, fp8: the upper bound does NOT fit; it fits while samples average at most 3,904 tokens; "
+            "expected 2.94 TB at 4,096 tokens a sample: does NOT fit in full: extract.storage hybrid stores 95.3% "
+            "of the samples' states") in out
     assert "GPUs: inference 0,1,2,3,4,5,6,7, extractor 0,1,2,3,4,5,6,7, trainer 7; serve needs 8" in out
     assert "the GPU lease gives each of them one holder at a time" in out
     config = yaml.safe_load(SEED.read_text())
@@ -91,9 +93,10 @@ def test_the_seeds_example_fits_its_budget_and_its_8_gpus(tmp_path):
 
 
 def test_expected_bytes_over_the_budget_are_refused_with_each_way_out(tmp_path):
-    """The seed as it ran: 25,000 samples in bf16, 5.87 TB expected against 2.8 TB. Refused before
-    any GPU work (not only by the upper bound), and each way out the message names then passes."""
-    seed = _variant(tmp_path, "seed", dataset={"limit": 25000}, extract={"dtype": "bf16"})
+    """The seed as it ran: 25,000 samples in bf16 all stored (offline), 5.87 TB expected against
+    2.8 TB. Refused before any GPU work (not only by the upper bound), and each way out the message
+    names then passes (the storage modes among them)."""
+    seed = _variant(tmp_path, "seed", dataset={"limit": 25000}, extract={"dtype": "bf16", "storage": "offline"})
     result = eyrie("run", "--config", seed, "--plan", env=_env(tmp_path), check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     err = result.stderr
@@ -101,25 +104,33 @@ def test_expected_bytes_over_the_budget_are_refused_with_each_way_out(tmp_path):
             "bf16) but extract.budget is 2.80 TB: extract would refuse them after 4.98 h of generation.") in err
     assert "extract.dtype: fp8 (2.94 TB, still too big) with dataset.limit: 23,831 or extract.max_length: 3,904" in err
     assert "; or dataset.limit: 11,919; or extract.max_length: 1,952; or extract.budget: 5.88TB" in err
+    assert ("; or extract.storage: hybrid (2.80 TB in the bucket, 2.05 extraction passes, 160.0 service GPU-h, "
+            "9 GPUs at once; auto picks it); or extract.storage: online (825.60 MB in the bucket, 3.00 extraction "
+            "passes, 234.5 service GPU-h, 9 GPUs at once)") in err
     assert "expected 5.87 TB at 4,096 tokens a sample: does NOT fit (refused below)" in result.stdout
-    ways = {"fp8-limit": {"dataset": {"limit": 23831}, "extract": {"dtype": "fp8"}},
-            "fp8-length": {"dataset": {"limit": 25000}, "extract": {"dtype": "fp8", "max_length": 3904}},
-            "limit": {"dataset": {"limit": 11919}, "extract": {"dtype": "bf16"}},
-            "length": {"dataset": {"limit": 25000}, "extract": {"dtype": "bf16", "max_length": 1952}},
-            "budget": {"dataset": {"limit": 25000}, "extract": {"dtype": "bf16", "budget": "5.88TB"}}}
+    offline = {"storage": "offline"}
+    ways = {"fp8-limit": {"dataset": {"limit": 23831}, "extract": {"dtype": "fp8", **offline}},
+            "fp8-length": {"dataset": {"limit": 25000}, "extract": {"dtype": "fp8", "max_length": 3904, **offline}},
+            "limit": {"dataset": {"limit": 11919}, "extract": {"dtype": "bf16", **offline}},
+            "length": {"dataset": {"limit": 25000}, "extract": {"dtype": "bf16", "max_length": 1952, **offline}},
+            "budget": {"dataset": {"limit": 25000}, "extract": {"dtype": "bf16", "budget": "5.88TB", **offline}}}
     for name, sections in ways.items():
         plan = json.loads(eyrie("run", "--config", _variant(tmp_path, name, **sections), "--plan", "--json",
                                 env=_env(tmp_path)).stdout)
         assert plan["fits_expected"] is True and plan["refusals"] == [], name
+    for mode in ("hybrid", "online"):
+        plan = json.loads(eyrie("run", "--config", _variant(tmp_path, mode, dataset={"limit": 25000}, extract={
+            "dtype": "bf16", "storage": mode}), "--plan", "--json", env=_env(tmp_path)).stdout)
+        assert plan["storage"]["chosen"] == mode and plan["refusals"] == [], mode
     # one sample more than the way out names does not fit: the numbers are the largest that do
-    over = _variant(tmp_path, "over", dataset={"limit": 11920}, extract={"dtype": "bf16"})
+    over = _variant(tmp_path, "over", dataset={"limit": 11920}, extract={"dtype": "bf16", **offline})
     assert eyrie("run", "--config", over, "--plan", env=_env(tmp_path), check=False).returncode == 1
 
 
 def test_eyrie_run_itself_refuses_it_before_anything_is_enqueued(tmp_path, redis_url):
     import redis
 
-    seed = _variant(tmp_path, "seed-run", dataset={"limit": 25000}, extract={"dtype": "bf16"})
+    seed = _variant(tmp_path, "seed-run", dataset={"limit": 25000}, extract={"dtype": "bf16", "storage": "offline"})
     result = eyrie("run", "--config", seed, env=_env(tmp_path, EYRIE_REDIS_URL=redis_url), check=False)
     assert result.returncode == 1 and "expected to need 5.87 TB" in result.stderr
     assert not redis.Redis.from_url(redis_url).keys("rq:*")  # nothing enqueued

@@ -142,6 +142,6 @@ def test_the_projection_counts_the_trainers_local_copy():
     env = {**os.environ, **OFFLINE}
     out = eyrie("run", "--config", seed, "--plan", env=env).stdout
     plan = json.loads(eyrie("run", "--config", seed, "--plan", "--json", env=env).stdout)
-    stored = plan["hidden_states_bytes_expected"] or plan["hidden_states_bytes"][plan["dtype"]]
+    stored = plan["storage"]["modes"][plan["storage"]["chosen"]]["trainer_cache_bytes"]  # hybrid: part of them
     assert plan["space"]["trainer_copy_bytes"] == stored > 0
     assert "the trainer's local copy" in out and "EYRIE_TRAINER_CACHE_DIR" in out, out
