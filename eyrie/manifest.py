@@ -226,6 +226,7 @@ class Counts(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     bytes: int = 0
+    on_demand: int = 0  # extract, hybrid/online: samples stored as token ids, their states made in training
 
     def add(self, other: "Counts") -> "Counts":
         return Counts(**{k: getattr(self, k) + getattr(other, k) for k in Counts.model_fields})

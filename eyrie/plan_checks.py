@@ -10,7 +10,7 @@ from eyrie.budget import (TOKEN_ID_BYTES, UNITS, human, length_that_fits, projec
                           token_id_bytes)
 from eyrie.errors import EyrieError
 from eyrie.stages.generate import Generate
-from eyrie.storage import auto_choice
+from eyrie.storage_plan import auto_choice
 
 
 def over_budget(p: dict) -> tuple[str, str] | None:

@@ -21,7 +21,7 @@ from eyrie.manifest import Layout, ShardManifest, load_run_manifest
 from eyrie.pipeline import RunConfig
 from eyrie.plan_checks import budget_verdict, gpu_lines, gpu_plan, over_budget, refuse, storage_refusal
 from eyrie.stages.extract import Extract
-from eyrie.storage import sharing_lines, storage_lines, storage_plan
+from eyrie.storage_plan import sharing_lines, storage_lines, storage_plan
 from eyrie.stages.generate import Generate
 from eyrie.stages.train import Train
 from eyrie.store import open_store

@@ -56,6 +56,7 @@ class TrainStatus(StageStatus):
     acc: list[float] | None = None
     path: dict | None = Field(None, description="The attention/loss path speculators took.")
     notes: list[str] = Field(default_factory=list)
+    on_demand: int = Field(0, description="Training samples whose hidden states the extraction service makes.")
     checkpoints: list = Field(default_factory=list)
     evaluation: dict | None = None
     drafter: dict | None = None

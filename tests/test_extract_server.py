@@ -13,7 +13,7 @@ import redis
 
 from conftest import BIN, ROOT, TINY, TRAIN_PROMPTS, free_port, stop
 from eyrie import inference, keys
-from eyrie_extractor.server_wait import ServerWait
+from eyrie.extract_server import ServerWait
 from eyrie.errors import EyrieError
 from eyrie.gpu import GpuLease, holder
 from eyrie.manifest import (ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,

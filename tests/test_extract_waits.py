@@ -22,7 +22,7 @@ from conftest import TINY, eyrie, free_port, wait_for
 from eyrie import inference, keys
 from eyrie.cancel import Cancelled
 from eyrie.errors import EyrieError
-from eyrie_extractor.server_wait import ServerWait, health
+from eyrie.extract_server import ServerWait, health
 
 RUN, TASK = "xw", "extract-xw-00000"
 FILE_STORE = pytest.mark.parametrize("store_env", ["file"], indirect=True)  # one store is enough

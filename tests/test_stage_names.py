@@ -19,6 +19,7 @@ NOT_A_STAGE = {
     ("eyrie/charts.py", "train"): "speculators' metrics log: its training record's key",
     ("services/trainer/eyrie_trainer/runner.py", "train"): "speculators' metrics log key; the training split's folder",
     ("services/trainer/eyrie_trainer/engine.py", "train"): "speculators' own subcommand (`speculators train`)",
+    ("services/trainer/eyrie_trainer/runner.py", "generate"): "speculators' on_missing value: make states on demand",
     ("services/inference/eyrie_inference/extract_server.py", "extract"): "the extraction server's endpoint name",
 }
 

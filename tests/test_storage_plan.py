@@ -13,7 +13,8 @@ from eyrie.errors import EyrieError
 from eyrie.pipeline import RunConfig, load_config
 from eyrie.plan_checks import over_budget, refuse
 from eyrie.projection import project, render
-from eyrie.storage import gpu_sharing, resolve_mode, vllm_utilization
+from eyrie.storage import resolve_mode
+from eyrie.storage_plan import gpu_sharing, vllm_utilization
 
 SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
 GPU_VARS = ("EYRIE_INFERENCE_GPU_IDS", "EYRIE_EXTRACTOR_GPU_IDS", "EYRIE_TRAINER_GPU_IDS",

@@ -1,5 +1,6 @@
-"""Start (or continue) the extract stage of a run: check the layers and the storage budget
-before any forward pass, record the plan in the run manifest, enqueue one task per shard. A
+"""Start (or continue) the extract stage of a run: check the layers, the storage mode
+(extract.storage, eyrie.storage) and the storage budget before any forward pass, record the plan
+in the run manifest, enqueue one task per shard. A
 pipeline's extract stage is planned here too, by the extractor's workers (`PlanExtract`: the
 tokenizer and the target's config are theirs)."""
 
@@ -15,8 +16,9 @@ from eyrie.queue import enqueue
 from eyrie.stage_settings import ExtractSettings
 from eyrie.stages import EXTRACT, PLAN_EXTRACT
 from eyrie.target import text_config
-from eyrie.budget import check_fits, parse_size
+from eyrie.budget import check_fits, human, parse_size, projected_bytes
 from eyrie.layers import resolve_aux_layers
+from eyrie.storage import resolve_mode, shard_allowance
 from eyrie_extractor.render import fit, render
 
 
@@ -74,16 +76,46 @@ def _plan(store, manifest, request: ExtractSettings) -> ExtractParams:
                 samples, tokens = samples + 1, tokens + len(rendered.input_ids)
                 truncated += note == "truncated"
     budget_bytes = parse_size(request.budget) if request.budget else None
-    need = check_fits(tokens, samples, len(aux) + 1, hidden, dtype, budget_bytes, store.free_bytes())
+    need = projected_bytes(tokens, samples, len(aux) + 1, hidden, dtype)
+    mode = resolve_mode(request.storage, need, budget_bytes)
+    check_storage_mode(mode, request, aux, num_layers, need, budget_bytes)
+    if mode == "offline":  # hybrid keeps to the budget by itself; online stores token ids alone
+        check_fits(tokens, samples, len(aux) + 1, hidden, dtype, budget_bytes, store.free_bytes())
     return ExtractParams(backend=request.backend, aux_layers=aux, dtype=dtype, max_length=max_length,
                          num_layers=num_layers, hidden_size=hidden, samples=samples, tokens=tokens,
-                         truncated=truncated, projected_bytes=need, budget_bytes=budget_bytes)
+                         truncated=truncated, projected_bytes=need, budget_bytes=budget_bytes, storage=mode,
+                         shard_allowance_bytes=shard_allowance(mode, budget_bytes, len(manifest.generate_shards)))
+
+
+def check_storage_mode(mode: str, request: ExtractSettings, aux: list[int], num_layers: int,
+                       need: int, budget_bytes: int | None) -> None:
+    """hybrid and online need the vLLM extraction service during training (speculators asks it
+    for the missing states): the vLLM backend, and layers the service writes in eyrie's order."""
+    if mode == "offline":
+        return
+    chose = "" if request.storage == mode else (
+        f" (extract.storage auto chose it: the hidden states need {human(need)}, extract.budget is "
+        f"{human(budget_bytes)})")
+    if request.backend != "vllm":
+        raise EyrieError(f"extract.storage {mode}{chose} has the vLLM extraction service make hidden states "
+                         "during training, and extract.backend is hf.",
+                         "set extract.backend: vllm (docs/vllm-extraction.md), or extract.storage: offline.")
+    if sorted(set(aux) | {num_layers}) != [*aux, num_layers]:
+        raise EyrieError(f"extract.storage {mode}{chose}: the extraction service writes its layers in forward "
+                         f"order with the last one ({num_layers}) at the end, and training reads them as "
+                         f"written; extract.layers {aux} are in another order.",
+                         f"list extract.layers ascending and below {num_layers}, "
+                         f"e.g. {sorted(set(aux) - {num_layers})}.")
 
 
 def _check_same(params: ExtractParams, request: ExtractSettings) -> None:
     """What a rerun asks (not its defaults) must be what was planned."""
-    planned = {"layers": params.aux_layers, "max_length": params.max_length, "dtype": params.dtype}
-    changed = [f"{name} {value} vs {planned[name]}" for name, value in request.given().items()
+    planned = {"layers": params.aux_layers, "max_length": params.max_length, "dtype": params.dtype,
+               "storage": params.storage}
+    asked = request.given()
+    if "storage" in asked:  # `auto` asks what it chose then (the same projection and budget)
+        asked["storage"] = resolve_mode(asked["storage"], params.projected_bytes, params.budget_bytes)
+    changed = [f"{name} {value} vs {planned[name]}" for name, value in asked.items()
                if name in planned and value != planned[name]]
     if changed:
         raise EyrieError(f"extract of this run was planned with other settings: {'; '.join(changed)}.",

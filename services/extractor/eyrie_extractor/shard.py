@@ -1,4 +1,6 @@
-"""One extract task: a generate shard's samples through the target, hidden states to the store.
+"""One extract task: a generate shard's samples through the target, hidden states to the store
+(extract.storage hybrid or online: some or all samples as their token ids alone, no forward pass;
+training asks the vLLM extraction service for their states: eyrie_extractor.storage_split).
 
 The forward pass of batch k+1 runs while batch k is copied to the host, serialized and uploaded
 by a small thread pool (at most two batches waiting: bounded memory). Results go to the store
@@ -20,6 +22,7 @@ from eyrie.config import Settings
 from eyrie.cancel import Cancelled
 from eyrie.errors import EyrieError
 from eyrie.executor import execute
+from eyrie.extract_server import on_demand, server_url, stopped_answering
 from eyrie.gpu import pick_device
 from eyrie.gpu_admission import gpu_lease
 from eyrie.manifest import Counts, ExtractParams
@@ -29,11 +32,12 @@ from eyrie.stages import EXTRACT
 from eyrie_extractor.capture import HFCapture, token_budget_batches
 from eyrie_extractor.plan import generated_records, load_tokenizer
 from eyrie_extractor.render import fit, render
-from eyrie_extractor.server_wait import ServerWait, stopped_answering
+from eyrie_extractor.storage_split import ids_file, split
 from eyrie_extractor.tasks import ExtractTask
 from eyrie_extractor.vllm_backend import VllmCapture, VllmCaptureError
 
 MAX_PENDING_BATCHES = 2
+IDS_PER_PART = 64  # token-ids-only samples stored between two parts (and cancel checks)
 
 
 def sample_tensors(states: torch.Tensor, input_ids: list[int], dtype: str) -> dict[str, torch.Tensor]:
@@ -90,11 +94,10 @@ class ExtractRunner(ShardedStageTask):
 
     def _vllm_url(self) -> str | None:
         """The configured vLLM extraction server, else the one the stack's extract-server published,
-        waited for (eyrie_extractor.server_wait: shown in status, bounded, ended by a cancel or SIGTERM)."""
-        if self.params.backend != "vllm" or self.settings.extract_vllm_url:
-            return self.settings.extract_vllm_url
-        wait = ServerWait(self.conn, self.settings.serve_deadline_s, self.report_waiting, self.cancelled)
-        url = wait.ready().url
+        waited for (eyrie.extract_server: shown in status, bounded, ended by a cancel or SIGTERM)."""
+        if self.params.backend != "vllm":
+            return None
+        url = server_url(self.settings, self.conn, self.report_waiting, self.cancelled)
         self._report()  # no longer waiting
         return url
 
@@ -109,9 +112,26 @@ class ExtractRunner(ShardedStageTask):
             raise
 
     def run(self) -> dict:
-        device, gpu = self.device, self.gpu
         self.resume()
         todo = self._render_todo()
+        with_states, ids_only = split(self.params, self.records.values(), todo)
+        self._store_ids_only(ids_only)
+        if with_states:  # no server is waited for, nor a target loaded, where none is needed
+            self._extract(with_states)
+        self._flush()
+        return self._finish()
+
+    def _store_ids_only(self, items: list[dict]) -> None:
+        """Samples whose states training asks the extraction service for: their token ids alone."""
+        with ThreadPoolExecutor(self.settings.extract_write_threads) as pool:
+            for start in range(0, len(items), IDS_PER_PART):
+                chunk = items[start:start + IDS_PER_PART]
+                self._collect([pool.submit(self._put, item, ids_file(item["input_ids"]), False)
+                               for item in chunk], self.gpu)
+
+    def _extract(self, todo: list[dict]) -> None:
+        """`todo` through the target in token-budget batches, each sample's states to the store."""
+        device, gpu = self.device, self.gpu
         capture = loaded_capture(self.manifest.target.model, tuple(self.params.aux_layers), device,
                                  self.params.backend, self.params.num_layers, self.params.hidden_size,
                                  self._vllm_url(), self.manifest.generate.request_timeout_s)
@@ -139,8 +159,6 @@ class ExtractRunner(ShardedStageTask):
                     self._collect(in_flight.pop(0), gpu)
             while in_flight:
                 self._collect(in_flight.pop(0), gpu)
-        self._flush()
-        return self._finish()
 
     def _render_todo(self) -> list[dict]:
         tokenizer = load_tokenizer(self.manifest.target.model)
@@ -169,12 +187,13 @@ class ExtractRunner(ShardedStageTask):
     def _serialize(self, item: dict, states: torch.Tensor) -> bytes:
         return save(sample_tensors(states, item["input_ids"], self.params.dtype))
 
-    def _put(self, item: dict, data: bytes) -> dict:
+    def _put(self, item: dict, data: bytes, states: bool = True) -> dict:
+        """The sample's object stored; its record (`states: false`: token ids alone)."""
         info = self.store.put_bytes(self.layout.extract_sample(self.shard, item["sample_id"]), data)
         return {"sample_id": item["sample_id"], "row": item["row"], "status": "done", "key": info.key,
                 "sha256": info.sha256, "bytes": info.size, "seq_len": len(item["input_ids"]),
                 "prompt_len": item["prompt_len"], "source": item["source"],
-                "mismatch": item["mismatch"], "truncated": item["truncated"]}
+                "mismatch": item["mismatch"], "truncated": item["truncated"], **({} if states else {"states": False})}
 
     def _collect(self, futures: list[Future], gpu) -> None:
         for future in futures:
@@ -189,8 +208,9 @@ class ExtractRunner(ShardedStageTask):
 
     def count_fields(self) -> dict:
         done = [e for e in self.records.values() if e["status"] == "done"]
-        return {"total": len(self.records), "tokens": sum(e["seq_len"] for e in done),
-                "bytes": sum(e["bytes"] for e in done)}
+        forwarded = [e for e in done if not on_demand(e)]  # tokens: those through the target
+        return {"total": len(self.records), "tokens": sum(e["seq_len"] for e in forwarded),
+                "bytes": sum(e["bytes"] for e in done), "on_demand": len(done) - len(forwarded)}
 
     def manifest_fields(self, records: list[dict], counts: Counts) -> dict:
         return {"bytes": counts.bytes, "samples": [e for e in records if e["status"] == "done"],
@@ -200,7 +220,7 @@ class ExtractRunner(ShardedStageTask):
                 "truncated": sum(1 for e in records if e.get("truncated"))}
 
     def result_fields(self, counts: Counts, wall: float) -> dict:
-        return {"tok_per_s": round(counts.tokens / wall, 1)}
+        return {"tok_per_s": round(counts.tokens / wall, 1), "on_demand": self.count_fields()["on_demand"]}
 
 
 def run_extract_shard(payload: dict) -> dict:

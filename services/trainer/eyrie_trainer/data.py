@@ -2,11 +2,17 @@
 from: a `save_to_disk` dataset (input_ids, loss_mask, seq_len), hidden_states/hs_<i>.safetensors
 and token_freq.pt (loss-masked token counts, for the draft vocabulary).
 
+A sample stored as its token ids alone (extract.storage hybrid or online) is a row of the dataset
+with no hs_<i> file: speculators asks the vLLM extraction service for its states when it loads it.
+The held-out set's such samples get theirs from the service once (`fetch_missing_states`): its
+evaluation reads states files.
+
 Every object is checked against its sha256; files already in place are not fetched again, and
 a directory whose marker names the same samples is not touched at all."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections import Counter
 from collections.abc import Callable
@@ -14,6 +20,8 @@ from pathlib import Path
 
 import orjson
 
+from eyrie.errors import EyrieError
+from eyrie.extract_server import on_demand
 from eyrie.manifest import Layout, ShardManifest, load_run_manifest
 from eyrie.store import sha256_file
 
@@ -53,7 +61,8 @@ def materialize(store, run: str, dest: str | Path,
 
 def prompt_token_ids(store, samples: list[dict], folder: Path) -> list[list[int]]:
     """Each sample's prompt token ids (those before its first answer token), read from its stored
-    states file (fetched into `folder`, checked) without `datasets`: the verifier's image has none."""
+    object (its states file, or its ids alone; fetched into `folder`, checked) without `datasets`:
+    the verifier's image has none."""
     from safetensors import safe_open
 
     prompts = []
@@ -66,12 +75,18 @@ def prompt_token_ids(store, samples: list[dict], folder: Path) -> list[list[int]
     return prompts
 
 
+def states_path(dest: Path, index: int) -> Path:
+    """Where speculators looks for sample `index`'s states (hs_connectors' FileTransfer)."""
+    return dest / "hidden_states" / f"hs_{index}.safetensors"
+
+
 def _sizes_match(dest: Path, samples: list[dict]) -> bool:
-    """A cheap check of a marked directory (a full re-hash of terabytes would not be): every file
-    there, with its size. Anything else: every file is verified again and refetched if need be."""
+    """A cheap check of a marked directory (a full re-hash of terabytes would not be): every stored
+    states file there, with its size. Anything else: every file is verified again and refetched
+    if need be. An on-demand sample's file, if any, was fetched from the service and checked then."""
     for index, sample in enumerate(samples):
-        path = dest / "hidden_states" / f"hs_{index}.safetensors"
-        if not path.exists() or path.stat().st_size != sample["bytes"]:
+        path = states_path(dest, index)
+        if not on_demand(sample) and (not path.exists() or path.stat().st_size != sample["bytes"]):
             return False
     return True
 
@@ -79,17 +94,13 @@ def _sizes_match(dest: Path, samples: list[dict]) -> bool:
 def _write(store, samples: list[dict], dest: Path) -> None:
     import datasets
     import torch
-    from safetensors import safe_open
 
     (dest / "hidden_states").mkdir(parents=True, exist_ok=True)
     columns = {"input_ids": [], "loss_mask": [], "seq_len": []}
     freq: Counter = Counter()
     for index, sample in enumerate(samples):
-        path = dest / "hidden_states" / f"hs_{index}.safetensors"
-        if not path.exists() or sha256_file(path) != sample["sha256"]:
-            store.get_file(sample["key"], sample["sha256"], path)
-        with safe_open(str(path), "pt") as tensors:  # the ids only, not the hidden states
-            token_ids = tensors.get_tensor("token_ids").tolist()
+        path = states_path(dest, index)
+        token_ids = _on_demand_ids(store, sample, path) if on_demand(sample) else _stored_ids(store, sample, path)
         prompt_len, seq_len = sample["prompt_len"], sample["seq_len"]
         columns["input_ids"].append(token_ids)
         columns["loss_mask"].append([0] * prompt_len + [1] * (seq_len - prompt_len))
@@ -105,3 +116,87 @@ def _write(store, samples: list[dict], dest: Path) -> None:
     dataset.set_format(type="torch")  # as speculators' prepare-data saves it
     dataset.save_to_disk(str(dest))
     torch.save(dict(freq), dest / "token_freq.pt")
+
+
+def _stored_ids(store, sample: dict, path: Path) -> list[int]:
+    """A sample with stored states: its file in place (fetched unless already there, checked), its ids."""
+    from safetensors import safe_open
+
+    if not path.exists() or sha256_file(path) != sample["sha256"]:
+        store.get_file(sample["key"], sample["sha256"], path)
+    with safe_open(str(path), "pt") as tensors:  # the ids only, not the hidden states
+        return tensors.get_tensor("token_ids").tolist()
+
+
+def _on_demand_ids(store, sample: dict, path: Path) -> list[int]:
+    """An on-demand sample: its ids from its stored object. A file in its place stays only where it
+    holds states for these very ids (fetched from the service before); else speculators would read
+    it instead of asking the service."""
+    from safetensors import safe_open
+    from safetensors.torch import load
+
+    token_ids = load(store.get_verified(sample["key"], sample["sha256"]))["token_ids"].tolist()
+    if path.exists():
+        with safe_open(str(path), "pt") as tensors:
+            current = "hidden_states" in tensors.keys() and tensors.get_tensor("token_ids").tolist() == token_ids
+        if not current:
+            path.unlink()
+    return token_ids
+
+
+def missing_states(dest: Path) -> list[int]:
+    """The rows of a materialized directory with no states file (on-demand samples)."""
+    import datasets
+
+    rows = len(datasets.load_from_disk(str(dest)))
+    return [index for index in range(rows) if not states_path(dest, index).exists()]
+
+
+def fetch_missing_states(dest: Path, endpoint: str, model: str, timeout_s: float, max_retries: int) -> int:
+    """Every row of `dest` without a states file gets one from the extraction service at `endpoint`
+    (its OpenAI API root), as speculators' training would ask it (its request, its file transfer,
+    its check), saved as bf16 like a stored sample's. Returns how many were fetched."""
+    import datasets
+    from hs_connectors.transfer import FileTransfer
+    from openai import OpenAI
+
+    missing = missing_states(dest)
+    if not missing:
+        return 0
+    rows = datasets.load_from_disk(str(dest)).with_format(None)
+    client, transfer = OpenAI(base_url=endpoint, api_key="EMPTY", max_retries=0), FileTransfer(dest / "hidden_states")
+    for index in missing:
+        states = _generated_states(client, transfer, model, rows[index]["input_ids"], timeout_s, max_retries)
+        _save_states(states, states_path(dest, index))
+    return len(missing)
+
+
+def _generated_states(client, transfer, model: str, input_ids: list[int], timeout_s: float, max_retries: int) -> dict:
+    """One sample's states from the service: speculators' generate_hidden_states, its file read by
+    hs_connectors' FileTransfer and checked by speculators (token ids, length, finite), then deleted."""
+    from speculators.data_generation.offline import check_hidden_states
+    from speculators.data_generation.vllm_client import generate_hidden_states
+
+    handle, params = generate_hidden_states(client, model, {"input_ids": input_ids}, timeout=timeout_s,
+                                            max_retries=max_retries)
+    try:
+        states = transfer.get_generated(params)
+        if states is None:
+            raise EyrieError(f"the vLLM extraction service wrote {handle}, which this host cannot read.",
+                             "mount the extraction server's shared directory here at the same path "
+                             "(EYRIE_EXTRACT_SHARED_DIR; docker-compose.yml's extract-hs volume).")
+        check_hidden_states(states, input_ids)
+        return states
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # the service's file: read or not, never kept there
+            transfer.delete(handle)
+
+
+def _save_states(states: dict, path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.part")
+    save_file({"hidden_states": states["hidden_states"].to(torch.bfloat16).contiguous(),
+               "token_ids": states["token_ids"].to(torch.long).contiguous()}, str(tmp))
+    tmp.replace(path)

@@ -12,6 +12,7 @@ from pathlib import Path
 from eyrie.errors import EyrieError
 from eyrie.manifest import Layout, load_run_manifest, now_iso
 from eyrie_trainer import checkpoints
+from eyrie_trainer.data import missing_states
 from eyrie_trainer.evaluate import simulate, untrained_like
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -34,6 +35,7 @@ def _transfer(eval_dir: Path, dtype: str):
 def evaluate(store, run: str, eval_dir: Path, device: str, log) -> dict:
     """τ per end-of-epoch checkpoint and for the untrained baseline; the best is marked."""
     manifest, layout = load_run_manifest(store, run), Layout(run)
+    _require_states(eval_dir, manifest)
     k, transfer = manifest.train.ttt_steps, _transfer(eval_dir, manifest.extract.dtype)
     stored = [m for m in checkpoints.stored(store, layout) if m["local_step"] == 0]
     if not stored:
@@ -55,6 +57,18 @@ def evaluate(store, run: str, eval_dir: Path, device: str, log) -> dict:
                   "checkpoints": results, "best": best["label"], "evaluated_at": now_iso()}
     store.put_json(layout.evaluation, evaluation)
     return evaluation
+
+
+def _require_states(eval_dir: Path, manifest) -> None:
+    """Every held-out sample's states in `eval_dir`: a run that stores some as token ids alone has
+    them fetched from the extraction service by its train task (eyrie_trainer.data.fetch_missing_states)."""
+    missing = missing_states(eval_dir)
+    if missing:
+        raise EyrieError(f"{len(missing)} held-out samples of run {manifest.run} have no hidden states in "
+                         f"{eval_dir} (extract.storage {manifest.extract.storage}: the extraction service "
+                         "makes them, and none fetched them here).",
+                         "evaluate where the run trained (its EYRIE_CACHE_DIR holds them), or fetch them from "
+                         "the running extraction service with eyrie_trainer.data.fetch_missing_states.")
 
 
 def export(store, run: str, evaluation: dict, path: dict) -> dict:

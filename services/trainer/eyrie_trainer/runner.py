@@ -1,6 +1,8 @@
 """One train task: the run's hidden states to a local cache, speculators' trainer on them
 (resuming from the last stored checkpoint), every checkpoint to the store as it is saved, then
-each one evaluated on held-out samples and the best exported."""
+each one evaluated on held-out samples and the best exported. Samples stored as token ids alone
+(extract.storage hybrid or online) get their states from the vLLM extraction service: speculators
+asks it for them every epoch; the held-out ones are fetched once."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 from eyrie.charts import Curve, per_position
 from eyrie.errors import EyrieError
 from eyrie.executor import Context, StageTask, execute
+from eyrie.extract_server import api_base, on_demand, server_url
 from eyrie.gpu import pick_device
 from eyrie.manifest import Layout, load_run_manifest
 from eyrie.queue import enqueue
@@ -20,11 +23,15 @@ from eyrie.stages import EXTRACT, TRAIN
 from eyrie.store import CorruptObject
 from eyrie_trainer import checkpoints, engine
 from eyrie_trainer.base import prepare_base, save_vocab_mapping
-from eyrie_trainer.data import done_samples, heldout_ids, materialize
+from eyrie_trainer.data import done_samples, fetch_missing_states, heldout_ids, materialize
 from eyrie_trainer.export import evaluate_and_export
 from eyrie_trainer.plan import TrainTask, ensure_plan
 
 log = logging.getLogger("eyrie.trainer")
+# speculators backs a failed request to the extraction service off 2, 4, ..., 128 s (~4 min) and
+# tries the whole round 3 times (its generation_validation_retries 2): an outage of ~12 min makes
+# training wait; past it the sample is dropped, and 20 in a row stop training
+SERVICE_RETRIES = 7
 
 
 class TaskLost(RuntimeError):
@@ -48,6 +55,8 @@ class TrainRunner(StageTask):
         self.work = Path(self.settings.cache_dir) / "runs" / self.run_name
         self.live: dict = {"phase": "starting", "step": 0, "tokens": 0, "checkpoints": []}
         self._last_report = 0.0
+        self.on_demand = 0  # training samples whose states the extraction service makes, every epoch
+        self.service_url: str | None = None  # its API, where any sample is on demand
 
     def done_key(self) -> str:
         return self.layout.drafter_manifest
@@ -58,6 +67,11 @@ class TrainRunner(StageTask):
 
     def report_waiting(self, what: str) -> None:
         self._report(phase="waiting", waiting_for=what, force=True)
+
+    def on_cancel(self) -> dict:
+        """Cancelled while it waited for the extraction service: nothing trained, nothing to save."""
+        self._report(phase="cancelled", force=True)
+        return self.result("cancelled")
 
     def load_plan(self) -> None:
         """The run's train plan (the pipeline's train stage: the trainer makes it, or checks it)."""
@@ -88,8 +102,8 @@ class TrainRunner(StageTask):
                              on_step=lambda step: self._on_step(), on_start=self._on_start)
         self._report(phase="training", force=True)
         try:
-            path = engine.train_with_fallback({**self._options(train_dir, device), **base}, device,
-                                              self._fast_path(device), hooks, self._say)
+            settings = {**self._options(train_dir, device), **self._on_missing(), **base}
+            path = engine.train_with_fallback(settings, device, self._fast_path(device), hooks, self._say)
         finally:
             self.uploads.drain()  # every checkpoint saved is in the store before the task ends
             self.store.put_json(self.layout.train_curve, self.curve.snapshot())
@@ -110,8 +124,24 @@ class TrainRunner(StageTask):
         train_dir, eval_dir = self.work / "data" / "train", self.work / "data" / "heldout"
         n_train = materialize(self.store, self.run_name, train_dir, lambda s: s["sample_id"] not in held)
         n_eval = materialize(self.store, self.run_name, eval_dir, lambda s: s["sample_id"] in held)
-        self._say(f"data: {n_train} training samples, {n_eval} held out, in {self.work / 'data'}")
+        from_service = [s for s in samples if on_demand(s)]
+        self.on_demand = sum(1 for s in from_service if s["sample_id"] not in held)
+        self._say(f"data: {n_train} training samples ({self.on_demand} on demand from the extraction "
+                  f"service, every epoch), {n_eval} held out, in {self.work / 'data'}")
+        self._report(on_demand=self.on_demand, force=True)
+        if from_service:
+            self._fetch_heldout_states(eval_dir)
         return train_dir, eval_dir
+
+    def _fetch_heldout_states(self, eval_dir: Path) -> None:
+        """The extraction service waited for (EYRIE_EXTRACT_VLLM_URL, or the published one), then
+        the held-out on-demand samples' states fetched from it once: evaluation reads files."""
+        self.service_url = api_base(server_url(self.settings, self.conn, self.report_waiting, self.cancelled))
+        self._report(phase="data", waiting_for=None, force=True)
+        fetched = fetch_missing_states(eval_dir, self.service_url, self.manifest.target.model,
+                                       self.manifest.generate.request_timeout_s, SERVICE_RETRIES)
+        if fetched:
+            self._say(f"{fetched} held-out samples' states fetched from the extraction service at {self.service_url}")
 
     def _extract_again(self, exc: CorruptObject) -> dict:
         """A stored sample that fails its checksum: its extract shard is produced again (the
@@ -146,6 +176,15 @@ class TrainRunner(StageTask):
         if p.max_steps:
             options["max_steps"] = p.max_steps
         return options
+
+    def _on_missing(self) -> dict:
+        """What speculators does for a sample without a states file: ask the extraction service where
+        the training set has on-demand samples; anywhere else it is eyrie's bug, raised (speculators'
+        default would ask a server at localhost:8000)."""
+        if not self.on_demand:
+            return {"on_missing": "raise"}
+        return {"on_missing": "generate", "vllm_endpoint": self.service_url, "max_retries": SERVICE_RETRIES,
+                "request_timeout": float(self.manifest.generate.request_timeout_s)}
 
     def _argv(self, train_dir: Path, device: str) -> list[str]:
         """The same settings as a `speculators train` command line (bench/train_throughput.py)."""

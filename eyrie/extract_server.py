@@ -1,7 +1,9 @@
-"""An extract task's wait for the stack's vLLM extraction server (`eyrie serve-extract` publishes
-it in Redis: eyrie.inference.publish_extract).
+"""The stack's vLLM extraction server as its clients see it: extract tasks of the vLLM backend,
+and the train task of a run whose hidden states are made during training (extract.storage hybrid
+or online). `eyrie serve-extract` publishes the server in Redis (eyrie.inference.publish_extract);
+EYRIE_EXTRACT_VLLM_URL names one instead.
 
-The wait says in the task's live progress what it waits for (`eyrie status`: the server's state
+A task's wait says in its live progress what it waits for (`eyrie status`: the server's state
 and when it last published itself), gives up after EYRIE_SERVE_DEADLINE_S with an error naming the
 problem and the fix, and ends early on a cancel of the run (`Cancelled`: the task ends cancelled)
 or on the worker's warm shutdown (SIGTERM: `WorkerStopping`; RQ retries the task). A server that
@@ -101,10 +103,23 @@ class ServerWait:
 
     def _stop_if_asked(self) -> None:
         if self.cancelled():
-            raise Cancelled("the run was cancelled while its extract task waited for the vLLM extraction server")
+            raise Cancelled("the run was cancelled while its task waited for the vLLM extraction server")
         if stop_requested():
             raise WorkerStopping("the worker is stopping (SIGTERM) while this task waited for the vLLM "
                                  "extraction server: it is retried later")
+
+
+def server_url(settings, conn, report: Callable[[str], None], cancelled: Callable[[], bool]) -> str:
+    """EYRIE_EXTRACT_VLLM_URL, else the server `eyrie serve-extract` published, waited for (ServerWait)."""
+    if settings.extract_vllm_url:
+        return settings.extract_vllm_url
+    return ServerWait(conn, settings.serve_deadline_s, report, cancelled).ready().url
+
+
+def api_base(url: str) -> str:
+    """The server's OpenAI API root: its URL with /v1 (vLLM serves the API there)."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else f"{url}/v1"
 
 
 def stopped_answering(conn, url: str, failure: Exception, shard: int) -> EyrieError | None:
@@ -123,3 +138,10 @@ def stopped_answering(conn, url: str, failure: Exception, shard: int) -> EyrieEr
     return EyrieError(f"{seen} stopped answering while extract shard {shard} ran ({failure}).",
                       f"{FIX} The task is retried ({retries} later) and each attempt waits for the server "
                       f"for at most {BOUND}.")
+
+
+def on_demand(sample: dict) -> bool:
+    """A stored extract sample (its shard manifest's record) whose object holds its token ids alone
+    (`states: false`): training asks the extraction service for its hidden states (extract.storage
+    hybrid or online). Absent or true: the object holds its states."""
+    return sample.get("states", True) is False

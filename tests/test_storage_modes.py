@@ -1,0 +1,345 @@
+"""Hidden states from the vLLM extraction service during training (extract.storage hybrid and
+online): the extract stage stores some samples (hybrid, within the budget) or none (online) with
+their states, the rest as token ids alone; speculators' trainer asks the service for the missing
+states (its on_missing "generate"), the held-out ones are fetched once, and the drafter is trained
+and exported.
+
+End to end: the tiny target through ONE real vLLM extraction server (the CPU build, started with
+extract_command as tests/test_vllm_backend.py does) for the whole module, published in Redis as
+`eyrie serve-extract` publishes it; real Redis, a real store, real `eyrie` commands and workers.
+Without processes: the shard's split, its bound on a states file, the planner's refusals, and a
+materialized directory with samples stored as ids alone."""
+
+import json
+import os
+import re
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+import torch
+from safetensors import safe_open
+from safetensors.torch import save, save_file
+
+from conftest import OFFLINE, TINY, TRAIN_PROMPTS, eyrie, free_port, wait_http
+from eyrie import inference
+from eyrie.config import load_settings
+from eyrie.errors import EyrieError
+from eyrie.manifest import (Counts, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
+                            ShardManifest, ShardPlan, TargetRef)
+from eyrie.stage_settings import ExtractSettings
+from eyrie.store import FileStore, open_store
+from eyrie_extractor.plan import _check_same, check_storage_mode
+from eyrie_extractor.shard import sample_tensors
+from eyrie_extractor.storage_split import ids_file, split, states_file_bound
+from eyrie_extractor.vllm_backend import connector_env, extract_command
+from eyrie_trainer.data import heldout_ids, materialize
+from vllm_real import SMALL, START_S, VLLM_PYTHON, stop_vllm, vllm_env
+
+LAYERS = [2, 4, 5]
+PROMPTS = 12  # two generate shards of 6
+HELDOUT = 2
+
+
+# --- the shard's split, without processes -------------------------------------------------------
+
+def _params(storage: str = "hybrid", allowance: int | None = None, dtype: str = "bf16") -> ExtractParams:
+    return ExtractParams(backend="vllm", aux_layers=LAYERS, dtype=dtype, max_length=200, num_layers=8,
+                         hidden_size=64, samples=10, tokens=100, truncated=0, projected_bytes=1, budget_bytes=None,
+                         storage=storage, shard_allowance_bytes=allowance)
+
+
+def _todo(lengths: list[int]) -> list[dict]:
+    return [{"sample_id": f"s{row}", "row": row, "input_ids": list(range(n))} for row, n in enumerate(lengths)]
+
+
+def _ids(samples: list[dict]) -> list[str]:
+    return [s["sample_id"] for s in samples]
+
+
+def test_hybrid_keeps_states_in_shard_order_while_the_allowance_holds_them():
+    lengths = [30, 20, 40, 30, 50, 5, 10]
+    params = _params(allowance=sum(states_file_bound(n, _params()) for n in lengths[:4]) + 100)
+    kept, ids_only = split(params, [], _todo(lengths))
+    assert _ids(kept) == ["s0", "s1", "s2", "s3"]
+    assert _ids(ids_only) == ["s4", "s5", "s6"]  # s5 alone would fit: the states stop at the first that does not
+    assert split(_params("offline"), [], _todo(lengths)) == (_todo(lengths), [])
+    assert split(_params("online"), [], _todo(lengths)) == ([], _todo(lengths))
+
+
+def test_a_retry_decides_the_rest_as_the_first_attempt_did():
+    lengths = [30, 20, 40, 30, 50, 5, 10]
+    params = _params(allowance=sum(states_file_bound(n, _params()) for n in lengths[:4]) + 100)
+    todo = _todo(lengths)
+    kept, _ = split(params, [], todo)
+    # the first attempt stored s1 (states), s5 (ids alone) and a skipped sample, then died
+    stored = [{"sample_id": "s1", "row": 1, "seq_len": 20, "status": "done"},
+              {"sample_id": "s5", "row": 5, "seq_len": 5, "status": "done", "states": False},
+              {"sample_id": "x", "row": 7, "status": "skipped"}]
+    rest = [s for s in todo if s["sample_id"] not in ("s1", "s5")]
+    kept_again, ids_only_again = split(params, stored, rest)
+    assert _ids(kept_again) == [s for s in _ids(kept) if s != "s1"] and _ids(ids_only_again) == ["s4", "s6"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("seq_len", [1, 37, 3000])
+def test_a_states_file_never_passes_its_bound(dtype, seq_len):
+    """The split's bound of a sample's states file is above the bytes the shard stores for it."""
+    params = _params(dtype=dtype)
+    data = save(sample_tensors(torch.randn(seq_len, len(LAYERS) + 1, 64), list(range(seq_len)), dtype))
+    assert len(data) <= states_file_bound(seq_len, params)
+
+
+# --- the planner's refusals ---------------------------------------------------------------------
+
+def test_hybrid_and_online_need_the_vllm_backend_and_its_layer_order():
+    with pytest.raises(EyrieError, match="extract.storage online .*extract.backend is hf.*set extract.backend: vllm"):
+        check_storage_mode("online", ExtractSettings(storage="online"), LAYERS, 8, 10**6, None)
+    with pytest.raises(EyrieError, match=r"auto chose it: the hidden states need 1.00 MB, extract.budget is 1.00 kB"):
+        check_storage_mode("hybrid", ExtractSettings(storage="auto", budget="1kB"), LAYERS, 8, 10**6, 1000)
+    with pytest.raises(EyrieError, match=r"extract.layers \[5, 2, 4\] are in another order.*e.g. \[2, 4, 5\]"):
+        check_storage_mode("online", ExtractSettings(storage="online", backend="vllm"), [5, 2, 4], 8, 1, None)
+    with pytest.raises(EyrieError, match=r"below 8, e.g. \[2, 4\]"):
+        check_storage_mode("hybrid", ExtractSettings(storage="hybrid", backend="vllm"), [2, 4, 8], 8, 1, 10)
+    check_storage_mode("offline", ExtractSettings(), [5, 2, 4], 8, 1, None)  # stored in eyrie's order: any order
+
+
+def test_a_rerun_asking_another_mode_is_refused():
+    planned = _params("hybrid", 500).model_copy(update={"projected_bytes": 2000, "budget_bytes": 1000})
+    with pytest.raises(EyrieError, match="planned with other settings: storage online vs hybrid"):
+        _check_same(planned, ExtractSettings(storage="online"))
+    _check_same(planned, ExtractSettings(storage="auto"))  # auto chooses hybrid again: the same plan
+    _check_same(planned, ExtractSettings())  # not asked: the plan's
+
+
+# --- a materialized directory with samples stored as ids alone, without processes ---------------
+
+def _stored_run(store: FileStore, samples: list[tuple[list[int], bool]]) -> None:
+    """A run whose one extract shard holds `samples` (token ids, with states or not) as eyrie stores them."""
+    layout, records = Layout("m"), []
+    for row, (ids, states) in enumerate(samples):
+        data = save(sample_tensors(torch.randn(len(ids), 4, 64), ids, "bf16")) if states else ids_file(ids)
+        info = store.put_bytes(layout.extract_sample(0, f"s{row}"), data)
+        records.append({"sample_id": f"s{row}", "row": row, "status": "done", "key": info.key, "sha256": info.sha256,
+                        "bytes": info.size, "seq_len": len(ids), "prompt_len": 2, **({} if states else {"states": False})})
+    store.put_json(layout.manifest, _manifest("m").model_dump())
+    store.put_json(layout.extract_shard_manifest(0), ShardManifest(
+        run="m", stage="extract", shard=0, bytes=0, counts=Counts(), skip_reasons={}, failure_errors={},
+        started_at="now", finished_at="now", worker="test", samples=records).model_dump())
+
+
+def _manifest(run: str) -> RunManifest:
+    return RunManifest.model_validate({
+        "run": run, "created_at": "now", "code_version": "test",
+        "target": TargetRef(model=str(TINY), revision="r", chat_template_sha256=None, server="vllm"),
+        "dataset": {"source": "d", "kind": "jsonl", "revision": "r", "row_end": 4},
+        "generate": GenerateParams(sampling=SamplingParams(max_tokens=8), concurrency=1, request_timeout_s=60,
+                                   max_retries=1, shard_size=4),
+        "generate_shards": [ShardPlan(index=0, row_start=0, row_end=4, input_key="in", input_sha256="0")],
+        "extract": _params("online")})
+
+
+def test_samples_stored_as_ids_alone_are_rows_without_a_states_file(tmp_path):
+    from speculators.train.data import ArrowDataset
+
+    store, dest = FileStore(tmp_path / "store"), tmp_path / "data"
+    samples = [([5, 6, 7, 8], True), ([9, 10, 11], False), ([12, 13, 14, 15, 16], True), ([17, 18, 19], False)]
+    _stored_run(store, samples)
+    assert materialize(store, "m", dest) == 4
+    assert sorted(p.name for p in (dest / "hidden_states").iterdir()) == ["hs_0.safetensors", "hs_2.safetensors"]
+    freq = torch.load(dest / "token_freq.pt")
+    assert set(freq) == {7, 8, 11, 14, 15, 16, 19}  # the answers of all four (prompt_len 2), ids-only included
+    dataset = ArrowDataset(512, str(dest), on_missing="raise")
+    assert dataset[0]["input_ids"].tolist() == [5, 6, 7, 8]
+    assert dataset.data[1]["input_ids"].tolist() == [9, 10, 11] and dataset.data[1]["loss_mask"].tolist() == [0, 0, 1]
+    with pytest.raises(RuntimeError, match="Failed to load hidden states for sample 1"):
+        dataset[1]  # no file: speculators' on_missing decides (training: ask the extraction service)
+
+    # a file at an ids-only row is kept only where it holds states for that row's ids (the held-out
+    # set's, fetched from the service once); anything else there would be read instead of asking
+    save_file({"hidden_states": torch.zeros(3, 4, 64), "token_ids": torch.tensor([1, 2, 3])},
+              str(dest / "hidden_states" / "hs_1.safetensors"))
+    save_file({"hidden_states": torch.zeros(3, 4, 64), "token_ids": torch.tensor([17, 18, 19])},
+              str(dest / "hidden_states" / "hs_3.safetensors"))
+    assert materialize(store, "m", dest) == 4  # the marker's samples: nothing touched
+    assert (dest / "hidden_states" / "hs_1.safetensors").exists()
+    (dest / "eyrie-samples.json").unlink()  # anything but the marked directory: every file checked
+    assert materialize(store, "m", dest) == 4
+    assert sorted(p.name for p in (dest / "hidden_states").iterdir()) == [
+        "hs_0.safetensors", "hs_2.safetensors", "hs_3.safetensors"]
+
+
+# --- end to end: online and hybrid through the real extraction service ---------------------------
+
+class Service:
+    """The module's one real vLLM extraction server (CPU build, our CPU-safe connector), started at
+    once and awaited only where a test needs it, published in Redis as `eyrie serve-extract` does."""
+
+    def __init__(self, tmp: Path):
+        self.port, self.shared, self.log = free_port(), tmp / "hs", tmp / "vllm.log"
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = extract_command(str(TINY), LAYERS, self.shared, 1, self.port, SMALL, vllm_command=str(VLLM_PYTHON),
+                              cpu=True)
+        self.proc = subprocess.Popen(cmd, env=connector_env(vllm_env(tmp / "cache")), stdout=self.log.open("w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.stopped = threading.Event()
+
+    def ready(self) -> None:
+        try:
+            wait_http(f"{self.url}/v1/models", timeout=START_S, proc=self.proc)
+        except (TimeoutError, RuntimeError):
+            pytest.fail(f"vLLM did not start: {self.log.read_text(errors='replace')[-4000:]}")
+
+    def publish(self, conn) -> None:
+        """As `eyrie serve-extract` does while its vLLM runs: republished every few seconds."""
+        endpoint = inference.Endpoint(name="extract", url=self.url, model=str(TINY), server="vllm", state="ready")
+
+        def republish():
+            while not self.stopped.is_set():
+                inference.publish_extract(conn, endpoint)
+                self.stopped.wait(3)
+        threading.Thread(target=republish, daemon=True).start()
+
+    def requests_served(self) -> int:
+        """vLLM's own count of finished requests."""
+        text = requests.get(f"{self.url}/metrics", timeout=10).text
+        return int(sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M)))
+
+    def stop(self) -> None:
+        self.stopped.set()
+        stop_vllm(self.proc)
+
+
+@pytest.fixture(scope="module")
+def runs(redis_server, tiny_server, tmp_path_factory):
+    """12 prompts generated once, then two runs over them: "on" (online) extracted while the
+    service is still starting (it needs none), "hy" (hybrid, a budget of about half the states)
+    through it; both trained (1 epoch) and exported against it."""
+    tmp = tmp_path_factory.mktemp("storage-modes")
+    service = Service(tmp)
+    env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_server.replace("/0", "/6"),
+           "EYRIE_STORE_URL": f"file://{tmp / 'store'}", "EYRIE_CACHE_DIR": str(tmp / "cache"),
+           "EYRIE_INFERENCE_URL": tiny_server.url, "EYRIE_SERVE_DEADLINE_S": str(START_S)}
+    env.pop("EYRIE_EXTRACT_VLLM_URL", None)  # the published server, as in the stack
+    try:
+        store = _generate(env, tmp)
+        _extract(env, "on", "--storage", "online")
+        need = RunManifest.model_validate(store.get_json(Layout("on").manifest)).extract.projected_bytes
+        service.ready()
+        service.publish(redis.Redis.from_url(env["EYRIE_REDIS_URL"]))
+        before_hybrid = service.requests_served()
+        _extract(env, "hy", "--storage", "hybrid", "--budget", f"{need // 2}B")
+        before_training = service.requests_served()
+        for run in ("on", "hy"):
+            eyrie("train", "--run", run, "--epochs", "1", "--seq-len", "256", "--lr", "3e-3", "--draft-vocab", "500",
+                  "--heldout", str(HELDOUT), env=env)
+        eyrie("worker", "train", "--burst", env=env, timeout=600)
+        yield {"env": env, "store": store, "service": service, "need": need,
+               "requests": {"before_hybrid": before_hybrid, "hybrid_extract": before_training - before_hybrid,
+                            "training": service.requests_served() - before_training}}
+    finally:
+        service.stop()
+
+
+def _generate(env: dict, tmp: Path):
+    """Run "g" generated, its generate stage cloned into "on" and "hy" (the same shard objects)."""
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(TRAIN_PROMPTS.read_text().splitlines(keepends=True)[:PROMPTS]))
+    eyrie("generate", "--dataset", str(prompts), "--run", "g", "--concurrency", "6", "--max-tokens", "48",
+          "--shard-size", str(PROMPTS // 2), env=env)
+    eyrie("worker", "generate", "--burst", env=env, timeout=600)
+    store = open_store(load_settings(store_url=env["EYRIE_STORE_URL"], redis_url=env["EYRIE_REDIS_URL"]))
+    source = Layout("g")
+    for run in ("on", "hy"):
+        store.put_json(Layout(run).manifest, {**store.get_json(source.manifest), "run": run})
+        for shard in (0, 1):
+            generated = store.get_json(source.generate_shard_manifest(shard))
+            store.put_json(Layout(run).generate_shard_manifest(shard), {**generated, "run": run})
+    return store
+
+
+def _extract(env: dict, run: str, *storage: str) -> None:
+    eyrie("extract", "--run", run, "--backend", "vllm", "--layers", ",".join(map(str, LAYERS)),
+          "--max-length", "200", *storage, env=env)
+    eyrie("worker", "extract", "--burst", env=env, timeout=600)
+
+
+def _shards(store, run: str) -> list[ShardManifest]:
+    return [ShardManifest.model_validate(store.get_json(Layout(run).extract_shard_manifest(i))) for i in (0, 1)]
+
+
+def _object_keys(store, sample: dict) -> set[str]:
+    path = Path(store.root) / sample["key"]
+    with safe_open(str(path), "pt") as tensors:
+        return set(tensors.keys())
+
+
+def _status(run: str, env: dict) -> dict:
+    return json.loads(eyrie("status", run, "--json", env=env).stdout)["stages"]
+
+
+def _assert_trained_and_exported(runs: dict, run: str) -> dict:
+    """The train stage done (steps, a loss), its best checkpoint exported; the service's files gone."""
+    store, env = runs["store"], runs["env"]
+    train = _status(run, env)["train"]
+    assert train["state"] == "done" and train["done"] > 0 and train["loss"] > 0, train
+    drafter = store.get_json(Layout(run).drafter_manifest)
+    assert set(drafter["files"]) == {"config.json", "model.safetensors"} and drafter["tau"] >= 1.0
+    assert not list(runs["service"].shared.iterdir())  # every file the service wrote was read and deleted
+    return train
+
+
+def _accounted(shards: list[ShardManifest]) -> None:
+    """Every generated sample is done, skipped or failed, once."""
+    for shard in shards:
+        assert shard.counts.done + shard.counts.skipped + shard.counts.failed == shard.counts.total
+        assert shard.counts.done == len(shard.samples)
+    assert sum(s.counts.total for s in shards) == PROMPTS
+
+
+def test_online_stores_no_hidden_states_and_training_asks_the_service(runs):
+    store = runs["store"]
+    params = RunManifest.model_validate(store.get_json(Layout("on").manifest)).extract
+    assert (params.storage, params.shard_allowance_bytes) == ("online", None)
+    shards = _shards(store, "on")
+    _accounted(shards)
+    samples = [e for s in shards for e in s.samples]
+    assert samples and all(e["states"] is False for e in samples)
+    assert all(_object_keys(store, e) == {"token_ids"} for e in samples)  # no hidden-state tensor in the bucket
+    assert sum(s.bytes for s in shards) == sum(e["bytes"] for e in samples) < runs["need"] / 20
+    assert runs["requests"]["before_hybrid"] == 0  # extracted before the service was up: it needed none
+
+    train = _assert_trained_and_exported(runs, "on")
+    on_demand = len(samples) - HELDOUT
+    assert any(f"({on_demand} on demand from the extraction service" in n for n in train["notes"]), train["notes"]
+    assert any(f"{HELDOUT} held-out samples' states fetched from the extraction service" in n for n in train["notes"])
+
+
+def test_hybrid_stores_states_within_the_budget_and_training_asks_for_the_rest(runs):
+    store = runs["store"]
+    params = RunManifest.model_validate(store.get_json(Layout("hy").manifest)).extract
+    assert params.storage == "hybrid" and params.budget_bytes == runs["need"] // 2
+    assert params.shard_allowance_bytes == params.budget_bytes // 2
+    shards = _shards(store, "hy")
+    _accounted(shards)
+    kept = [[e for e in s.samples if e.get("states", True)] for s in shards]
+    for shard_kept in kept:
+        assert sum(e["bytes"] for e in shard_kept) <= params.shard_allowance_bytes
+    assert sum(e["bytes"] for k in kept for e in k) <= params.budget_bytes
+    samples = [e for s in shards for e in s.samples]
+    ids_only = [e for e in samples if e.get("states") is False]
+    assert kept[0] and kept[1] and ids_only  # both kinds
+    assert all(_object_keys(store, e) == {"hidden_states", "token_ids"} for k in kept for e in k)
+    assert all(_object_keys(store, e) == {"token_ids"} for e in ids_only)
+    assert runs["requests"]["hybrid_extract"] == sum(len(k) for k in kept)  # the service forwarded those alone
+
+    train = _assert_trained_and_exported(runs, "hy")
+    held = heldout_ids(samples, HELDOUT)
+    on_demand, held_on_demand = [sum(1 for e in ids_only if (e["sample_id"] in held) == h) for h in (False, True)]
+    assert any(f"({on_demand} on demand from the extraction service" in n for n in train["notes"]), train["notes"]
+    # training asked the service for each on-demand sample once (1 epoch), the held-out ones once,
+    # and for no stored one: online's all, hybrid's rest
+    assert runs["requests"]["training"] == PROMPTS + on_demand + held_on_demand, runs["requests"]
