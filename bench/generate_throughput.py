@@ -307,9 +307,9 @@ class Bench:
     def check_shard(self, run: str) -> str:
         import orjson
 
-        from eyrie.config import load_settings
-        from eyrie.manifest import Layout
-        from eyrie.store import open_store
+        from eyrie.core.config import load_settings
+        from eyrie.data.manifest import Layout
+        from eyrie.data.store import open_store
 
         store = open_store(load_settings(store_url=self.store_url, redis_url=self.redis_url))
         shards = -(-self.args.prompts // (self.args.shard_size or self.args.prompts))

@@ -126,7 +126,7 @@ def hold_lease(redis_url: str) -> int:
     import redis
     import torch
 
-    from eyrie.gpu import GpuLease
+    from eyrie.work.gpu import GpuLease
 
     lease = GpuLease(redis.Redis.from_url(redis_url), "gpu-checks")
     lease.acquire(wait_s=30)

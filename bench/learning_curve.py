@@ -16,11 +16,11 @@ from xml.sax.saxutils import escape
 
 import torch
 
-from eyrie.config import load_settings
-from eyrie.gpu import pick_device
-from eyrie.manifest import Layout, load_run_manifest
-from eyrie.pipeline import stored_config
-from eyrie.store import open_store
+from eyrie.core.config import load_settings
+from eyrie.data.manifest import Layout, load_run_manifest
+from eyrie.data.store import open_store
+from eyrie.runs.pipeline import stored_config
+from eyrie.work.gpu import pick_device
 from eyrie_trainer import engine
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
 from eyrie_trainer.evaluate import simulate

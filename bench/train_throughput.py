@@ -30,8 +30,8 @@ from pathlib import Path
 import psutil
 import redis
 
-from eyrie.manifest import Layout
-from eyrie.store import FileStore
+from eyrie.data.manifest import Layout
+from eyrie.data.store import FileStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import write_section  # noqa: E402
@@ -46,11 +46,11 @@ def build(work: Path, a) -> None:
     import torch
     from safetensors.torch import save, save_file
     from transformers import LlamaConfig
-    from eyrie.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, RunManifest, SamplingParams,
-                                ShardManifest, ShardPlan, TargetRef, code_version, now_iso)
-    from eyrie.layers import default_aux_layers
+    from eyrie.core.layers import default_aux_layers
+    from eyrie.data.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, RunManifest, SamplingParams,
+                                     ShardManifest, ShardPlan, TargetRef, code_version, now_iso)
     from eyrie_extractor.shard import sample_tensors
-    from eyrie.stage_settings import TrainSettings
+    from eyrie.core.stage_settings import TrainSettings
     from eyrie_trainer.plan import _require_extract_done, plan
 
     target, g = work / "target", torch.Generator().manual_seed(0)
@@ -122,8 +122,8 @@ def child(a) -> None:
     logging.getLogger().handlers[:] = [Clock(), stderr]  # alike on both sides: speculators' basicConfig then adds none
     t0 = time.perf_counter()
     if a.child == "eyrie":
-        from eyrie.config import load_settings
-        from eyrie.executor import Context, execute
+        from eyrie.core.config import load_settings
+        from eyrie.tasks.executor import Context, execute
         from eyrie_trainer.runner import TrainRunner
         settings = load_settings()
         result = execute(TrainRunner, {"run": RUN}, Context(settings, redis.Redis.from_url(settings.redis_url),
@@ -218,9 +218,9 @@ def main() -> None:
                "EYRIE_TRAIN_FAST_PATH": a.fast_path, "EYRIE_TRAIN_LOADER_WORKERS": str(a.workers)}
         os.environ.update(env)
         build(work, a)
-        from eyrie.config import load_settings
+        from eyrie.core.config import load_settings
         from eyrie_trainer import engine
-        from eyrie.executor import Context
+        from eyrie.tasks.executor import Context
         from eyrie_trainer.plan import TrainTask
         from eyrie_trainer.runner import TrainRunner
         runner = TrainRunner(Context(load_settings(), redis.Redis(port=port), FileStore(work / "store")),

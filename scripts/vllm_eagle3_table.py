@@ -8,7 +8,7 @@ architecture name of vllm/model_executor/models/registry.py to its class and say
 class (or a class it inherits from) lists SupportsEagle3 among its bases.
 
     pip download vllm==0.33.0 --no-deps -d /tmp/w && unzip -q /tmp/w/vllm-*.whl 'vllm/*' -d /tmp/w/src
-    python scripts/vllm_eagle3_table.py /tmp/w/src/vllm > eyrie/vllm_support.json
+    python scripts/vllm_eagle3_table.py /tmp/w/src/vllm > eyrie/core/vllm_support.json
 """
 
 from __future__ import annotations

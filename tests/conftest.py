@@ -19,8 +19,8 @@ import requests
 import yaml
 from filelock import FileLock
 
-from eyrie import keys
-from eyrie.gguf_target import PROVENANCE, convert_smollm2
+from eyrie.core.gguf_target import PROVENANCE, convert_smollm2
+from eyrie.work import keys
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "assets" / "tiny-target"
@@ -210,7 +210,7 @@ def tiny_server(redis_server, tmp_path_factory):
     proc = subprocess.Popen([str(BIN / "eyrie"), "serve", "--model", str(TINY), "--port", str(port)],
                             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    from eyrie import inference
+    from eyrie.work import inference
 
     conn = redis.Redis.from_url(redis_server)
     deadline = time.monotonic() + 180

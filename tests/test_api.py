@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from prometheus_client.parser import text_string_to_metric_families
 from schemathesis.checks import not_a_server_error
 
-from eyrie import keys
+from eyrie.work import keys
 
 from conftest import BIN, OFFLINE, ROOT, TINY, eyrie, free_port, start_worker, stop, wait_for, wait_http
 

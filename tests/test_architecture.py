@@ -1,8 +1,8 @@
-"""The shape of the code, read from its source (ast; nothing is imported): the shared package
-depends on no service, a service on no other service, project imports stand at the top of their
-module, the imports of eyrie/ form no circle, no module but eyrie/config.py reads an EYRIE_*
-variable, no source file is over 400 lines, and every function eyrie/ names as text (the stage
-registry, the CLI's `entry` calls) exists."""
+"""The shape of the code, read from its source (ast; nothing is imported): the shared package depends
+on no service, a service on no other service, project imports stand at the top of their module, the
+imports of eyrie/ form no circle and go only down through its rooms, no module but
+eyrie/core/config.py reads an EYRIE_* variable, no source file is over 400 lines, and every function
+eyrie/ names as text (the stage registry, the CLI's `entry` calls) exists."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ MAX_LINES = 400
 # chart and its goldens.
 KNOWN_SERVICE_EDGES = {("services/inference/eyrie_inference/extract_server.py", "eyrie_extractor")}
 # The CLI's command bodies import what they use, so that `eyrie --help` and its errors stay fast.
-LAZY_BY_DESIGN = {"eyrie/cli.py", "eyrie/cli_app.py", "eyrie/cli_control.py"}
+LAZY_BY_DESIGN = {"eyrie/commands/cli.py", "eyrie/commands/cli_app.py", "eyrie/commands/cli_control.py"}
 # Project imports kept inside a function, each with its reason.
 KNOWN_IMPORTS_IN_FUNCTIONS: set[tuple[str, str]] = set()
 
@@ -208,9 +208,58 @@ def test_eyrie_imports_form_no_circle():
     """Imports point one way, in functions too: a circle is cut by moving code where it belongs
     (or a lower module taking what it needs as a parameter), never by importing late."""
     graph = import_graph("eyrie")
-    assert "eyrie.queue" in graph and graph["eyrie.cli"]  # the graph is read
+    assert "eyrie.work.queue" in graph and graph["eyrie.commands.cli"]  # the graph is read
     cycles = import_cycles(graph)
     assert not cycles, "import circles in eyrie/: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+# eyrie/'s rooms, lowest first (docs/architecture.md, "Rooms"): a module imports only from its own
+# room and the rooms before it, in functions too (the CLI's lazy imports count); eyrie/__init__.py
+# (the version) stands below them all and imports none. Every other module stands in a room.
+ROOMS = ["core", "benchmarks", "data", "work", "stages", "tasks", "runs", "api", "commands"]
+
+
+def room_of(module: str) -> str | None:
+    """eyrie.<room>.<module...> -> room; eyrie itself -> None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def upward_imports(graph: dict[str, set[str]], rooms: list[str]) -> list[tuple[str, str]]:
+    """(importer, imported) where the imported module's room comes after the importer's."""
+    rank = {room: i for i, room in enumerate(rooms)}
+
+    def level(module: str) -> int | None:
+        return -1 if room_of(module) is None else rank.get(room_of(module))
+
+    return sorted((m, t) for m, targets in graph.items() for t in targets
+                  if level(m) is not None and level(t) is not None and level(t) > level(m))
+
+
+def test_the_room_check_sees_an_upward_import():
+    graph = {"eyrie": {"eyrie.work"}, "eyrie.core": set(), "eyrie.core.a": {"eyrie", "eyrie.core"},
+             "eyrie.work": set(), "eyrie.work.b": {"eyrie.core.a", "eyrie.core", "eyrie.work"},
+             "eyrie.core.c": {"eyrie.work.b", "eyrie.work", "eyrie.core"}}
+    assert upward_imports(graph, ["core", "work"]) == [("eyrie", "eyrie.work"), ("eyrie.core.c", "eyrie.work"),
+                                                       ("eyrie.core.c", "eyrie.work.b")]
+
+
+def test_every_module_of_eyrie_stands_in_a_room():
+    graph = import_graph("eyrie")
+    stray = sorted(m for m in graph if m != "eyrie" and room_of(m) not in ROOMS)
+    assert not stray, f"put each in a room (eyrie/<room>/, one of ROOMS): {stray}"
+    empty = [room for room in ROOMS if f"eyrie.{room}" not in graph]
+    assert not empty, f"rooms in ROOMS with no package (eyrie/<room>/__init__.py): {empty}"
+
+
+def test_rooms_import_only_the_rooms_below_them():
+    """Lower rooms never import higher ones: a module that needs one higher up moves up, or the
+    code it needs moves down (or comes in as a parameter); never an import in a function."""
+    graph = import_graph("eyrie")
+    assert graph["eyrie.commands.cli"] and graph["eyrie.work.queue"]  # the graph is read
+    up = upward_imports(graph, ROOMS)
+    assert not up, "imports against the room order " + " < ".join(ROOMS) + ": " + \
+        "; ".join(f"{m} ({room_of(m)}) -> {t} ({room_of(t)})" for m, t in up)
 
 
 ENVIRON_CALLS = {"get", "getenv"}
@@ -264,9 +313,9 @@ def test_the_environment_check_sees_every_way_of_reading():
 
 
 def test_only_the_settings_read_eyrie_variables():
-    """Every EYRIE_* variable is a field of eyrie.config.Settings (or, for the generate settings'
+    """Every EYRIE_* variable is a field of eyrie.core.config.Settings (or, for the generate settings'
     host defaults, Settings.generate_defaults): typed, documented, validated in one place. Passing
     an environment to a child process is not reading it."""
     reads = {f"{rel(p)}:{line}": name for d in ("eyrie", "services") for p in modules(d)
-             if rel(p) != "eyrie/config.py" for line, name in eyrie_variables_read(p.read_text())}
-    assert not reads, f"read EYRIE_* through eyrie.config.Settings, not the environment: {reads}"
+             if rel(p) != "eyrie/core/config.py" for line, name in eyrie_variables_read(p.read_text())}
+    assert not reads, f"read EYRIE_* through eyrie.core.config.Settings, not the environment: {reads}"

@@ -12,7 +12,7 @@ import redis
 import requests
 
 from conftest import start_worker, stop, wait_for
-from eyrie.queue import job_state
+from eyrie.work.queue import job_state
 from test_api import TOKEN, prompts, run_config, start_api
 from test_helm import default_docs, keda_triggers, one, trigger_secret
 

@@ -271,9 +271,9 @@ def config_files(tmp_path: Path, dataset: Path) -> dict:
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
 def test_cli_arguments_fuzzed_exit_0_1_or_2_never_a_traceback(env, stub_url, tmp_path, monkeypatch):
-    """In-process (typer's CliRunner on eyrie.cli.app, milliseconds a call) against real Redis and
+    """In-process (typer's CliRunner on eyrie.commands.cli.app, milliseconds a call) against real Redis and
     a real store, with a run `fz` whose generate stage is done, so extract gets past the run."""
-    from eyrie.cli import app
+    from eyrie.commands.cli import app
 
     env = {**env, "EYRIE_INFERENCE_URL": stub_url, "EYRIE_SERVER": "vllm", "EYRIE_MODEL": str(TINY)}
     data = tmp_path / "d.jsonl"
@@ -320,7 +320,7 @@ REGRESSIONS = [  # command lines that once ended in a traceback (or stored inf a
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
 @pytest.mark.parametrize("args,words", REGRESSIONS, ids=[" ".join(a)[:40] for a, _ in REGRESSIONS])
 def test_bad_argument_values_are_one_line_errors(env, tmp_path, args, words):
-    from eyrie.cli import app
+    from eyrie.commands.cli import app
 
     data = tmp_path / "d.jsonl"
     data.write_bytes(jsonl(GOOD))

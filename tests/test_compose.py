@@ -29,7 +29,7 @@ BUILT = {"inference", "generator", "extractor", "trainer", "api"}
 GPU_SERVICES = {"inference", "extractor", "trainer", "extract-server", "verifier"}
 IMAGE_OF = {"extract-server": "inference", "verifier": "inference"}  # the same image, another command
 # The service packages each image needs: its own; the extractor's planner wherever a task's callback
-# may continue a planned extract stage (eyrie.pipeline.advance); the extractor's vLLM command and
+# may continue a planned extract stage (eyrie.runs.pipeline.advance); the extractor's vLLM command and
 # connector and the trainer's verify in the inference image (extraction server, verify Job).
 PACKAGES_OF = {"api": {"generator", "inference", "extractor", "trainer"}, "generator": {"generator", "extractor"},
                "extractor": {"extractor"}, "trainer": {"trainer", "extractor"},

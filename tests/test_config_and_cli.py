@@ -5,9 +5,9 @@ import json
 import pytest
 
 from conftest import eyrie
-from eyrie.config import load_settings
-from eyrie.errors import EyrieError
-from eyrie.stage_settings import GenerateSettings
+from eyrie.core.config import load_settings
+from eyrie.core.errors import EyrieError
+from eyrie.core.stage_settings import GenerateSettings
 
 
 def test_defaults_are_the_embedded_default(monkeypatch):
@@ -40,7 +40,7 @@ def test_an_internal_error_is_one_line_unless_eyrie_debug(monkeypatch, capsys):
     rest of the configuration may be what failed); a value that is not a yes or a no asks for it."""
     import typer
 
-    from eyrie.cli_app import command
+    from eyrie.commands.cli_app import command
 
     @command
     def broken():

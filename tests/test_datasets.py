@@ -6,8 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eyrie.errors import EyrieError
-from eyrie import dataset
+from eyrie.core.errors import EyrieError
+from eyrie.data import dataset
 from eyrie_generator.plan import sample_id
 from eyrie_generator.prompts import Skip, to_prompt
 

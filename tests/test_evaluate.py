@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from eyrie.errors import EyrieError
+from eyrie.core.errors import EyrieError
 from eyrie_trainer.evaluate import accepted_lengths, simulate, summarize_walk, untrained_like, walk
 from hs_fixture import TINY, build_hs_dir
 

@@ -10,10 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import TINY, eyrie
-from eyrie import keys
-from eyrie.config import load_settings
-from eyrie.manifest import Layout, RunManifest, ShardManifest
-from eyrie.store import open_store
+from eyrie.core.config import load_settings
+from eyrie.data.manifest import Layout, RunManifest, ShardManifest
+from eyrie.data.store import open_store
+from eyrie.work import keys
 
 PROMPTS = [{"conversations": [{"from": "human", "value": q}]} for q in
            ("What is 4 plus 7?", "Say hello to Rosa.", "Add 8 and 4.", "What is the opposite of dark?",

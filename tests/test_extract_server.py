@@ -12,16 +12,15 @@ import pytest
 import redis
 
 from conftest import BIN, ROOT, TINY, TRAIN_PROMPTS, free_port, stop
-from eyrie import inference, keys
-from eyrie.extract_server import ServerWait
-from eyrie.errors import EyrieError
-from eyrie.gpu import GpuLease, holder
-from eyrie.manifest import (ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
-                            ShardPlan, TargetRef)
-from eyrie.pipeline import RunConfig, config_key
-from eyrie.store import open_store
-from eyrie.vllm import CPU_KV_CACHE_GIB, SERVER_MODULE, serve_env
-from eyrie.config import load_settings
+from eyrie.core.config import load_settings
+from eyrie.core.errors import EyrieError
+from eyrie.core.vllm import CPU_KV_CACHE_GIB, SERVER_MODULE, serve_env
+from eyrie.data.manifest import ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams, ShardPlan, TargetRef
+from eyrie.data.store import open_store
+from eyrie.runs.pipeline import RunConfig, config_key
+from eyrie.work import inference, keys
+from eyrie.work.extract_server import ServerWait
+from eyrie.work.gpu import GpuLease, holder
 from eyrie_inference.extract_server import extraction_run, vllm_command
 
 RUN = "xs"

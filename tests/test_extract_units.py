@@ -5,10 +5,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import TINY
-from eyrie.errors import EyrieError
-from eyrie.budget import bytes_per_token, check_fits, parse_size
+from eyrie.core.budget import bytes_per_token, check_fits, parse_size
+from eyrie.core.errors import EyrieError
 from eyrie_extractor.capture import token_budget_batches
-from eyrie.layers import default_aux_layers, resolve_aux_layers
+from eyrie.core.layers import default_aux_layers, resolve_aux_layers
 from eyrie_extractor.render import Rendered, fit, render
 
 THINK = ("<think>", "</think>")

@@ -4,7 +4,7 @@ the bound), it gives up after EYRIE_SERVE_DEADLINE_S naming the problem and the 
 was ready and died is named dead (not a blind "Connection error"), and a cancel of the run or a
 SIGTERM to the worker ends the wait. Real redis-server, real `eyrie worker extract` processes; no
 vLLM: the situations without one (nothing published, a stale or failed endpoint, a port that
-refuses connections) are published directly through eyrie.inference.publish_extract."""
+refuses connections) are published directly through eyrie.work.inference.publish_extract."""
 
 import json
 import signal
@@ -19,10 +19,10 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from conftest import TINY, eyrie, free_port, wait_for
-from eyrie import inference, keys
-from eyrie.cancel import Cancelled
-from eyrie.errors import EyrieError
-from eyrie.extract_server import ServerWait, health
+from eyrie.core.errors import EyrieError
+from eyrie.work import inference, keys
+from eyrie.work.cancel import Cancelled
+from eyrie.work.extract_server import ServerWait, health
 
 RUN, TASK = "xw", "extract-xw-00000"
 FILE_STORE = pytest.mark.parametrize("store_env", ["file"], indirect=True)  # one store is enough

@@ -23,8 +23,8 @@ import pytest
 import redis
 
 from conftest import BIN, ROOT, S3_KEYS, TRAIN_PROMPTS, Workers, eyrie, free_port, stop, tiny_run_config, wait_for, wait_http
-from eyrie import progress
-from eyrie.manifest import Layout, ShardManifest
+from eyrie.data.manifest import Layout, ShardManifest
+from eyrie.work import progress
 
 DOCS = ROOT / "docs"
 ROWS = 48
@@ -243,8 +243,8 @@ def s3_run(env: dict, relay: subprocess.Popen, workers: Workers, redis_url: str)
     relay.send_signal(signal.SIGUSR2)
 
     wait_for(lambda: stage_done("s3", env), "the drafter exported after S3 came back", timeout=600)
-    from eyrie.config import load_settings
-    from eyrie.store import open_store
+    from eyrie.core.config import load_settings
+    from eyrie.data.store import open_store
 
     store, layout = open_store(load_settings()), Layout("s3")
     for index in range(3):  # every stored sample is whole: its bytes match the recorded sha256

@@ -14,8 +14,8 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
 from eyrie.api import metrics
-from eyrie import k8s_jobs
-from eyrie.status_models import RunStatus, TrainStatus
+from eyrie.work import k8s_jobs
+from eyrie.work.status_models import RunStatus, TrainStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "eyrie.json"
@@ -25,7 +25,7 @@ KUEUE_METRICS = {"kueue_pending_workloads", "kueue_admitted_active_workloads", "
 
 def our_metric_names(redis_url: str) -> set[str]:
     """What /metrics serves: the collector run against a real Redis with one lease held."""
-    from eyrie.gpu import GpuLease
+    from eyrie.work.gpu import GpuLease
 
     conn = redis.Redis.from_url(redis_url)
     GpuLease(conn, "inference@a").acquire(wait_s=1)

@@ -7,9 +7,9 @@ import json
 import orjson
 
 from conftest import TINY, eyrie
-from eyrie.config import load_settings
-from eyrie.manifest import Layout, RunManifest
-from eyrie.store import open_store
+from eyrie.core.config import load_settings
+from eyrie.data.manifest import Layout, RunManifest
+from eyrie.data.store import open_store
 
 GOOD = [
     {"conversations": [{"from": "human", "value": "What is 4 plus 7?"}]},

@@ -13,8 +13,8 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from conftest import eyrie, start_worker, wait_for
-from eyrie.queue import workers_on
 from eyrie.stages import PLAN_GENERATE
+from eyrie.work.queue import workers_on
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
 

@@ -12,10 +12,10 @@ import redis
 import requests
 
 from conftest import eyrie, start_worker
-from eyrie import keys
-from eyrie.config import load_settings
-from eyrie.manifest import Layout
-from eyrie.store import open_store
+from eyrie.core.config import load_settings
+from eyrie.data.manifest import Layout
+from eyrie.data.store import open_store
+from eyrie.work import keys
 from eyrie_generator.shard import FLUSH_EVERY
 
 

@@ -10,8 +10,8 @@ import redis
 import requests
 
 from conftest import TINY, TRAIN_PROMPTS, eyrie, wait_for
-from eyrie import inference
-from eyrie.target import describe
+from eyrie.core.target import describe
+from eyrie.work import inference
 
 DB = 12  # our own database: the endpoints published here reach no other test
 
@@ -68,8 +68,8 @@ def test_a_run_waits_for_a_server_of_its_target_and_says_so(env, stub_server, wo
 def test_the_wait_is_bounded_and_names_the_target_and_what_is_served(redis_server, tmp_path):
     """Past EYRIE_SERVE_DEADLINE_S the task fails with one message naming the run's target and
     the servers published (a retry waits again)."""
-    from eyrie.errors import EyrieError
-    from eyrie.target import same_target
+    from eyrie.core.errors import EyrieError
+    from eyrie.core.target import same_target
 
     conn = redis.Redis.from_url(redis_server.rsplit("/", 1)[0] + f"/{DB}")
     conn.flushdb()

@@ -5,7 +5,7 @@ import time
 
 import redis
 
-from eyrie.gpu import GpuLease, holder
+from eyrie.work.gpu import GpuLease, holder
 
 
 def test_one_owner_waiters_visible_and_handover(redis_url):
@@ -39,10 +39,11 @@ def test_dead_owners_lease_lapses(redis_url):
 
 import pytest
 
-from eyrie import gpu_admission, keys
-from eyrie.config import load_settings
-from eyrie.gpu import WHOLE_HOST, default_host, device_set, leases, visible_gpus
-from eyrie.status_models import GpuHolder
+from eyrie.core.config import load_settings
+from eyrie.tasks import gpu_admission
+from eyrie.work import keys
+from eyrie.work.gpu import WHOLE_HOST, default_host, device_set, leases, visible_gpus
+from eyrie.work.status_models import GpuHolder
 
 
 @pytest.fixture

@@ -15,10 +15,10 @@ import pytest
 import redis
 import yaml
 
-from eyrie import k8s_jobs
-from eyrie.config import Settings
-from eyrie.stage_settings import GenerateSettings
-from eyrie.queue import queue
+from eyrie.core.config import Settings
+from eyrie.core.stage_settings import GenerateSettings
+from eyrie.work import k8s_jobs
+from eyrie.work.queue import queue
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "eyrie"

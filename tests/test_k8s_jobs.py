@@ -13,13 +13,14 @@ import pytest
 import redis
 import yaml
 
-from eyrie import gpu_admission, k8s_jobs
-from eyrie.config import load_settings
-from eyrie.errors import EyrieError
-from eyrie.gpu import GpuLease, holder
-from eyrie.queue import enqueue_task
+from eyrie.core.config import load_settings
+from eyrie.core.errors import EyrieError
 from eyrie.stages import queues
-from eyrie.task_kinds import jobs_for_queue
+from eyrie.tasks import gpu_admission
+from eyrie.work import k8s_jobs
+from eyrie.work.gpu import GpuLease, holder
+from eyrie.work.queue import enqueue_task
+from eyrie.work.task_kinds import jobs_for_queue
 from kube_stub import KubeStub
 from test_helm import gpu_jobs, render_text, value_set
 
@@ -63,7 +64,7 @@ def test_build_job_fills_the_run_into_args_and_counts_gpus(templates):
     verify = k8s_jobs.build_job(templates, "verify", "r7")
     # the verify Job works the run's verify task from its queue, as extract and train do
     assert verify["spec"]["template"]["spec"]["containers"][0]["command"] == [
-        "python", "-m", "eyrie.gpu_admission", "drain", "verify"]
+        "python", "-m", "eyrie.tasks.gpu_admission", "drain", "verify"]
     assert k8s_jobs.gpus_of(verify) == 8
     named = copy.deepcopy(templates)
     named["stages"]["verify"]["spec"]["template"]["spec"]["containers"][0]["args"] = ["--run", "{run}"]
@@ -107,7 +108,7 @@ def test_job_state(status, state):
 
 
 def test_the_jobs_dispatched_on_enqueue_are_the_ones_the_stages_declare():
-    """eyrie.queue dispatches on every enqueue through eyrie.kueue, below the stages, from what the
+    """eyrie.work.queue dispatches on every enqueue through eyrie.work.kueue, below the stages, from what the
     stages' task kinds declare: the servers first, then the Job that drains the queue."""
     assert {q: jobs_for_queue(q) for q in queues()} == {
         "generate": ("serve",), "extract": ("extract-server", "extract"), "train": ("train",), "verify": ("verify",)}

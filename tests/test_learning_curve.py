@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ROOT
-from eyrie.manifest import Layout, TrainParams
-from eyrie.store import FileStore
+from eyrie.data.manifest import Layout, TrainParams
+from eyrie.data.store import FileStore
 from eyrie_trainer.data import heldout_ids
 from eyrie_trainer.runner import TrainRunner
 

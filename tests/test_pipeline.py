@@ -13,7 +13,7 @@ import pytest
 import redis
 import yaml
 
-from eyrie import keys
+from eyrie.work import keys
 
 from conftest import BIN, OFFLINE, ROOT, TRAIN_PROMPTS, eyrie, tiny_run_config, wait_for
 from vllm_real import SMALL, vllm_env
@@ -129,9 +129,9 @@ def test_generate_started_on_one_host_is_finished_on_another(env, tiny_server, t
     status = json.loads(eyrie("status", "moved", "--json", env=env).stdout)["stages"]["generate"]
     assert status["state"] == "done" and status["done"] + status["skipped"] + status["failed"] == 306
 
-    from eyrie.config import load_settings
-    from eyrie.manifest import Layout
-    from eyrie.store import open_store
+    from eyrie.core.config import load_settings
+    from eyrie.data.manifest import Layout
+    from eyrie.data.store import open_store
 
     store, layout = open_store(load_settings()), Layout("moved")
     ids = []

@@ -10,7 +10,7 @@ import sys
 import yaml
 
 from conftest import OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, tiny_run_config
-from eyrie.support import check, table
+from eyrie.core.support import check, table
 
 SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
 

@@ -65,7 +65,7 @@ def _drive(avail: int) -> dict:
 
 
 def test_the_s3_servers_own_free_space_is_read(fake_minio):
-    from eyrie.store import minio_free_bytes
+    from eyrie.data.store import minio_free_bytes
 
     _FakeMinio.info = {"mode": "online", "servers": [{"drives": [_drive(2_800_000_000_000)]}]}
     assert minio_free_bytes(fake_minio, "ak-eyrie", "sk-secret-key") == 2_800_000_000_000
@@ -111,7 +111,7 @@ def test_the_trainer_reports_its_caches_free_space_and_plan_uses_it(redis_url, s
     proc = subprocess.Popen([str(BIN / "eyrie"), "worker", "train"], env=worker_env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     conn = redis.Redis.from_url(redis_url)
-    reports = "eyrie:disk:train:*"  # eyrie.keys.disk_report("train", HOST)
+    reports = "eyrie:disk:train:*"  # eyrie.work.keys.disk_report("train", HOST)
     try:
         deadline = time.monotonic() + 120
         while not list(conn.scan_iter(reports)):

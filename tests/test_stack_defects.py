@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from conftest import BIN, OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, free_port, stop, wait_for
-from eyrie import inference, keys
-from eyrie.gpu import GpuLease, holder
-from eyrie.queue import LEASE_TTL_S, Heartbeat, held_task
+from eyrie.work import inference, keys
+from eyrie.work.gpu import GpuLease, holder
+from eyrie.work.queue import LEASE_TTL_S, Heartbeat, held_task
 
 
 def own_db(redis_url: str, db: int) -> redis.Redis:
@@ -31,7 +31,7 @@ def own_db(redis_url: str, db: int) -> redis.Redis:
 def test_the_extractor_drops_the_target_before_the_gpu_lease_goes(redis_url):
     """The lease says who computes; the memory must follow it: when the lease is free, nothing
     of ours still holds the model (the next vLLM start checks free device memory)."""
-    from eyrie.config import load_settings
+    from eyrie.core.config import load_settings
     from eyrie_extractor.shard import extractor_gpu_lease, loaded_capture
 
     conn = own_db(redis_url, 7)
@@ -107,10 +107,10 @@ def test_serve_fails_when_vllm_dies_after_it_was_ready(redis_url, tmp_path):
 def test_a_blocked_or_cancelled_run_does_not_keep_the_server_down(env, stub_server, workers):
     """A generated run whose later stages wait would stop the inference server ("drained"): a
     blocked or cancelled run waits for a person, not for the GPUs."""
-    from eyrie.config import load_settings
-    from eyrie.pipeline import drained_run
+    from eyrie.core.config import load_settings
+    from eyrie.data.store import open_store
+    from eyrie.runs.pipeline import drained_run
     from eyrie.stages import task_id
-    from eyrie.store import open_store
     from rq.job import Job, JobStatus
     from rq.serializers import JSONSerializer
 

@@ -1,6 +1,6 @@
 """A stage task's constructor reads, plans, fetches and loads nothing: the run manifest, the train
 plan, a base drafter's download and the models are `run`'s, after the executor's done-check and
-under the task lease (eyrie.executor.execute). On real Redis and a real store (a local directory)."""
+under the task lease (eyrie.tasks.executor.execute). On real Redis and a real store (a local directory)."""
 
 import socket
 
@@ -8,12 +8,12 @@ import pytest
 import redis
 
 from conftest import TINY
-from eyrie.config import load_settings
-from eyrie.errors import EyrieError
-from eyrie.executor import Context, execute
-from eyrie.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
-                            ShardManifest, ShardPlan, TargetRef, code_version, load_run_manifest, now_iso)
-from eyrie.store import open_store
+from eyrie.core.config import load_settings
+from eyrie.core.errors import EyrieError
+from eyrie.data.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
+                                 ShardManifest, ShardPlan, TargetRef, code_version, load_run_manifest, now_iso)
+from eyrie.data.store import open_store
+from eyrie.tasks.executor import Context, execute
 from eyrie_extractor.plan import PlanExtract
 from eyrie_extractor.shard import ExtractRunner
 from eyrie_generator.shard import ShardRunner

@@ -13,10 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent
 NAMES = {s.name for s in PIPELINE} | {s.queue for s in PIPELINE} | set(task_kinds())
 # The same words meaning something else, each with its reason.
 NOT_A_STAGE = {
-    ("eyrie/dataset.py", "train"): "a dataset split's name",
-    ("eyrie/stage_settings.py", "train"): "a dataset split's name",
-    ("eyrie/manifest.py", "train"): "a dataset split's name",
-    ("eyrie/charts.py", "train"): "speculators' metrics log: its training record's key",
+    ("eyrie/data/dataset.py", "train"): "a dataset split's name",
+    ("eyrie/core/stage_settings.py", "train"): "a dataset split's name",
+    ("eyrie/data/manifest.py", "train"): "a dataset split's name",
+    ("eyrie/data/charts.py", "train"): "speculators' metrics log: its training record's key",
     ("services/trainer/eyrie_trainer/runner.py", "train"): "speculators' metrics log key; the training split's folder",
     ("services/trainer/eyrie_trainer/engine.py", "train"): "speculators' own subcommand (`speculators train`)",
     ("services/trainer/eyrie_trainer/runner.py", "generate"): "speculators' on_missing value: make states on demand",

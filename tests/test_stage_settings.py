@@ -1,4 +1,4 @@
-"""Each stage's settings declared once (eyrie.stage_settings): the run config's section, the
+"""Each stage's settings declared once (eyrie.core.stage_settings): the run config's section, the
 `eyrie generate|extract|train` options and the plan's check come from it; speculators' trainer gets its
 own TrainConfig built from settings by name, the same one its CLI makes from the command line."""
 
@@ -6,9 +6,9 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import TINY
-from eyrie.pipeline import RunConfig
-from eyrie.cli_options import flag
-from eyrie.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
+from eyrie.commands.cli_options import flag
+from eyrie.core.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
+from eyrie.runs.pipeline import RunConfig
 
 
 def test_a_setting_not_given_takes_the_default_and_is_not_written_out():
@@ -23,7 +23,7 @@ def test_a_setting_not_given_takes_the_default_and_is_not_written_out():
 
 
 def test_the_train_options_are_the_settings_fields():
-    from eyrie.cli import app
+    from eyrie.commands.cli import app
 
     from typer.main import get_command
 
@@ -42,7 +42,7 @@ def test_the_train_options_are_the_settings_fields():
 def test_the_generate_and_extract_options_are_their_settings_fields(command, models):
     from typer.main import get_command
 
-    from eyrie.cli import app
+    from eyrie.commands.cli import app
 
     options = {p.name: p for p in get_command(app).commands[command].params}
     for model in models:
@@ -64,7 +64,7 @@ def test_the_generate_and_extract_options_are_their_settings_fields(command, mod
     (["generate", "--run", "r", "--dataset", "d", "--split", ""], "--split : String should have at least 1"),
 ])
 def test_a_bad_option_is_refused_by_its_field_before_redis_is_reached(args, words, monkeypatch):
-    from eyrie.cli import app
+    from eyrie.commands.cli import app
 
     monkeypatch.setenv("EYRIE_REDIS_URL", "redis://127.0.0.1:1/0")  # nothing listens: must not be reached
     result = CliRunner().invoke(app, args)
@@ -78,8 +78,8 @@ def test_extract_layers_read_from_a_config_or_the_command_line_alike():
 
 
 def test_a_rerun_is_checked_against_the_settings_given_only():
-    from eyrie.errors import EyrieError
-    from eyrie.manifest import TrainParams
+    from eyrie.core.errors import EyrieError
+    from eyrie.data.manifest import TrainParams
     from eyrie_trainer.plan import _check_same
 
     planned = TrainParams(epochs=5, draft_vocab=300, vocab_mapping="frequency", lr=1e-3, total_seq_len=256,

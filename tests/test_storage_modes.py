@@ -25,13 +25,13 @@ from safetensors import safe_open
 from safetensors.torch import save, save_file
 
 from conftest import OFFLINE, TINY, TRAIN_PROMPTS, eyrie, free_port, wait_http
-from eyrie import inference
-from eyrie.config import load_settings
-from eyrie.errors import EyrieError
-from eyrie.manifest import (Counts, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
-                            ShardManifest, ShardPlan, TargetRef)
-from eyrie.stage_settings import ExtractSettings
-from eyrie.store import FileStore, open_store
+from eyrie.core.config import load_settings
+from eyrie.core.errors import EyrieError
+from eyrie.core.stage_settings import ExtractSettings
+from eyrie.data.manifest import (Counts, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
+                                 ShardManifest, ShardPlan, TargetRef)
+from eyrie.data.store import FileStore, open_store
+from eyrie.work import inference
 from eyrie_extractor.plan import _check_same, check_storage_mode
 from eyrie_extractor.shard import sample_tensors
 from eyrie_extractor.storage_split import ids_file, split, states_file_bound

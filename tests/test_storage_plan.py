@@ -9,12 +9,12 @@ import pytest
 import yaml
 
 from conftest import OFFLINE, ROOT, eyrie
-from eyrie.errors import EyrieError
-from eyrie.pipeline import RunConfig, load_config
-from eyrie.plan_checks import over_budget, refuse
-from eyrie.projection import project, render
-from eyrie.storage import resolve_mode
-from eyrie.storage_plan import gpu_sharing, vllm_utilization
+from eyrie.core.errors import EyrieError
+from eyrie.core.storage import resolve_mode
+from eyrie.runs.pipeline import RunConfig, load_config
+from eyrie.runs.plan_checks import over_budget, refuse
+from eyrie.runs.projection import project, render
+from eyrie.runs.storage_plan import gpu_sharing, vllm_utilization
 
 SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
 GPU_VARS = ("EYRIE_INFERENCE_GPU_IDS", "EYRIE_EXTRACTOR_GPU_IDS", "EYRIE_TRAINER_GPU_IDS",
@@ -25,7 +25,7 @@ PER_TOKEN_FP8 = 4 * KIMI_H + 4 + 8  # 4 states x H x 1 byte, the fp8 scale, the 
 
 @pytest.fixture
 def settings(monkeypatch):
-    from eyrie.config import load_settings
+    from eyrie.core.config import load_settings
 
     for name in GPU_VARS:
         monkeypatch.delenv(name, raising=False)

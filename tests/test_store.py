@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from eyrie.config import load_settings
-from eyrie.errors import EyrieError
-from eyrie.store import CorruptObject, open_store, sha256_bytes
+from eyrie.core.config import load_settings
+from eyrie.core.errors import EyrieError
+from eyrie.data.store import CorruptObject, open_store, sha256_bytes
 
 
 @pytest.fixture

@@ -9,15 +9,15 @@ from rq.serializers import JSONSerializer
 
 from conftest import tiny_run_config
 from eyrie import stages
-from eyrie.config import load_settings
-from eyrie.control import cancel_run, retry_run, start_pipeline
-from eyrie.executor import StageTask, execute
-from eyrie.pipeline import advance, load_config, run_job_ids
-from eyrie.queue import EyrieJob, InProcessWorker, job_state, queue
+from eyrie.core.config import load_settings
+from eyrie.data.store import open_store
+from eyrie.runs.control import cancel_run, retry_run, start_pipeline
+from eyrie.runs.pipeline import advance, load_config, run_job_ids
+from eyrie.runs.status import run_status
 from eyrie.stages import PipelineStage, RunView, TaskKind
-from eyrie.status import run_status
-from eyrie.status_models import StageStatus
-from eyrie.store import open_store
+from eyrie.tasks.executor import StageTask, execute
+from eyrie.work.queue import EyrieJob, InProcessWorker, job_state, queue
+from eyrie.work.status_models import StageStatus
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
 PLAN_NOTE = TaskKind("plan-note", "note", "test_throwaway_stage.run_plan_note")

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY
-from eyrie.errors import EyrieError
+from eyrie.core.errors import EyrieError
 from eyrie_trainer.base import BaseInfo, check_base, fetch, is_legacy, prepare_base, to_speculators
 from legacy_drafter import build_legacy_drafter, write_speculators_config
 

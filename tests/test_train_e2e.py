@@ -16,10 +16,10 @@ import redis
 from safetensors import safe_open
 
 from conftest import BIN, OFFLINE, S3_KEYS, TINY, TRAIN_PROMPTS, eyrie
-from eyrie.manifest import Layout, RunManifest
-from eyrie import keys
-from eyrie.store import open_store
-from eyrie.config import load_settings
+from eyrie.core.config import load_settings
+from eyrie.data.manifest import Layout, RunManifest
+from eyrie.data.store import open_store
+from eyrie.work import keys
 from legacy_drafter import build_legacy_drafter
 from test_security import assert_no_pickles
 

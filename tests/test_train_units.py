@@ -121,8 +121,8 @@ def same_state(a, b, where="state") -> None:
 def test_stored_checkpoints_hold_no_pickle_and_restore_the_same_optimizer_state(hs_dir, tmp_path):
     import torch
 
-    from eyrie.manifest import Layout
-    from eyrie.store import FileStore
+    from eyrie.data.manifest import Layout
+    from eyrie.data.store import FileStore
     from eyrie_trainer import checkpoints
     from test_security import assert_no_pickles
 
@@ -151,8 +151,8 @@ def test_stored_checkpoints_hold_no_pickle_and_restore_the_same_optimizer_state(
 
 
 def test_a_stored_pickle_is_never_restored(tmp_path):
-    from eyrie.manifest import Layout
-    from eyrie.store import FileStore
+    from eyrie.data.manifest import Layout
+    from eyrie.data.store import FileStore
     from eyrie_trainer import checkpoints
 
     store, layout = FileStore(tmp_path / "store"), Layout("old")
@@ -173,8 +173,8 @@ def test_the_training_curve_and_the_charts_eyrie_show_draws(hs_dir, tmp_path):
 
     from rich.console import Console
 
-    from eyrie.charts import Curve, chart_series
-    from eyrie.display import render_charts
+    from eyrie.commands.display import render_charts
+    from eyrie.data.charts import Curve, chart_series
     from eyrie_trainer.verify import summarize
     from eyrie_trainer.evaluate import summarize_walk
 
@@ -235,7 +235,7 @@ def test_verifys_vllm_dies_with_the_worker_that_started_it():
     import time
 
     starter = ("import subprocess, sys, time\n"
-               "from eyrie.vllm import start_server\n"
+               "from eyrie.core.vllm import start_server\n"
                "child = start_server(['sleep', '60'])\n"
                "print(child.pid, flush=True)\ntime.sleep(60)\n")
     worker = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)

@@ -8,11 +8,11 @@ import time
 import redis
 
 from conftest import BIN, eyrie, stop, tiny_run_config, wait_for
-from eyrie import progress
-from eyrie.pipeline import load_config
-from eyrie.queue import workers_on
+from eyrie.runs.pipeline import load_config
 from eyrie.stages import VERIFY, queues
 from eyrie.stages.verify import MIN_VERIFY_TOK_S, verify_skipped, verify_timeout_s
+from eyrie.work import progress
+from eyrie.work.queue import workers_on
 
 
 def test_verify_has_a_queue_of_its_own():
@@ -66,7 +66,7 @@ def test_verifys_time_budget_grows_with_its_plan(env, tmp_path, monkeypatch):
         class dataset:
             row_start, row_end = 0, 306
 
-    from eyrie import pipeline
+    from eyrie.runs import pipeline
 
     small = load_config(tiny_run_config(tmp_path, "s", verify={"prompts": 10, "ks": [3]}))
     large = load_config(tiny_run_config(tmp_path, "l", verify={"prompts": 10, "ks": [3, 5],

@@ -33,8 +33,8 @@ from aiohttp import web
 from safetensors.torch import save_file
 
 from conftest import TINY, free_port
-from eyrie.config import load_settings
-from eyrie.errors import EyrieError
+from eyrie.core.config import load_settings
+from eyrie.core.errors import EyrieError
 from eyrie_extractor.vllm_backend import VllmCapture, VllmCaptureError, connector_env, extract_command, main
 from vllm_real import SMALL, VLLM_PYTHON, start_vllm, stop_vllm, vllm_env
 

@@ -18,9 +18,9 @@ import redis
 from transformers import AutoTokenizer
 
 from conftest import BIN, ROOT, TINY, eyrie, free_port, state_of, tiny_run_config, wait_for
-from eyrie import inference
-from eyrie.gpu import GpuLease, holder
-from eyrie.manifest import Layout
+from eyrie.data.manifest import Layout
+from eyrie.work import inference
+from eyrie.work.gpu import GpuLease, holder
 from vllm_real import SMALL, START_S, VLLM_PYTHON, vllm_env
 
 PROMPTS = [{"conversations": [{"from": "human", "value": text}]} for text in
@@ -75,8 +75,8 @@ def test_generate_through_vllm_records_its_reasoning_and_token_ids(served, env, 
           env=env)
     eyrie("worker", "generate", "--burst", env=env, timeout=600)
 
-    from eyrie.config import load_settings
-    from eyrie.store import open_store
+    from eyrie.core.config import load_settings
+    from eyrie.data.store import open_store
 
     store, layout = open_store(load_settings()), Layout("via-vllm")
     manifest = store.get_json(layout.generate_shard_manifest(0))
@@ -131,8 +131,8 @@ def _no_server_on(port: int) -> bool:
 def test_the_vllm_command_setting_names_an_executable_or_a_python(tmp_path, monkeypatch):
     """No process: EYRIE_VLLM_COMMAND as the real server's command line starts; unset, `vllm` on
     PATH (a GPU image's), else the project's own .venv-vllm."""
-    from eyrie.config import load_settings
-    from eyrie.vllm import available
+    from eyrie.core.config import load_settings
+    from eyrie.core.vllm import available
     from eyrie_inference.server import command
 
     python = load_settings(server="vllm", vllm_command=str(VLLM_PYTHON), port=8123)

@@ -11,21 +11,21 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 
 import eyrie
-from eyrie import control
+from eyrie import stages
 from eyrie.api.auth import can_read, need_token
 from eyrie.api.datasets import check_dataset_source
 from eyrie.api.metrics import metrics_response
-from eyrie.audit import audit as audit_run
-from eyrie.config import load_settings
-from eyrie.errors import EyrieError, UnknownRun
-from eyrie.manifest import RUN_NAME, load_run_manifest
-from eyrie.pipeline import RunConfig
-from eyrie.queue import connect, task_counts
-from eyrie import stages
+from eyrie.core.config import load_settings
+from eyrie.core.errors import EyrieError, UnknownRun
+from eyrie.data.manifest import RUN_NAME, load_run_manifest
+from eyrie.data.store import open_store
+from eyrie.runs import control
+from eyrie.runs.audit import audit as audit_run
+from eyrie.runs.pipeline import RunConfig
+from eyrie.runs.status import run_status
 from eyrie.stages import PIPELINE, queues, startable
-from eyrie.status import run_status
-from eyrie.status_models import QueueTasks, RunStatus, RunSummary
-from eyrie.store import open_store
+from eyrie.work.queue import connect, task_counts
+from eyrie.work.status_models import QueueTasks, RunStatus, RunSummary
 
 STATIC = FilePath(__file__).parent / "static"
 RunName = Annotated[str, Path(pattern=RUN_NAME.pattern, description="Run name.")]

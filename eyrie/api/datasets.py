@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyrie.dataset import looks_like_path
-from eyrie.errors import EyrieError
+from eyrie.core.errors import EyrieError
+from eyrie.data.dataset import looks_like_path
 
 
 def check_dataset_source(source: str, roots: list[str]) -> None:

@@ -8,13 +8,13 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from eyrie import gpu
-from eyrie.control import run_names
-from eyrie.errors import UnknownRun
-from eyrie.queue import queue, task_counts, workers_on
+from eyrie.core.errors import UnknownRun
+from eyrie.runs.control import run_names
+from eyrie.runs.status import overall_state, run_status
 from eyrie.stages import queues
-from eyrie.status import overall_state, run_status
-from eyrie.status_models import RunStatus, StageStatus, TrainStatus
+from eyrie.work import gpu
+from eyrie.work.queue import queue, task_counts, workers_on
+from eyrie.work.status_models import RunStatus, StageStatus, TrainStatus
 
 RUN_STATES = ("pending", "in_progress", "done", "failed", "cancelled")
 

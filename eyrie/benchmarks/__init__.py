@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyrie.errors import EyrieError
+from eyrie.core.errors import EyrieError
 
 BENCHMARKS = ("mt-bench", "gsm8k", "humaneval")
 DATA = Path(__file__).parent / "data"

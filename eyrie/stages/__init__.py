@@ -10,10 +10,10 @@ import importlib
 from eyrie.stages.base import PipelineStage, RunView
 from eyrie.stages.extract import Extract
 from eyrie.stages.generate import Generate
-from eyrie.task_kinds import (CALLBACKS, ON_TASK_DONE, QUEUE_PREFIX, TaskKind, entry, queue_name, task_funcs,
-                                task_id)
 from eyrie.stages.train import Train
 from eyrie.stages.verify import Verify
+from eyrie.work.task_kinds import (CALLBACKS, ON_TASK_DONE, QUEUE_PREFIX, TaskKind, entry, queue_name, task_funcs,
+                                   task_id)
 
 PIPELINE: list[PipelineStage] = [Generate(), Extract(), Train(), Verify()]
 

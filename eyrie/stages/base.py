@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from eyrie.manifest import Layout, RunManifest
-from eyrie.queue import enqueue, job_errors, job_state, workers_on
-from eyrie.task_kinds import TaskKind, entry
-from eyrie.status_models import StageStatus
+from eyrie.data.manifest import Layout, RunManifest
+from eyrie.work.queue import enqueue, job_errors, job_state, workers_on
+from eyrie.work.status_models import StageStatus
+from eyrie.work.task_kinds import TaskKind, entry
 
 LIVE_JOB_STATES = {"queued", "started", "scheduled", "deferred"}
 
@@ -33,7 +33,7 @@ class RunView:
     conn: Any
     store: Any
     run: str
-    config: Any = None  # eyrie.pipeline.RunConfig
+    config: Any = None  # eyrie.runs.pipeline.RunConfig
     manifest: RunManifest | None = None
 
     @property

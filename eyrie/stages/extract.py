@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from eyrie.stages.base import RunView
 from eyrie.stages.sharded import ShardedStage, sharded_status
-from eyrie.task_kinds import TaskKind, entry
-from eyrie.status_models import StageStatus
+from eyrie.work.status_models import StageStatus
+from eyrie.work.task_kinds import TaskKind, entry
 
 
 class Extract(ShardedStage):

@@ -4,12 +4,12 @@ input shards) after a cheap check where it is started (the dataset reachable, a 
 
 from __future__ import annotations
 
-from eyrie import keys
-from eyrie.queue import enqueue, job_errors, job_state, task_result, workers_on
 from eyrie.stages.base import RunView, Started, state_of
 from eyrie.stages.sharded import ShardedStage
-from eyrie.task_kinds import TaskKind, entry
-from eyrie.status_models import StageStatus
+from eyrie.work import keys
+from eyrie.work.queue import enqueue, job_errors, job_state, task_result, workers_on
+from eyrie.work.status_models import StageStatus
+from eyrie.work.task_kinds import TaskKind, entry
 
 
 class Generate(ShardedStage):

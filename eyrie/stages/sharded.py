@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import time
 
-from eyrie import progress
-from eyrie.manifest import Counts, ShardManifest
-from eyrie.queue import enqueue, job_errors, job_state, workers_on
+from eyrie.data.manifest import Counts, ShardManifest
 from eyrie.stages.base import PipelineStage, RunView, state_of
-from eyrie.status_models import ActiveTask, StageStatus
+from eyrie.work import progress
+from eyrie.work.queue import enqueue, job_errors, job_state, workers_on
+from eyrie.work.status_models import ActiveTask, StageStatus
 
 
 class ShardedStage(PipelineStage):

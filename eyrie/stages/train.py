@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyrie import progress
-from eyrie.charts import chart_series
-from eyrie.queue import enqueue, job_errors, job_state, workers_on
+from eyrie.data.charts import chart_series
 from eyrie.stages.base import PipelineStage, RunView, Started, state_of
-from eyrie.task_kinds import TaskKind, entry
-from eyrie.status_models import TrainStatus
+from eyrie.work import progress
+from eyrie.work.queue import enqueue, job_errors, job_state, workers_on
+from eyrie.work.status_models import TrainStatus
+from eyrie.work.task_kinds import TaskKind, entry
 
 
 class Train(PipelineStage):

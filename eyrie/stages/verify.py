@@ -4,13 +4,13 @@ verify worker (or Kubernetes Job) can run it, the run records why and how to ena
 
 from __future__ import annotations
 
-from eyrie import progress
-from eyrie.config import load_settings
-from eyrie.k8s_jobs import load_templates
-from eyrie.queue import enqueue, workers_on
+from eyrie.core.config import load_settings
 from eyrie.stages.base import PipelineStage, RunView
 from eyrie.stages.generate import Generate
-from eyrie.task_kinds import TaskKind
+from eyrie.work import progress
+from eyrie.work.k8s_jobs import load_templates
+from eyrie.work.queue import enqueue, workers_on
+from eyrie.work.task_kinds import TaskKind
 
 MIN_VERIFY_TOK_S = 5.0  # tokens/s: a floor where generation measured nothing (e.g. a stub server)
 BENCHMARK_PROMPTS_BOUND = 1319  # the largest shipped benchmark (GSM8K test)

@@ -16,8 +16,8 @@ show_command() {
 import shlex
 import sys
 
-from eyrie.config import load_settings
-from eyrie.errors import EyrieError
+from eyrie.core.config import load_settings
+from eyrie.core.errors import EyrieError
 from eyrie_inference.server import command
 
 try:

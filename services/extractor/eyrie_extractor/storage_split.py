@@ -2,7 +2,7 @@
 
 offline: every sample. online: none; each is stored as its token ids alone and training asks the
 vLLM extraction service for its states. hybrid: the shard's samples in shard order while their
-states files fit the shard's allowance (eyrie.storage.shard_allowance), the rest as ids alone.
+states files fit the shard's allowance (eyrie.core.storage.shard_allowance), the rest as ids alone.
 
 The decision is a function of what the shard's stored records already say (an earlier attempt's
 parts) and of the samples' lengths, walked in shard order with an upper bound of each states
@@ -16,15 +16,15 @@ from collections.abc import Iterable
 import torch
 from safetensors.torch import save
 
-from eyrie.budget import bytes_per_token
-from eyrie.extract_server import on_demand
-from eyrie.manifest import ExtractParams
+from eyrie.core.budget import bytes_per_token
+from eyrie.data.manifest import ExtractParams
+from eyrie.work.extract_server import on_demand
 
 HEADER_BOUND = 512  # a safetensors header of three tensors (fp8's states, scales and ids) fits in it
 
 
 def states_file_bound(seq_len: int, params: ExtractParams) -> int:
-    """The most bytes a sample's states file of `seq_len` tokens takes (eyrie.budget's per-token size)."""
+    """The most bytes a sample's states file of `seq_len` tokens takes (eyrie.core.budget's per-token size)."""
     per_token = bytes_per_token(len(params.aux_layers) + 1, params.hidden_size, params.dtype)
     return int(seq_len * per_token) + HEADER_BOUND
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from eyrie.config import load_settings
-from eyrie.errors import EyrieError
-from eyrie.layers import resolve_aux_layers
-from eyrie.vllm import serve_argv
+from eyrie.core.config import load_settings
+from eyrie.core.errors import EyrieError
+from eyrie.core.layers import resolve_aux_layers
+from eyrie.core.vllm import serve_argv
 from eyrie_extractor.plan import target_shape
 
 CONNECTOR = "ExampleHiddenStatesConnector"
@@ -85,7 +85,7 @@ def extract_command(model: str, aux_layers: Sequence[int], shared_dir: str | Pat
     method `extract_hidden_states` and the aux layer ids plus the last layer (its
     `--include-last-layer` default), `--kv-transfer-config` with ExampleHiddenStatesConnector
     writing to `shared_dir` (with `cpu`, our CpuHiddenStatesConnector: its process then needs
-    CPU_CONNECTOR_PATH on PYTHONPATH). `vllm_command`: as EYRIE_VLLM_COMMAND (eyrie.vllm). Its front-end defaults (`--api-server-count 4
+    CPU_CONNECTOR_PATH on PYTHONPATH). `vllm_command`: as EYRIE_VLLM_COMMAND (eyrie.core.vllm). Its front-end defaults (`--api-server-count 4
     --renderer-num-workers 2`) are left out: they serve chat-template rendering, and eyrie sends
     token ids. `num_layers` is read from the model's config when not given (as the launcher does).
     """

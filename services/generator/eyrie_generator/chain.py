@@ -2,7 +2,7 @@
 same run as soon as the current shard has no row left to ask for, while its last answers arrive.
 
 Exactly-once stays per shard: a shard taken on is removed from the queue (LREM: one taker only),
-held under its own task lease (renewed by the task's heartbeat, eyrie.queue.Heartbeat, lapsing
+held under its own task lease (renewed by the task's heartbeat, eyrie.work.queue.Heartbeat, lapsing
 if this worker dies), marked started, and
 written as its own shard with its own manifest. The shards a task took on are listed in Redis under
 that task; if the worker dies, the task is requeued (its alive key lapses) and, first thing,
@@ -17,10 +17,10 @@ import aiohttp
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from eyrie import keys
-from eyrie.manifest import Layout
-from eyrie.queue import enqueue, queue, task_lease
+from eyrie.data.manifest import Layout
 from eyrie.stages import GENERATE
+from eyrie.work import keys
+from eyrie.work.queue import enqueue, queue, task_lease
 from eyrie_generator.client import ChatClient
 
 

@@ -13,19 +13,19 @@ from collections import Counter
 
 import orjson
 
-from eyrie import inference, keys, progress
-from eyrie.config import Settings
-from eyrie.errors import EyrieError
-from eyrie.manifest import (GenerateParams, Layout, RunManifest, SamplingParams, ShardPlan, TargetRef,
-                            code_version, now_iso)
-from eyrie.queue import enqueue
-from eyrie import pipeline
-from eyrie.executor import RunTask, StageTask, execute
+from eyrie.core.config import Settings
+from eyrie.core.errors import EyrieError
+from eyrie.core.stage_settings import DatasetSection, GenerateSettings
+from eyrie.core.target import check_served, describe
+from eyrie.data import dataset
+from eyrie.data.manifest import (GenerateParams, Layout, RunManifest, SamplingParams, ShardPlan, TargetRef,
+                                 code_version, now_iso)
+from eyrie.data.store import Store
+from eyrie.runs import pipeline
 from eyrie.stages import GENERATE, PLAN_GENERATE
-from eyrie.stage_settings import DatasetSection, GenerateSettings
-from eyrie.store import Store
-from eyrie.target import check_served, describe
-from eyrie import dataset
+from eyrie.tasks.executor import RunTask, StageTask, execute
+from eyrie.work import inference, keys, progress
+from eyrie.work.queue import enqueue
 from eyrie_generator.prompts import Skip, to_prompt
 
 def sample_id(ref, row: int) -> str:

@@ -12,14 +12,14 @@ import time
 
 import orjson
 
-from eyrie import inference
-from eyrie.config import parse_endpoints
-from eyrie.cancel import Cancelled
-from eyrie.executor import Context, execute
-from eyrie.manifest import Counts, ShardPlan
-from eyrie.sharded import ShardedStageTask
+from eyrie.core.config import parse_endpoints
+from eyrie.core.target import same_target
+from eyrie.data.manifest import Counts, ShardPlan
 from eyrie.stages import GENERATE
-from eyrie.target import same_target
+from eyrie.tasks.executor import Context, execute
+from eyrie.tasks.sharded import ShardedStageTask
+from eyrie.work import inference
+from eyrie.work.cancel import Cancelled
 from eyrie_generator.chain import Chain, recover_claims
 from eyrie_generator.client import ChatClient, Completion
 from eyrie_generator.prompt_budget import PromptBudget
@@ -31,9 +31,9 @@ FLUSH_SECONDS = 10.0
 
 
 class ShardRunner(ShardedStageTask):
-    """One generate shard (the executor, eyrie.executor, holds its lease and checks for its
+    """One generate shard (the executor, eyrie.tasks.executor, holds its lease and checks for its
     manifest); its lanes go on to other queued shards of the run (eyrie_generator.chain). Its
-    parts, counts and shard manifest are eyrie.sharded's; its own are the answers."""
+    parts, counts and shard manifest are eyrie.tasks.sharded's; its own are the answers."""
 
     stage, Payload = GENERATE, GenerateTask
 

@@ -1,6 +1,6 @@
 """The JSON payloads of generate tasks on the queue."""
 
-from eyrie.executor import ShardTask
+from eyrie.tasks.executor import ShardTask
 
 
 class GenerateTask(ShardTask):

@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from eyrie import inference, keys
-from eyrie.errors import EyrieError
-from eyrie.manifest import Layout, load_run_manifest
-from eyrie.pipeline import stored_config
-from eyrie.vllm import on_cpu, serve_env
+from eyrie.core.errors import EyrieError
+from eyrie.core.vllm import on_cpu, serve_env
+from eyrie.data.manifest import Layout, load_run_manifest
+from eyrie.runs.pipeline import stored_config
+from eyrie.work import inference, keys
 from eyrie_extractor.vllm_backend import connector_env, extract_command
 from eyrie_inference.server import Server
 

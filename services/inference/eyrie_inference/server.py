@@ -14,17 +14,17 @@ from pathlib import Path
 
 import requests
 
-from eyrie import inference, keys
-from eyrie.config import Settings, load_settings
-from eyrie.errors import EyrieError
-from eyrie.gpu import GpuLease
-from eyrie.gpu_admission import gpu_lease
-from eyrie.manifest import Layout, RunManifest
-from eyrie.pipeline import drained_run, load_config, stored_config
-from eyrie.queue import connect
-from eyrie.store import open_store
-from eyrie.target import describe
-from eyrie.vllm import serve_argv, serve_env, start_server, stop_server
+from eyrie.core.config import Settings, load_settings
+from eyrie.core.errors import EyrieError
+from eyrie.core.target import describe
+from eyrie.core.vllm import serve_argv, serve_env, start_server, stop_server
+from eyrie.data.manifest import Layout, RunManifest
+from eyrie.data.store import open_store
+from eyrie.runs.pipeline import drained_run, load_config, stored_config
+from eyrie.tasks.gpu_admission import gpu_lease
+from eyrie.work import inference, keys
+from eyrie.work.gpu import GpuLease
+from eyrie.work.queue import connect
 
 PROGRESS = re.compile(r"(\d{1,3})%\|")  # tqdm bars, e.g. vLLM's "Loading safetensors ... 37%|"
 

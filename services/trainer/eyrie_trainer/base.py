@@ -11,8 +11,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eyrie.errors import EyrieError
-from eyrie.target import text_config
+from eyrie.core.errors import EyrieError
+from eyrie.core.target import text_config
 
 ALLOW_PATTERNS = ["config.json", "*.safetensors", "*.bin", "*.json", "*.npy"]
 STAMP = ".eyrie-converted.json"  # written last: a converted directory without it is half-written

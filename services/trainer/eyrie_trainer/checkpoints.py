@@ -12,9 +12,9 @@ from pathlib import Path
 
 from concurrent.futures import ThreadPoolExecutor
 
-from eyrie.errors import EyrieError
-from eyrie.manifest import Layout, now_iso
-from eyrie.store import CorruptObject
+from eyrie.core.errors import EyrieError
+from eyrie.data.manifest import Layout, now_iso
+from eyrie.data.store import CorruptObject
 from eyrie_trainer import tensorfile
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import orjson
 
-from eyrie.errors import EyrieError
-from eyrie.extract_server import on_demand
-from eyrie.manifest import Layout, ShardManifest, load_run_manifest
-from eyrie.store import sha256_file
+from eyrie.core.errors import EyrieError
+from eyrie.data.manifest import Layout, ShardManifest, load_run_manifest
+from eyrie.data.store import sha256_file
+from eyrie.work.extract_server import on_demand
 
 MARKER = "eyrie-samples.json"
 

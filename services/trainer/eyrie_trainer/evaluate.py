@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from eyrie.errors import EyrieError
+from eyrie.core.errors import EyrieError
 
 UNBOUNDED_LEN = 1 << 30  # ArrowDataset stores max_len; only its collate function truncates
 

@@ -9,8 +9,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from eyrie.errors import EyrieError
-from eyrie.manifest import Layout, load_run_manifest, now_iso
+from eyrie.core.errors import EyrieError
+from eyrie.data.manifest import Layout, load_run_manifest, now_iso
 from eyrie_trainer import checkpoints
 from eyrie_trainer.data import missing_states
 from eyrie_trainer.evaluate import simulate, untrained_like

@@ -7,16 +7,16 @@ from __future__ import annotations
 from importlib.metadata import version
 from pathlib import Path
 
-from eyrie import progress
-from eyrie.errors import EyrieError
-from eyrie.executor import RunTask, StageTask, execute
-from eyrie.layers import resolve_aux_layers
-from eyrie.manifest import BaseDrafter, Layout, RunManifest, TrainParams, load_run_manifest
-from eyrie.pipeline import block, stored_config
-from eyrie.queue import enqueue
+from eyrie.core.errors import EyrieError
+from eyrie.core.layers import resolve_aux_layers
+from eyrie.core.stage_settings import TrainSettings
+from eyrie.core.target import text_config
+from eyrie.data.manifest import BaseDrafter, Layout, RunManifest, TrainParams, load_run_manifest
+from eyrie.runs.pipeline import block, stored_config
 from eyrie.stages import FETCH, TRAIN
-from eyrie.stage_settings import TrainSettings
-from eyrie.target import text_config
+from eyrie.tasks.executor import RunTask, StageTask, execute
+from eyrie.work import progress
+from eyrie.work.queue import enqueue
 from eyrie_trainer.base import prepare_base
 from eyrie_trainer.data import done_samples
 

@@ -12,15 +12,15 @@ import signal
 import time
 from pathlib import Path
 
-from eyrie.charts import Curve, per_position
-from eyrie.errors import EyrieError
-from eyrie.executor import Context, StageTask, execute
-from eyrie.extract_server import api_base, on_demand, server_url
-from eyrie.gpu import pick_device
-from eyrie.manifest import Layout, load_run_manifest
-from eyrie.queue import enqueue
+from eyrie.core.errors import EyrieError
+from eyrie.data.charts import Curve, per_position
+from eyrie.data.manifest import Layout, load_run_manifest
+from eyrie.data.store import CorruptObject
 from eyrie.stages import EXTRACT, TRAIN
-from eyrie.store import CorruptObject
+from eyrie.tasks.executor import Context, StageTask, execute
+from eyrie.work.extract_server import api_base, on_demand, server_url
+from eyrie.work.gpu import pick_device
+from eyrie.work.queue import enqueue
 from eyrie_trainer import checkpoints, engine
 from eyrie_trainer.base import prepare_base, save_vocab_mapping
 from eyrie_trainer.data import done_samples, fetch_missing_states, heldout_ids, materialize
@@ -43,7 +43,7 @@ class Interrupted(RuntimeError):
 
 
 class TrainRunner(StageTask):
-    """The run's one train task; the executor (eyrie.executor) holds its leases and checks for
+    """The run's one train task; the executor (eyrie.tasks.executor) holds its leases and checks for
     the exported drafter's manifest. The constructor reads nothing: the plan (made here when the
     pipeline asks, a base drafter fetched and checked) is `run`'s, after the done-check."""
 

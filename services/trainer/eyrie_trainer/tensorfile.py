@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyrie.errors import EyrieError
+from eyrie.core.errors import EyrieError
 
 PICKLE_MAGIC = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # torch zip, pickle 2-5
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")

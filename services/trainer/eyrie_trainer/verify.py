@@ -27,12 +27,12 @@ from pathlib import Path
 import requests
 
 from eyrie.benchmarks import load_benchmark
-from eyrie.errors import EyrieError
-from eyrie.executor import StageTask, execute
-from eyrie.manifest import Layout, load_run_manifest, now_iso
-from eyrie.pipeline import VerifySection, stored_config
+from eyrie.core.errors import EyrieError
+from eyrie.core.vllm import serve_argv, serve_env, start_server, stop_server
+from eyrie.data.manifest import Layout, load_run_manifest, now_iso
+from eyrie.runs.pipeline import VerifySection, stored_config
 from eyrie.stages import VERIFY
-from eyrie.vllm import serve_argv, serve_env, start_server, stop_server
+from eyrie.tasks.executor import StageTask, execute
 from eyrie_trainer.data import done_samples, heldout_ids, prompt_token_ids
 from eyrie_trainer.export import download
 

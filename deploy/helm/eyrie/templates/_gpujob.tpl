@@ -1,5 +1,5 @@
 {{/*
-A GPU stage's Job, as the orchestrator creates it for a run (eyrie/k8s_jobs.py build_job adds the
+A GPU stage's Job, as the orchestrator creates it for a run (eyrie/work/k8s_jobs.py build_job adds the
 run's name, labels and `suspend: true`). Called with (dict "root" $ "stage" NAME "spec" VALUES).
 Every GPU workload carries Kueue's queue label and requests its GPUs: Kueue admits it when the
 ClusterQueue's quota has room, which on one host is the Redis lease's job.
@@ -46,7 +46,7 @@ spec:
           image: {{ include "eyrie.image" (list $root (ternary "inference" $spec.image (eq $spec.image ""))) }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
           {{- if eq $stage "extract" "train" "verify" }}
-          command: ["python", "-m", "eyrie.gpu_admission", "drain", {{ $stage | quote }}]
+          command: ["python", "-m", "eyrie.tasks.gpu_admission", "drain", {{ $stage | quote }}]
           {{- else if eq $stage "extract-server" }}
           command: ["python3", "-m", "eyrie_extractor.vllm_backend"]
           args:

@@ -1,0 +1,1 @@
+"""The `eyrie` command line: its app, commands, options, display, the embedded default."""

@@ -1,0 +1,58 @@
+"""The `eyrie` command line's app, which eyrie.commands.cli and eyrie.commands.cli_control register their commands
+on (both import this, neither the other's commands), the way every command reports an error, and
+a command's context (settings, Redis, the store). Its imports of the rest stand in the functions:
+`eyrie --help` stays fast."""
+
+from __future__ import annotations
+
+import functools
+
+import click
+import typer
+
+from eyrie.core.errors import EyrieError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="eyrie: prompts + target LLM -> EAGLE-3 drafter.")
+
+
+def command(func):
+    """Run a command; a user-fixable error becomes one line on stderr and exit code 1. Anything
+    else is a bug of ours: one line too (EYRIE_DEBUG=1 shows the traceback), never a stack trace."""
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except EyrieError as exc:
+            typer.echo(f"eyrie: error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        except (typer.Exit, typer.Abort, click.ClickException, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            if _debug():
+                raise
+            typer.echo(f"eyrie: internal error: {type(exc).__name__}: {exc} Fix: rerun with EYRIE_DEBUG=1 "
+                       "for the traceback and report it.", err=True)
+            raise typer.Exit(1) from None
+    return wrapper
+
+
+def _debug() -> bool:
+    """Settings.debug (EYRIE_DEBUG) read alone: the rest of the configuration may be what failed. A
+    value that is not a yes or a no asks for the traceback, as any value did before it was typed."""
+    from eyrie.core.config import one_setting
+
+    try:
+        return one_setting("debug")
+    except EyrieError:
+        return True
+
+
+def context():
+    """A command's settings, Redis connection and store."""
+    from eyrie.core.config import load_settings
+    from eyrie.data.store import open_store
+    from eyrie.work.queue import connect
+
+    settings = load_settings()
+    return settings, connect(settings.redis_url), open_store(settings)

@@ -1,0 +1,145 @@
+"""The control commands of the `eyrie` CLI: api, runs, watch, show, cancel, retry, logs, audit."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import orjson
+import typer
+
+from eyrie.commands.cli_app import app, command, context
+
+
+def _print_json(obj) -> None:
+    typer.echo(orjson.dumps(obj, default=lambda model: model.model_dump(mode="json"),
+                            option=orjson.OPT_INDENT_2).decode())
+
+
+@app.command()
+@command
+def api(host: Optional[str] = typer.Option(None, help="Bind address (EYRIE_API_HOST, default 127.0.0.1)."),
+        port: Optional[int] = typer.Option(None, help="Port (EYRIE_API_PORT, default 8080).")):
+    """Serve the control API, the dashboard (/) and /metrics."""
+    import uvicorn
+
+    from eyrie.api.app import create_app
+    from eyrie.core.config import load_settings
+
+    settings = load_settings(api_host=host, api_port=port)
+    uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port,
+                log_level="info", access_log=False)
+
+
+@app.command()
+@command
+def runs(as_json: bool = typer.Option(False, "--json", help="One JSON array.")):
+    """Every run known to Redis: its state and each stage's progress."""
+    from eyrie.commands.display import runs_table
+    from eyrie.runs.control import list_runs
+
+    _, conn, store = context()
+    listed = list_runs(conn, store)
+    if as_json:
+        _print_json(listed)
+    else:
+        runs_table(listed)
+
+
+@app.command()
+@command
+def watch(run: str = typer.Argument(..., help="Run name."),
+          interval: float = typer.Option(2.0, min=0.2, help="Seconds between refreshes.")):
+    """Follow a run live until it is done, failed or cancelled (exit 0, 3, 4)."""
+    from eyrie.commands.display import render_status, watch_status
+    from eyrie.runs.status import overall_state, run_status
+
+    _, conn, store = context()
+    final = watch_status(conn, store, run, interval)
+    render_status(run_status(conn, store, run))
+    raise typer.Exit({"done": 0, "failed": 3, "cancelled": 4}.get(overall_state(final), 0))
+
+
+@app.command()
+@command
+def show(run: str = typer.Argument(..., help="Run name."),
+         as_json: bool = typer.Option(False, "--json", help="The manifest as stored.")):
+    """The run's provenance manifest: target, dataset, parameters of every stage, the drafter; then
+    charts of loss and accuracy per TTT position over the steps, acceptance length per checkpoint
+    (eyrie's, vLLM's where verified) and acceptance per draft position."""
+    from eyrie.commands.display import render_charts, render_manifest
+    from eyrie.data.charts import load_chart_series
+    from eyrie.data.manifest import load_run_manifest
+
+    _, _, store = context()
+    manifest = load_run_manifest(store, run)
+    if as_json:
+        _print_json(manifest.model_dump())
+    else:
+        render_manifest(manifest.model_dump())
+        render_charts(load_chart_series(store, manifest))
+
+
+def _on_run(action: str, run: str) -> dict:
+    """eyrie.runs.control's `{action}_run` (cancel, retry) on the run, as the API calls it."""
+    from eyrie.runs import control
+
+    _, conn, store = context()
+    return getattr(control, f"{action}_run")(conn, store, run)
+
+
+@app.command()
+@command
+def cancel(run: str = typer.Argument(..., help="Run name.")):
+    """Cancel a run: its waiting tasks are removed, running ones stopped, no stage starts after."""
+    out = _on_run("cancel", run)
+    typer.echo(f"run {run}: cancelled ({len(out['cancelled'])} waiting tasks removed, "
+               f"{len(out['stopped'])} running tasks asked to stop); `eyrie retry {run}` resumes it")
+
+
+@app.command()
+@command
+def retry(run: str = typer.Argument(..., help="Run name.")):
+    """Requeue a run's failed, stopped and cancelled tasks and clear a block or a cancel."""
+    out = _on_run("retry", run)
+    typer.echo(f"run {run}: {len(out['requeued'])} tasks requeued"
+               + (f"; {out['started']} started" if out["started"] else ""))
+
+
+@app.command()
+@command
+def logs(run: str = typer.Argument(..., help="Run name."),
+         limit: int = typer.Option(20, min=1, help="At most this many errors."),
+         as_json: bool = typer.Option(False, "--json", help="One JSON array.")):
+    """The run's recent errors, most recent first (and a block, if the run is blocked)."""
+    from eyrie.runs.control import recent_errors
+
+    _, conn, store = context()
+    errors = recent_errors(conn, store, run, limit)
+    if as_json:
+        _print_json(errors)
+    elif not errors:
+        typer.echo(f"run {run}: no errors")
+    for line in [] if as_json else errors:
+        typer.echo(line)
+
+
+@app.command()
+@command
+def audit(run: str = typer.Argument(..., help="Run name."),
+          as_json: bool = typer.Option(False, "--json", help="One JSON array.")):
+    """Every sample accounted for, from the store: in, done, skipped, failed, duplicated, lost,
+    pending, per stage. Exit code 3 if any sample is lost or duplicated."""
+    from eyrie.runs.audit import audit as audit_run
+    from eyrie.runs.audit import clean
+
+    _, _, store = context()
+    figures = audit_run(store, run)
+    if as_json:
+        _print_json([f.model_dump() for f in figures])
+    else:
+        typer.echo(f"{'stage':<9}{'in':>8}{'done':>8}{'skipped':>9}{'failed':>8}{'dup':>6}{'lost':>6}{'pending':>9}")
+        for f in figures:
+            typer.echo(f"{f.stage:<9}{f.samples_in:>8}{f.done:>8}{f.skipped:>9}{f.failed:>8}{f.duplicated:>6}"
+                       f"{f.lost:>6}{f.pending:>9}")
+    if not clean(figures):
+        raise typer.Exit(3)

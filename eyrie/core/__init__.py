@@ -1,0 +1,1 @@
+"""Settings and the model: configuration, run-config sections, errors, the target, vLLM support."""

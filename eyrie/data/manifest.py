@@ -1,0 +1,262 @@
+"""What a run is made of: the run manifest, shard manifests and where each object lives."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+import eyrie
+from eyrie.core.errors import EyrieError, UnknownRun
+from eyrie.core.stage_settings import TrainSettings
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_run_name(name: str) -> str:
+    if not RUN_NAME.match(name):
+        raise EyrieError(f"invalid run name {name!r}.",
+                         "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit.")
+    return name
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def code_version() -> str:
+    """Package version plus the git commit this code came from, where it can be known."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    return f"{eyrie.__version__}+{sha}" if sha else eyrie.__version__
+
+
+class Layout:
+    """Store keys of one run. Every stage writes only under its own prefix."""
+
+    def __init__(self, run: str):
+        self.run = check_run_name(run)
+        self.root = f"runs/{run}"
+
+    @property
+    def manifest(self) -> str:
+        return f"{self.root}/manifest.json"
+
+    def generate_input(self, shard: int) -> str:
+        return f"{self.root}/generate/input/shard-{shard:05d}.jsonl"
+
+    def generate_parts(self, shard: int) -> str:
+        return f"{self.root}/generate/parts/shard-{shard:05d}/"
+
+    def generate_shard(self, shard: int) -> str:
+        return f"{self.root}/generate/shards/shard-{shard:05d}.jsonl"
+
+    def generate_shard_manifest(self, shard: int) -> str:
+        return f"{self.root}/generate/shards/shard-{shard:05d}.manifest.json"
+
+    def extract_parts(self, shard: int) -> str:
+        return f"{self.root}/extract/parts/shard-{shard:05d}/"
+
+    def extract_sample(self, shard: int, sample_id: str) -> str:
+        return f"{self.root}/extract/shards/shard-{shard:05d}/{sample_id}.safetensors"
+
+    def shard_of_extract_sample(self, key: str) -> int:
+        """The shard an extract_sample key belongs to."""
+        return int(key.removeprefix(f"{self.root}/extract/shards/shard-")[:5])
+
+    def extract_shard_manifest(self, shard: int) -> str:
+        return f"{self.root}/extract/shards/shard-{shard:05d}.manifest.json"
+
+    @property
+    def train(self) -> str:
+        return f"{self.root}/train"
+
+    def checkpoint_file(self, label: str, name: str) -> str:
+        return f"{self.root}/train/checkpoints/{label}/{name}"
+
+    def checkpoint_manifest(self, label: str) -> str:
+        return f"{self.root}/train/checkpoints/{label}.manifest.json"
+
+    @property
+    def train_curve(self) -> str:
+        return f"{self.root}/train/curve.json"
+
+    @property
+    def evaluation(self) -> str:
+        return f"{self.root}/train/evaluation.json"
+
+    def drafter_file(self, name: str) -> str:
+        return f"{self.root}/train/drafter/{name}"
+
+    @property
+    def drafter_manifest(self) -> str:
+        return f"{self.root}/train/drafter.manifest.json"
+
+    def shard_manifest(self, stage: str, shard: int) -> str:
+        return getattr(self, f"{stage}_shard_manifest")(shard)
+
+    def parts(self, stage: str, shard: int) -> str:
+        return getattr(self, f"{stage}_parts")(shard)
+
+
+class DatasetRef(BaseModel):
+    source: str = Field(description="HF dataset id, or the local file/directory it was read from.")
+    kind: str = Field(description="jsonl | parquet | hf")
+    revision: str = Field(description="HF commit sha, or sha256 of the local file(s).")
+    split: str = "train"
+    row_start: int = 0
+    row_end: int
+
+
+class TargetRef(BaseModel):
+    model: str
+    revision: str
+    chat_template_sha256: str | None
+    server: str
+    conversion: dict | None = None  # how eyrie made the target's directory (eyrie/core/gguf_target.py)
+
+
+class SamplingParams(BaseModel):
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+class GenerateParams(BaseModel):
+    sampling: SamplingParams
+    concurrency: int
+    request_timeout_s: float
+    max_retries: int
+    retry_backoff_s: float = 2.0
+    shard_size: int
+    think_start: str = "<think>"
+    think_end: str = "</think>"
+
+
+class ExtractParams(BaseModel):
+    backend: str  # hf | vllm
+    aux_layers: list[int]
+    dtype: str  # bf16 | fp8
+    max_length: int | None
+    num_layers: int
+    hidden_size: int
+    samples: int
+    tokens: int
+    truncated: int
+    projected_bytes: int
+    budget_bytes: int | None
+    storage: Literal["offline", "hybrid", "online"] = "offline"  # extract.storage resolved (never auto)
+    # hybrid: the hidden-state bytes each shard may store (the budget over the shards); past it a
+    # sample's token ids alone are stored and training asks the extraction service for its states
+    shard_allowance_bytes: int | None = None
+
+
+class BaseDrafter(BaseModel):
+    source: str = Field(description="HF repo id or local directory of the base drafter.")
+    revision: str | None = None
+    legacy: bool = Field(False, description="converted from the legacy EAGLE-3 format")
+    hidden_size: int
+    target_vocab: int
+    draft_vocab: int
+    aux_layers: list[int]
+
+
+class TrainParams(BaseModel):
+    """The train plan: eyrie.core.stage_settings.TrainSettings resolved (defaults, the target's or the
+    base's vocabulary, the held-out count), under the names manifests have always used."""
+
+    epochs: int
+    max_steps: int | None = Field(None, description="Total optimizer steps (all epochs).")
+    draft_vocab: int
+    vocab_mapping: str = Field(description="frequency: built from the run's loss-masked tokens; "
+                                           "base: the base drafter's own d2t/t2d.")
+    num_layers: int = 1
+    ttt_steps: int = TrainSettings.model_fields["ttt_steps"].default  # a plan from before K was planned
+    lr: float
+    total_seq_len: int
+    train_samples: int
+    heldout_samples: int
+    base: BaseDrafter | None = None
+    speculators_version: str
+
+    def settings(self) -> dict:
+        """What was planned, by the names of TrainSettings (a rerun's request is checked against it)."""
+        return {"base": self.base.source if self.base else None, "epochs": self.epochs, "max_steps": self.max_steps,
+                "draft_vocab": self.draft_vocab, "lr": self.lr, "seq_len": self.total_seq_len,
+                "ttt_steps": self.ttt_steps, "heldout": self.heldout_samples}
+
+
+class ShardPlan(BaseModel):
+    index: int
+    row_start: int
+    row_end: int
+    input_key: str
+    input_sha256: str
+
+
+class RunManifest(BaseModel):
+    run: str
+    created_at: str
+    code_version: str
+    target: TargetRef
+    dataset: DatasetRef
+    generate: GenerateParams
+    generate_shards: list[ShardPlan]
+    input_skips: dict[str, int] = Field(default_factory=dict,
+                                        description="rows unreadable at planning, by reason")
+    extract: ExtractParams | None = None
+    train: TrainParams | None = None
+    drafter: dict | None = Field(None, description="The exported drafter: objects, sha256, τ, path taken.")
+    verify: dict | None = Field(None, description="The drafter served by vLLM: its acceptance, identical outputs.")
+
+
+class Counts(BaseModel):
+    total: int = 0
+    done: int = 0
+    skipped: int = 0
+    failed: int = 0
+    tokens: int = 0  # generate: completion tokens; extract: tokens forwarded
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    bytes: int = 0
+    on_demand: int = 0  # extract, hybrid/online: samples stored as token ids, their states made in training
+
+    def add(self, other: "Counts") -> "Counts":
+        return Counts(**{k: getattr(self, k) + getattr(other, k) for k in Counts.model_fields})
+
+
+class ShardManifest(BaseModel):
+    run: str
+    stage: str
+    shard: int
+    object: str | None = None  # generate: the shard's JSONL
+    sha256: str | None = None
+    bytes: int
+    counts: Counts
+    skip_reasons: dict[str, int]
+    failure_errors: dict[str, int]
+    started_at: str
+    finished_at: str
+    worker: str
+    samples: list[dict] = Field(default_factory=list, description="extract: one entry per object")
+    not_done: list[dict] = Field(default_factory=list, description="extract: sample_id, status and "
+                                                                   "reason or error of each sample not stored")
+    mismatches: int = 0  # extract: server token ids that disagree with the chat template
+    truncated: int = 0  # extract: samples cut to --max-length
+
+
+def load_run_manifest(store, run: str) -> RunManifest:
+    layout = Layout(run)
+    try:
+        return RunManifest.model_validate(store.get_json(layout.manifest))
+    except KeyError:
+        raise UnknownRun(f"unknown run {run!r}: no {layout.manifest} in {store.url}.",
+                         "check the name (`eyrie status` lists nothing for it) or start it with "
+                         "`eyrie generate --run NAME --dataset …`.") from None

@@ -1,0 +1,201 @@
+"""Control of runs, shared by the CLI and the API: start a pipeline, list, cancel, retry, errors."""
+
+from __future__ import annotations
+
+import logging
+
+from rq import Worker
+from rq.command import send_command
+from rq.exceptions import InvalidJobOperation
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from eyrie.core.errors import EyrieError, UnknownRun
+from eyrie.core.support import refuse_unsupported_config
+from eyrie.data.manifest import Layout, load_run_manifest, now_iso
+from eyrie.runs.pipeline import advance_or_record, config_key, run_job_ids, run_view, save_config, stored_config
+from eyrie.runs.projection import refuse_before_start
+from eyrie.runs.status import overall_state, run_status
+from eyrie.stages import PIPELINE, queues, stage, startable
+from eyrie.stages.base import Started
+from eyrie.work import keys
+from eyrie.work.planning import await_planning
+from eyrie.work.queue import EyrieJob, enqueue_task, job_errors, job_state, queue
+from eyrie.work.status_models import RunSummary, StageSummary
+
+log = logging.getLogger("eyrie.runs.control")
+
+WAITING = {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value}
+
+
+def start_pipeline(settings, conn, store, cfg) -> dict:
+    """What `eyrie run` does (and POST /runs, and `eyrie demo`): check the config at once, keep it,
+    enqueue the first stage's planning task (generate: the dataset read on its own queue) and what
+    each stage starts ahead (the base drafter's fetch), then let `advance` start whatever stage is
+    next. A rerun continues. Returns at once: `start_and_plan` also waits for the planning."""
+    refuse_unsupported_config(cfg)  # a run the pinned vLLM cannot carry: refused before anything starts
+    refuse_before_start(cfg, settings)  # what --plan refuses: expected bytes over the budget, too few GPUs
+    save_config(conn, store, cfg)
+    conn.delete(keys.cancelled(cfg.run), keys.blocked(cfg.run))  # the user's rerun retries a refusal
+    first = PIPELINE[0]
+    try:
+        started = first.start_alone(settings, conn, store, cfg.run, None, cfg.dataset)
+    except EyrieError:
+        _forget_unstarted(conn, store, cfg.run)
+        raise
+    view = run_view(conn, store, cfg.run)
+    for each in PIPELINE:
+        each.on_pipeline_start(view)
+    stage = advance_or_record(conn, store, cfg.run)
+    return {"run": cfg.run, "planning": started.planning.task_id(cfg.run) if started.planning else None,
+            "started": stage}
+
+
+def start_and_plan(settings, conn, store, cfg) -> dict:
+    """start_pipeline, then its planning task's result: the rows planned and the tasks enqueued."""
+    out = start_pipeline(settings, conn, store, cfg)
+    started = await_started(conn, store, cfg.run, Started(planning=PIPELINE[0].planner))
+    rows = started.manifest.dataset.row_end - started.manifest.dataset.row_start
+    return {**out, "rows": rows, "enqueued": started.enqueued}
+
+
+def await_started(conn, store, run: str, started: Started) -> Started:
+    """A stage whose planning task was enqueued, once planned (its refusal raised)."""
+    if started.planning is None:
+        return started
+    result = await_planning(conn, started.planning, run)
+    return Started(load_run_manifest(store, run), result.get("enqueued", 0))
+
+
+def pipeline_started(out: dict) -> str:
+    """The line `eyrie run` (and `eyrie demo`) prints for what start_and_plan returned."""
+    return (f"run {out['run']}: {out['rows']} rows; {out['enqueued']} {PIPELINE[0].name} tasks enqueued now; "
+            + (f"{out['started']} started" if out["started"] else "stages follow by themselves"))
+
+
+def _forget_unstarted(conn, store, run: str) -> None:
+    """A first start that failed (e.g. no such dataset) leaves no active pipeline behind."""
+    if not store.exists(Layout(run).manifest):
+        conn.srem(keys.ACTIVE_PIPELINES, run)
+        store.delete(config_key(run))
+
+
+def start_stage(settings, conn, store, run: str, name: str, section, dataset=None):
+    """One stage on its own (`eyrie generate|extract|train`, POST /runs?stage=), from its section
+    of a run config (generate also reads `dataset`): no pipeline is kept, so nothing starts after
+    it by itself. Returns what it started (`await_started` waits for a planning task)."""
+    if name not in startable():
+        raise EyrieError(f"no stage {name!r} to start on its own.", f"start one of: {', '.join(startable())}.")
+    conn.delete(keys.cancelled(run), keys.blocked(run))  # the user's start retries a refusal
+    return stage(name).start_alone(settings, conn, store, run, section, dataset)
+
+
+def run_names(conn) -> list[str]:
+    return sorted(m.decode() for m in conn.sunion(keys.RUNS, keys.ACTIVE_PIPELINES))
+
+
+def list_runs(conn, store) -> list[RunSummary]:
+    """One line per run: its stages' states and progress, whether it is active, blocked, cancelled."""
+    runs = []
+    for name in run_names(conn):
+        try:
+            status = run_status(conn, store, name)
+        except UnknownRun:
+            continue  # started but its manifest is not written yet, or deleted from the store
+        summary_fields = set(StageSummary.model_fields)
+        runs.append(RunSummary(
+            run=name, created_at=status.created_at, target=status.target.get("model"), state=overall_state(status),
+            active=conn.sismember(keys.ACTIVE_PIPELINES, name),
+            blocked=status.pipeline.blocked if status.pipeline else None, cancelled=status.cancelled,
+            stages={k: StageSummary(**s.model_dump(include=summary_fields)) for k, s in status.stages.items()}))
+    return runs
+
+
+def cancel_run(conn, store, run: str) -> dict:
+    """Mark the run cancelled (advance starts nothing more), cancel its waiting tasks, then ask
+    the workers running its tasks to stop them (generate's forked tasks stop at once; extract and
+    train run in the worker process itself and stop at their next batch or step, within seconds,
+    the trainer after saving a checkpoint)."""
+    ids = {j for stage_ids in run_job_ids(store, run).values() for j in stage_ids}
+    conn.set(keys.cancelled(run), now_iso())
+    conn.srem(keys.ACTIVE_PIPELINES, run)
+    cancelled = [job_id for job_id in sorted(ids) if _cancel_waiting(conn, job_id)]
+    stopped = _stop_running(conn, ids)
+    cancelled += _cancel_taken_on(conn, ids - set(stopped))
+    return {"run": run, "cancelled": sorted(cancelled), "stopped": stopped}
+
+
+def _cancel_waiting(conn, job_id: str) -> bool:
+    if job_state(conn, job_id) not in WAITING:
+        return False
+    try:
+        Job.fetch(job_id, connection=conn, serializer=JSONSerializer).cancel()
+    except InvalidJobOperation:  # cancelled meanwhile
+        return False
+    return True
+
+
+def _cancel_taken_on(conn, ids: set[str]) -> list[str]:
+    """Started tasks that no worker runs as its own: generate shards a stopped task had taken on
+    (eyrie_generator.chain), or a dead worker's. They stop with it; `retry` requeues them."""
+    taken_on = []
+    for job_id in sorted(ids):
+        if job_state(conn, job_id) == JobStatus.STARTED.value:
+            try:
+                Job.fetch(job_id, connection=conn, serializer=JSONSerializer).cancel()
+            except InvalidJobOperation:
+                continue
+            taken_on.append(job_id)
+    return taken_on
+
+
+def _stop_running(conn, ids: set[str]) -> list[str]:
+    """By the workers' own current job (a task a worker took while we cancelled is stopped too)."""
+    stopped = []
+    for name in queues():
+        for worker in Worker.all(queue=queue(conn, name), serializer=JSONSerializer):
+            job_id = worker.get_current_job_id()
+            if job_id in ids:
+                send_command(conn, worker.name, "stop-job", job_id=job_id)
+                stopped.append(job_id)
+    return sorted(stopped)
+
+
+def retry_run(conn, store, run: str) -> dict:
+    """Requeue the run's failed, stopped and cancelled tasks, clear a block or a cancel, and let
+    `advance` start whatever stage is next."""
+    ids = run_job_ids(store, run)
+    conn.delete(keys.cancelled(run), keys.blocked(run))
+    requeued = []
+    for name in queues():
+        q = queue(conn, name)
+        for registry in (q.failed_job_registry, q.canceled_job_registry):
+            for job_id in set(registry.get_job_ids()) & set(ids.get(name, [])):
+                registry.requeue(job_id)
+                requeued.append(job_id)
+        requeued += _requeue_stopped_by_cancel(conn, name, ids.get(name, []))
+    started = None
+    if stored_config(store, run) is not None:
+        conn.sadd(keys.ACTIVE_PIPELINES, run)
+        started = advance_or_record(conn, store, run)
+    return {"run": run, "requeued": sorted(requeued), "started": started}
+
+
+def _requeue_stopped_by_cancel(conn, stage: str, job_ids: list[str]) -> list[str]:
+    """Tasks that ended early, cleanly, because of a cancel (their result says `cancelled`)."""
+    requeued = []
+    for job_id in job_ids:
+        if job_state(conn, job_id) != JobStatus.FINISHED.value:
+            continue
+        job = EyrieJob.fetch(job_id, connection=conn, serializer=JSONSerializer)
+        if (job.return_value() or {}).get("status") == "cancelled":
+            enqueue_task(conn, stage, job.func_name, job.args[0], job_id, timeout_s=job.timeout)
+            requeued.append(job_id)
+    return requeued
+
+
+def recent_errors(conn, store, run: str, limit: int = 20) -> list[str]:
+    """The last errors of the run's tasks (most recent first), and a block, if any."""
+    ids = [j for stage_ids in run_job_ids(store, run).values() for j in stage_ids]
+    blocked = conn.get(keys.blocked(run))
+    return ([f"pipeline blocked: {blocked.decode()}"] if blocked else []) + job_errors(conn, ids, limit)

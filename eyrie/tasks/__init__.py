@@ -1,0 +1,1 @@
+"""A stage task's run (the services' side): the executor, the sharded skeleton, GPU admission."""

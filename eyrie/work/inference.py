@@ -1,0 +1,102 @@
+"""Where the target is served: the inference service publishes, workers read, status shows."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+import redis
+from pydantic import BaseModel
+
+from eyrie.core.errors import EyrieError
+from eyrie.work import keys
+
+
+class Endpoint(BaseModel):
+    name: str = "default"
+    url: str
+    model: str  # the name requests must carry (vLLM: served model name; transformers: the path)
+    server: str  # vllm | transformers
+    state: str  # starting | ready | stopped | failed
+    max_model_len: int | None = None
+    revision: str = "unresolved"
+    chat_template_sha256: str | None = None
+    progress: str = ""  # last load-progress line the server printed
+    weight: int = 1  # its share of the requests in flight, against the other ready endpoints
+    host: str = ""
+    pid: int | None = None
+    updated_at: float = 0.0
+
+
+def publish(conn: redis.Redis, endpoint: Endpoint) -> None:
+    endpoint.updated_at = time.time()
+    conn.set(keys.inference_endpoint(endpoint.name), orjson.dumps(endpoint.model_dump()))
+
+
+def read(conn: redis.Redis, name: str = "default") -> Endpoint | None:
+    raw = conn.get(keys.inference_endpoint(name))
+    return Endpoint.model_validate(orjson.loads(raw)) if raw else None
+
+
+def read_all(conn: redis.Redis) -> list[Endpoint]:
+    names = sorted(keys.endpoint_name(k.decode()) for k in conn.scan_iter(keys.inference_endpoint("*")))
+    return [e for e in (read(conn, name) for name in names) if e]
+
+
+def wait_ready(conn: redis.Redis, deadline_s: float, name: str = "default") -> Endpoint:
+    """The published endpoint once it is ready; a clear error if it isn't by the deadline."""
+    return wait_all_ready(conn, deadline_s, name)[0]
+
+
+def wait_all_ready(conn: redis.Redis, deadline_s: float, name: str = "default") -> list[Endpoint]:
+    """Every ready endpoint once one is (the default first where it is ready)."""
+    def ready() -> tuple[list[Endpoint], Endpoint | None]:
+        endpoints = sorted((e for e in read_all(conn) if e.state == "ready"), key=lambda e: e.name != name)
+        return endpoints, None if endpoints else read(conn, name)
+
+    return _wait_ready(ready, deadline_s, "no ready inference endpoint",
+                       "start it with `eyrie serve`, or set EYRIE_INFERENCE_URL to a running "
+                       "OpenAI-compatible server.")
+
+
+def wait_serving(conn: redis.Redis, deadline_s: float, serves, target: str, stop=None) -> list[Endpoint]:
+    """Every ready endpoint that serves a run's target (`serves(endpoint)`), once one does (the
+    default first): a run whose target is not served waits for its server, whatever else is up
+    meanwhile (another run's target), and never asks a server of another target. `stop()`: give up
+    early (a cancelled run); it raises what it likes."""
+    def ready() -> tuple[list[Endpoint], str]:
+        if stop is not None:
+            stop()
+        published = read_all(conn)
+        serving = sorted((e for e in published if e.state == "ready" and serves(e)), key=lambda e: e.name != "default")
+        others = ", ".join(f"{e.name}: {e.model} ({e.state})" for e in published) or "never published"
+        return serving, others
+
+    return _wait_ready(ready, deadline_s, f"no ready inference endpoint serves the run's target {target}",
+                       f"serve the run's target (`eyrie serve --model {target}`, or the run's config: "
+                       "`eyrie serve --config RUN.yaml`) under its own EYRIE_ENDPOINT_NAME, or raise "
+                       "EYRIE_SERVE_DEADLINE_S.", what="published")
+
+
+def _wait_ready(ready, deadline_s: float, missing: str, fix: str, what: str = "state"):
+    """Poll `ready()` (what is ready, and the endpoint whose state the error names, or that text)
+    every second until it finds something; past the deadline, an error naming what is missing and that state."""
+    limit = time.monotonic() + deadline_s
+    while True:
+        found, endpoint = ready()
+        if found:
+            return found
+        if time.monotonic() > limit:
+            state = endpoint if isinstance(endpoint, str) else endpoint.state if endpoint else "never published"
+            raise EyrieError(f"{missing} after {deadline_s:g} s ({what}: {state}).", fix)
+        time.sleep(1.0)
+
+
+def publish_extract(conn: redis.Redis, endpoint: Endpoint) -> None:
+    endpoint.updated_at = time.time()
+    conn.set(keys.EXTRACT_ENDPOINT, orjson.dumps(endpoint.model_dump()))
+
+
+def read_extract(conn: redis.Redis) -> Endpoint | None:
+    raw = conn.get(keys.EXTRACT_ENDPOINT)
+    return Endpoint.model_validate(orjson.loads(raw)) if raw else None

@@ -1,0 +1,339 @@
+"""Redis + RQ: connections, JSON-only queues, task enqueueing, workers and per-task leases."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+
+import redis
+from redis.lock import Lock
+from rq import Callback, Queue, Retry, SimpleWorker, Worker
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from eyrie.core.config import safe_url
+from eyrie.core.errors import EyrieError
+from eyrie.work import keys
+from eyrie.work.kueue import dispatch
+from eyrie.work.task_kinds import CALLBACKS, ON_TASK_DONE, QUEUE_PREFIX, TaskKind, gpu_queues, queue_name, task_funcs
+
+RETRY_INTERVALS_S = [10, 60, 300]
+ADVANCE_TIMEOUT_S = 3600  # planning the next stage reads every record (25k samples: minutes)
+LEASE_TTL_S = 15  # a dead worker's task is taken over within this time
+
+
+class RefusedTask(Exception):
+    """A queued job that is not one of ours."""
+
+
+class EyrieJob(Job):
+    """A job that resolves only eyrie's own task functions and callback (eyrie.stages): a payload
+    naming anything else (os.system, say) is refused unexecuted, whoever could write to Redis."""
+
+    @property
+    def func(self):
+        if self.func_name not in task_funcs() or self.instance is not None:
+            raise RefusedTask(f"{self.func_name!r} is not an eyrie task; refused unexecuted")
+        return super().func
+
+    @property
+    def success_callback(self):
+        return self._allowed_callback(self._success_callback_name, lambda: super(EyrieJob, self).success_callback)
+
+    @property
+    def failure_callback(self):
+        return self._allowed_callback(self._failure_callback_name, lambda: super(EyrieJob, self).failure_callback)
+
+    @property
+    def stopped_callback(self):
+        return self._allowed_callback(self._stopped_callback_name, lambda: super(EyrieJob, self).stopped_callback)
+
+    @staticmethod
+    def _allowed_callback(name, resolve):
+        if name and name not in CALLBACKS:
+            raise RefusedTask(f"callback {name!r} is not eyrie's; refused")
+        return resolve()
+
+
+def connect(redis_url: str) -> redis.Redis:
+    """A checked connection: a clear error now (in seconds, not after the minute of patience a
+    running worker gets) beats a stack trace at the first enqueue."""
+    from redis.backoff import ConstantBackoff
+    from redis.retry import Retry as RedisRetry
+
+    try:
+        redis.Redis.from_url(redis_url, socket_connect_timeout=5, retry=RedisRetry(ConstantBackoff(0.5), 3)).ping()
+    except redis.exceptions.AuthenticationError:
+        raise EyrieError(f"Redis at {safe_url(redis_url)} rejected the password.",
+                         "put the right password in EYRIE_REDIS_URL (redis://:PASSWORD@HOST:PORT/0).") from None
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+        raise EyrieError(f"cannot reach Redis at {safe_url(redis_url)}.",
+                         "start redis-server or set EYRIE_REDIS_URL to a reachable Redis.") from None
+    return redis.Redis.from_url(redis_url, socket_connect_timeout=5, health_check_interval=30, retry=_patient())
+
+
+def _patient():
+    """Every Redis command is retried through about a minute of Redis being away (a restart on
+    its AOF): workers, their RQ bookkeeping and the tasks ride it out instead of crashing."""
+    from redis.backoff import ExponentialWithJitterBackoff
+    from redis.retry import Retry as RedisRetry
+
+    return RedisRetry(ExponentialWithJitterBackoff(base=0.5, cap=10), retries=12)
+
+
+def queue(conn: redis.Redis, stage: str) -> Queue:
+    """The queue of one stage. JSON payloads only: nothing read from Redis is unpickled."""
+    return Queue(queue_name(stage), connection=conn, serializer=JSONSerializer, job_class=EyrieJob)
+
+
+def job_state(conn: redis.Redis, job_id: str) -> str | None:
+    try:
+        job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+    except Exception:  # NoSuchJobError, or a payload that is not ours
+        return None
+    status = job.get_status(refresh=False)
+    return status.value if status else None
+
+
+def task_result(conn: redis.Redis, job_id: str) -> dict:
+    """A finished task's result ({} when it has none, or is gone)."""
+    try:
+        return EyrieJob.fetch(job_id, connection=conn, serializer=JSONSerializer).return_value() or {}
+    except Exception:  # NoSuchJobError, or a payload that is not ours
+        return {}
+
+
+def workers_on(conn: redis.Redis, stage: str) -> int:
+    return Worker.count(queue=queue(conn, stage))
+
+
+def job_errors(conn: redis.Redis, job_ids: list[str], limit: int = 5) -> list[str]:
+    """The last line of the error of each failed task, most recent first."""
+    errors = []
+    for job_id in job_ids:
+        if job_state(conn, job_id) == JobStatus.FAILED.value:
+            result = Job.fetch(job_id, connection=conn, serializer=JSONSerializer).latest_result()
+            if result and result.exc_string:
+                errors.append((result.created_at, f"{job_id}: {result.exc_string.strip().splitlines()[-1]}"))
+    return [text for _, text in sorted(errors, reverse=True)[:limit]]
+
+
+def enqueue_task(conn: redis.Redis, stage: str, func: str, payload: dict, job_id: str,
+                 timeout_s: int = 48 * 3600, at_front: bool = False) -> bool:
+    """Enqueue one task unless a live one with the same id exists. True if enqueued now.
+
+    A job that RQ still lists as started but whose lease is gone belonged to a dead worker:
+    it is replaced, so a crash never strands a task until RQ's own cleanup notices.
+    """
+    state = job_state(conn, job_id)
+    if state in (JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value):
+        return False
+    if state == JobStatus.STARTED.value and not _abandoned(conn, job_id):
+        return False
+    if state is not None:
+        Job.fetch(job_id, connection=conn, serializer=JSONSerializer).delete()
+    _enqueue(conn, stage, func, payload, job_id, timeout_s, at_front)
+    return True
+
+
+def enqueue(conn: redis.Redis, kind: TaskKind, payload: dict, shard: int = 0, timeout_s: int | None = None,
+            at_front: bool = False) -> bool:
+    """One task of a kind: its queue, function, task id and timeout (given, else its kind's);
+    `at_front` for a planning task, so a queue full of long shards does not hold it back."""
+    return enqueue_task(conn, kind.queue, kind.func, payload, kind.task_id(payload["run"], shard),
+                        timeout_s=timeout_s or kind.timeout_s, at_front=at_front)
+
+
+def _enqueue(conn, stage: str, func: str, payload: dict, job_id: str, timeout_s: int, at_front: bool = False) -> None:
+    queue(conn, stage).enqueue(
+        func, payload, job_id=job_id, job_timeout=timeout_s, result_ttl=7 * 86400, at_front=at_front,
+        on_success=Callback(ON_TASK_DONE, timeout=ADVANCE_TIMEOUT_S),
+        failure_ttl=30 * 86400, retry=Retry(max=len(RETRY_INTERVALS_S), interval=RETRY_INTERVALS_S),
+        description=f"{stage} {job_id}",
+    )
+    dispatch(conn, stage, payload.get("run", ""))  # on Kubernetes, a GPU stage's Job for Kueue to admit
+
+
+def _abandoned(conn: redis.Redis, job_id: str) -> bool:
+    job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+    started = job.started_at.replace(tzinfo=timezone.utc) if job.started_at else None
+    old_enough = started is None or datetime.now(timezone.utc) - started > timedelta(seconds=LEASE_TTL_S)
+    return old_enough and not conn.exists(keys.task_lease(job_id), keys.job_alive(job_id))
+
+
+def task_counts(conn: redis.Redis, stage: str) -> dict[str, int]:
+    """A stage's tasks that still need a worker, by RQ state: queued (RQ's list), started (its
+    started registry: RQ takes a running task off the list), scheduled (a retry's backoff; only a
+    worker's scheduler requeues it) and deferred."""
+    q = queue(conn, stage)
+    return {"queued": q.count, "started": q.started_job_registry.count,
+            "scheduled": q.scheduled_job_registry.count, "deferred": q.deferred_job_registry.count}
+
+
+def live_tasks(conn: redis.Redis, stage: str) -> int:
+    return sum(task_counts(conn, stage).values())
+
+
+def _keep_alive(conn: redis.Redis, job_id: str, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            conn.set(keys.job_alive(job_id), socket.gethostname(), ex=LEASE_TTL_S)
+        except redis.exceptions.RedisError:
+            pass  # Redis is away: the key lapses; the task's own lease decides who works on it
+        stop.wait(LEASE_TTL_S / 3)
+
+
+def task_lease(conn: redis.Redis, task_id: str) -> Lock:
+    """Who is working on a task now. Expires LEASE_TTL_S after its holder stops renewing it."""
+    return Lock(conn, keys.task_lease(task_id), timeout=LEASE_TTL_S, blocking_timeout=LEASE_TTL_S + 5,
+                thread_local=False)
+
+
+@contextmanager
+def held_task(conn: redis.Redis, task_id: str) -> Iterator[Lock | None]:
+    """The task's lease for the block (waits for a dead holder's to lapse); None when a live
+    worker holds it. Released at the end, unless it was already lost."""
+    lease = task_lease(conn, task_id)
+    if not lease.acquire(blocking=True):
+        yield None
+        return
+    try:
+        yield lease
+    finally:
+        try:
+            lease.release()
+        except redis.exceptions.LockError:
+            pass
+
+
+class Heartbeat(threading.Thread):
+    """Renews a task lease, and the GPU lease once it is set, in the background: through the wait
+    for the GPU, tokenizing, a slow model load and the work itself. `lost`: another worker took
+    the task over. `hold(lease)`: renew another task's lease with it (a generate task's lanes
+    taking on the next queued shard) until `drop(lease)`."""
+
+    def __init__(self, task_lease: Lock, gpu=None, every_s: float = LEASE_TTL_S / 3):
+        super().__init__(daemon=True, name="eyrie-heartbeat")
+        self.task_lease, self.gpu, self.every_s = task_lease, gpu, every_s
+        self.lost, self.done = False, threading.Event()
+        self.held: set[Lock] = set()
+
+    def hold(self, lease: Lock) -> None:
+        self.held.add(lease)
+
+    def drop(self, lease: Lock) -> None:
+        self.held.discard(lease)
+
+    def run(self) -> None:
+        while not self.done.wait(self.every_s):
+            try:
+                self.task_lease.extend(LEASE_TTL_S, replace_ttl=True)
+                if self.gpu is not None and self.gpu.held():
+                    self.gpu.renew()
+            except redis.exceptions.LockError:
+                self.lost = True
+                return
+            except redis.exceptions.ConnectionError:
+                continue  # Redis away for a moment: the lease lasts LEASE_TTL_S
+            self._renew_held()
+
+    def _renew_held(self) -> None:
+        for lease in list(self.held):
+            try:
+                lease.extend(LEASE_TTL_S, replace_ttl=True)
+            except redis.exceptions.LockError:
+                self.held.discard(lease)  # lapsed and taken over: that shard is its new holder's
+            except redis.exceptions.ConnectionError:
+                return
+
+    def __enter__(self) -> "Heartbeat":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+
+
+def worker_name(stage: str) -> str:
+    return f"{stage}-{socket.gethostname()}-{os.getpid()}"
+
+
+def reclaim_abandoned(conn: redis.Redis, stage: str) -> int:
+    """Requeue tasks RQ lists as started whose lease expired: their worker died."""
+    registry = queue(conn, stage).started_job_registry
+    reclaimed = 0
+    for entry in conn.zrange(registry.key, 0, -1):
+        job_id = registry.parse_job_id(entry)  # entries are job_id:execution_id
+        if job_state(conn, job_id) == JobStatus.STARTED.value and _abandoned(conn, job_id):
+            job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+            func, payload, timeout = job.func_name, job.args[0], job.timeout
+            conn.zrem(registry.key, entry)
+            job.delete()
+            _enqueue(conn, stage, func, payload, job_id, timeout)
+            reclaimed += 1
+    return reclaimed
+
+
+class _Maintained:
+    """A worker that keeps its job's alive key fresh while it runs it (task code, callbacks and
+    all), and whose maintenance requeues the tasks of dead workers: a survivor takes them over
+    without a restart."""
+
+    def execute_job(self, job, queue):
+        stop = threading.Event()
+        keeper = threading.Thread(target=_keep_alive, args=(self.connection, job.id, stop), daemon=True)
+        keeper.start()
+        try:
+            return super().execute_job(job, queue)
+        finally:
+            stop.set()
+            keeper.join()
+            self.connection.delete(keys.job_alive(job.id))
+
+    def run_maintenance_tasks(self):
+        super().run_maintenance_tasks()
+        for q in self.queues:
+            reclaimed = reclaim_abandoned(self.connection, q.name.removeprefix(QUEUE_PREFIX))
+            if reclaimed:
+                self.log.warning("requeued %d task(s) of dead workers on %s", reclaimed, q.name)
+
+
+_STOP_REQUESTED = threading.Event()
+
+
+def stop_requested() -> bool:
+    """Whether this process's worker (a GPU stage's, which runs its tasks in its own process) was
+    asked to stop: a task that waits ends its wait and fails; RQ retries it later."""
+    return _STOP_REQUESTED.is_set()
+
+
+class ForkingWorker(_Maintained, Worker):
+    pass
+
+
+class InProcessWorker(_Maintained, SimpleWorker):
+    def handle_warm_shutdown_request(self):
+        """SIGTERM (or Ctrl+C) while a task runs in this process: RQ waits for it to end; a task
+        that only waits (for a server) sees `stop_requested()` and ends its wait."""
+        super().handle_warm_shutdown_request()
+        _STOP_REQUESTED.set()
+
+
+def run_worker(conn: redis.Redis, stage: str, burst: bool) -> None:
+    """An RQ worker on one stage's queue; the scheduler runs retries after their backoff.
+
+    RQ itself fails or retries a dead worker's job once its heartbeat lapses (for tasks run in
+    the worker process: the job's whole timeout); the shorter task lease lets a live worker
+    take it over within a minute."""
+    reclaim_abandoned(conn, stage)
+    # GPU stages run tasks in the worker process itself: the model stays loaded between tasks
+    # (and CUDA does not survive a fork). The generator forks a work horse per task.
+    worker_class = InProcessWorker if stage in gpu_queues() else ForkingWorker
+    worker = worker_class([queue(conn, stage)], connection=conn, serializer=JSONSerializer,
+                          job_class=EyrieJob, name=worker_name(stage), maintenance_interval=2 * LEASE_TTL_S,
+                          worker_ttl=3 * LEASE_TTL_S)
+    worker.work(burst=burst, with_scheduler=True, logging_level="INFO")
