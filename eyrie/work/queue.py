@@ -85,9 +85,9 @@ def _patient():
     return RedisRetry(ExponentialWithJitterBackoff(base=0.5, cap=10), retries=12)
 
 
-def queue(conn: redis.Redis, stage: str) -> Queue:
+def queue(conn: redis.Redis, name: str) -> Queue:
     """The queue of one stage. JSON payloads only: nothing read from Redis is unpickled."""
-    return Queue(queue_name(stage), connection=conn, serializer=JSONSerializer, job_class=EyrieJob)
+    return Queue(queue_name(name), connection=conn, serializer=JSONSerializer, job_class=EyrieJob)
 
 
 def job_state(conn: redis.Redis, job_id: str) -> str | None:
@@ -107,8 +107,8 @@ def task_result(conn: redis.Redis, job_id: str) -> dict:
         return {}
 
 
-def workers_on(conn: redis.Redis, stage: str) -> int:
-    return Worker.count(queue=queue(conn, stage))
+def workers_on(conn: redis.Redis, name: str) -> int:
+    return Worker.count(queue=queue(conn, name))
 
 
 def job_errors(conn: redis.Redis, job_ids: list[str], limit: int = 5) -> list[str]:
@@ -122,7 +122,7 @@ def job_errors(conn: redis.Redis, job_ids: list[str], limit: int = 5) -> list[st
     return [text for _, text in sorted(errors, reverse=True)[:limit]]
 
 
-def enqueue_task(conn: redis.Redis, stage: str, func: str, payload: dict, job_id: str,
+def enqueue_task(conn: redis.Redis, name: str, func: str, payload: dict, job_id: str,
                  timeout_s: int = 48 * 3600, at_front: bool = False) -> bool:
     """Enqueue one task unless a live one with the same id exists. True if enqueued now.
 
@@ -136,7 +136,7 @@ def enqueue_task(conn: redis.Redis, stage: str, func: str, payload: dict, job_id
         return False
     if state is not None:
         Job.fetch(job_id, connection=conn, serializer=JSONSerializer).delete()
-    _enqueue(conn, stage, func, payload, job_id, timeout_s, at_front)
+    _enqueue(conn, name, func, payload, job_id, timeout_s, at_front)
     return True
 
 
@@ -148,14 +148,14 @@ def enqueue(conn: redis.Redis, kind: TaskKind, payload: dict, shard: int = 0, ti
                         timeout_s=timeout_s or kind.timeout_s, at_front=at_front)
 
 
-def _enqueue(conn, stage: str, func: str, payload: dict, job_id: str, timeout_s: int, at_front: bool = False) -> None:
-    queue(conn, stage).enqueue(
+def _enqueue(conn, name: str, func: str, payload: dict, job_id: str, timeout_s: int, at_front: bool = False) -> None:
+    queue(conn, name).enqueue(
         func, payload, job_id=job_id, job_timeout=timeout_s, result_ttl=7 * 86400, at_front=at_front,
         on_success=Callback(ON_TASK_DONE, timeout=ADVANCE_TIMEOUT_S),
         failure_ttl=30 * 86400, retry=Retry(max=len(RETRY_INTERVALS_S), interval=RETRY_INTERVALS_S),
-        description=f"{stage} {job_id}",
+        description=f"{name} {job_id}",
     )
-    dispatch(conn, stage, payload.get("run", ""))  # on Kubernetes, a GPU stage's Job for Kueue to admit
+    dispatch(conn, name, payload.get("run", ""))  # on Kubernetes, a GPU stage's Job for Kueue to admit
 
 
 def _abandoned(conn: redis.Redis, job_id: str) -> bool:
@@ -165,17 +165,17 @@ def _abandoned(conn: redis.Redis, job_id: str) -> bool:
     return old_enough and not conn.exists(keys.task_lease(job_id), keys.job_alive(job_id))
 
 
-def task_counts(conn: redis.Redis, stage: str) -> dict[str, int]:
+def task_counts(conn: redis.Redis, name: str) -> dict[str, int]:
     """A stage's tasks that still need a worker, by RQ state: queued (RQ's list), started (its
     started registry: RQ takes a running task off the list), scheduled (a retry's backoff; only a
     worker's scheduler requeues it) and deferred."""
-    q = queue(conn, stage)
+    q = queue(conn, name)
     return {"queued": q.count, "started": q.started_job_registry.count,
             "scheduled": q.scheduled_job_registry.count, "deferred": q.deferred_job_registry.count}
 
 
-def live_tasks(conn: redis.Redis, stage: str) -> int:
-    return sum(task_counts(conn, stage).values())
+def live_tasks(conn: redis.Redis, name: str) -> int:
+    return sum(task_counts(conn, name).values())
 
 
 def _keep_alive(conn: redis.Redis, job_id: str, stop: threading.Event) -> None:
@@ -258,13 +258,13 @@ class Heartbeat(threading.Thread):
         self.done.set()
 
 
-def worker_name(stage: str) -> str:
-    return f"{stage}-{socket.gethostname()}-{os.getpid()}"
+def worker_name(name: str) -> str:
+    return f"{name}-{socket.gethostname()}-{os.getpid()}"
 
 
-def reclaim_abandoned(conn: redis.Redis, stage: str) -> int:
+def reclaim_abandoned(conn: redis.Redis, name: str) -> int:
     """Requeue tasks RQ lists as started whose lease expired: their worker died."""
-    registry = queue(conn, stage).started_job_registry
+    registry = queue(conn, name).started_job_registry
     reclaimed = 0
     for entry in conn.zrange(registry.key, 0, -1):
         job_id = registry.parse_job_id(entry)  # entries are job_id:execution_id
@@ -273,7 +273,7 @@ def reclaim_abandoned(conn: redis.Redis, stage: str) -> int:
             func, payload, timeout = job.func_name, job.args[0], job.timeout
             conn.zrem(registry.key, entry)
             job.delete()
-            _enqueue(conn, stage, func, payload, job_id, timeout)
+            _enqueue(conn, name, func, payload, job_id, timeout)
             reclaimed += 1
     return reclaimed
 
@@ -323,17 +323,17 @@ class InProcessWorker(_Maintained, SimpleWorker):
         _STOP_REQUESTED.set()
 
 
-def run_worker(conn: redis.Redis, stage: str, burst: bool) -> None:
+def run_worker(conn: redis.Redis, name: str, burst: bool) -> None:
     """An RQ worker on one stage's queue; the scheduler runs retries after their backoff.
 
     RQ itself fails or retries a dead worker's job once its heartbeat lapses (for tasks run in
     the worker process: the job's whole timeout); the shorter task lease lets a live worker
     take it over within a minute."""
-    reclaim_abandoned(conn, stage)
+    reclaim_abandoned(conn, name)
     # GPU stages run tasks in the worker process itself: the model stays loaded between tasks
     # (and CUDA does not survive a fork). The generator forks a work horse per task.
-    worker_class = InProcessWorker if stage in gpu_queues() else ForkingWorker
-    worker = worker_class([queue(conn, stage)], connection=conn, serializer=JSONSerializer,
-                          job_class=EyrieJob, name=worker_name(stage), maintenance_interval=2 * LEASE_TTL_S,
+    worker_class = InProcessWorker if name in gpu_queues() else ForkingWorker
+    worker = worker_class([queue(conn, name)], connection=conn, serializer=JSONSerializer,
+                          job_class=EyrieJob, name=worker_name(name), maintenance_interval=2 * LEASE_TTL_S,
                           worker_ttl=3 * LEASE_TTL_S)
     worker.work(burst=burst, with_scheduler=True, logging_level="INFO")
