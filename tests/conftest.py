@@ -194,6 +194,20 @@ def eyrie(*args: str, env: dict, check: bool = True, timeout: float = 300) -> su
     return result
 
 
+def clone_run(store, src: str, dst: str) -> None:
+    """A new run over the same extracted samples (the shard manifests point at src's objects)."""
+    from eyrie.data.manifest import Layout
+
+    source, target = Layout(src), Layout(dst)
+    manifest = store.get_json(source.manifest)
+    manifest.update(run=dst, train=None, drafter=None)
+    store.put_json(target.manifest, manifest)
+    for plan in manifest["generate_shards"]:
+        for stage in ("generate", "extract"):
+            shard = store.get_json(source.shard_manifest(stage, plan["index"]))
+            store.put_json(target.shard_manifest(stage, plan["index"]), {**shard, "run": dst})
+
+
 def start_worker(env: dict, burst: bool = True, stage: str = "generate") -> subprocess.Popen:
     return subprocess.Popen([str(BIN / "eyrie"), "worker", stage, *(["--burst"] if burst else [])],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -1,15 +1,22 @@
 """Simulated acceptance length: the alignment on hand-built cases, an oracle drafter, and an
-untrained drafter (speculators' Eagle3DraftModel) on hidden states of the tiny target."""
+untrained drafter (speculators' Eagle3DraftModel) on hidden states of the tiny target; and
+`eyrie evaluate` on held-out samples stored as token ids alone (their states from the service)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections import Counter
 
 import pytest
 import torch
+from safetensors.torch import save, save_file
 
+from conftest import OFFLINE, eyrie
 from eyrie.core.errors import EyrieError
+from eyrie.data.manifest import Counts, Layout, RunManifest, ShardManifest
+from eyrie.data.store import FileStore
+from eyrie_extractor.shard import ids_tensors
 from eyrie_trainer.evaluate import accepted_lengths, simulate, summarize_walk, untrained_like, walk
 from hs_fixture import TINY, build_hs_dir
 
@@ -227,3 +234,56 @@ def test_untrained_like_is_a_fresh_drafter_with_the_same_vocabulary(drafter):
     assert not torch.equal(fresh.fc.weight, drafter.fc.weight)
     assert torch.equal(fresh.fc.weight, again.fc.weight)
     assert not torch.equal(untrained_like(drafter, seed=2).fc.weight, fresh.fc.weight)
+
+
+# --- `eyrie evaluate` on a run whose held-out samples are stored as token ids alone --------------
+
+def _ids_only_run(store_dir, run: str, rows: int, heldout: int) -> None:
+    """A trained-looking run (extract.storage online) whose one extract shard holds token ids alone."""
+    store, layout, records = FileStore(store_dir), Layout(run), []
+    for row in range(rows):
+        ids = [5 + row, 6, 7, 8]
+        info = store.put_bytes(layout.extract_sample(0, f"s{row}"), save(ids_tensors(ids)))
+        records.append({"sample_id": f"s{row}", "row": row, "status": "done", "key": info.key, "sha256": info.sha256,
+                        "bytes": info.size, "seq_len": len(ids), "prompt_len": 2, "states": False})
+    store.put_json(layout.manifest, RunManifest.model_validate({
+        "run": run, "created_at": "now", "code_version": "test",
+        "target": {"model": str(TINY), "revision": "r", "chat_template_sha256": None, "server": "vllm"},
+        "dataset": {"source": "d", "kind": "jsonl", "revision": "r", "row_end": rows},
+        "generate": {"sampling": {"max_tokens": 8}, "concurrency": 1, "request_timeout_s": 60, "max_retries": 1,
+                     "shard_size": rows},
+        "generate_shards": [{"index": 0, "row_start": 0, "row_end": rows, "input_key": "in", "input_sha256": "0"}],
+        "extract": {"backend": "vllm", "aux_layers": list(AUX), "dtype": "bf16", "max_length": 64, "num_layers": 8,
+                    "hidden_size": 64, "samples": rows, "tokens": 4 * rows, "truncated": 0, "projected_bytes": 1,
+                    "budget_bytes": None, "storage": "online"},
+        "train": {"epochs": 1, "draft_vocab": DRAFT_VOCAB, "vocab_mapping": "frequency", "lr": 1e-3,
+                  "total_seq_len": 64, "train_samples": rows - heldout, "heldout_samples": heldout,
+                  "speculators_version": "test"}}).model_dump())
+    store.put_json(layout.extract_shard_manifest(0), ShardManifest(
+        run=run, stage="extract", shard=0, bytes=0, counts=Counts(), skip_reasons={}, failure_errors={},
+        started_at="now", finished_at="now", worker="test", samples=records).model_dump())
+
+
+def test_evaluate_fetches_ids_only_heldout_states_from_the_extraction_service(redis_url, tmp_path):
+    """No service: after the bounded wait, the error names the way to start one (not a missing file).
+    Their states already on this host (fetched once before): no service is waited for."""
+    import datasets
+
+    _ids_only_run(tmp_path / "store", "m", rows=6, heldout=2)
+    env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_url, "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}",
+           "EYRIE_CACHE_DIR": str(tmp_path / "cache"), "EYRIE_SERVE_DEADLINE_S": "1"}
+    env.pop("EYRIE_EXTRACT_VLLM_URL", None)
+    result = eyrie("evaluate", "--run", "m", env=env, check=False)
+    assert result.returncode == 1
+    assert ("run m: 2 held-out samples have no hidden states here (extract.storage online): fetching them from "
+            "the vLLM extraction service") in result.stdout
+    assert "waiting for the vLLM extraction server (state: never published)" in result.stdout
+    assert "no vLLM extraction server became ready within 1 s (EYRIE_SERVE_DEADLINE_S)" in result.stderr
+    assert "`eyrie serve-extract`" in result.stderr and "EYRIE_EXTRACT_VLLM_URL" in result.stderr
+
+    heldout = tmp_path / "cache" / "runs" / "m" / "data" / "heldout"
+    for index, row in enumerate(datasets.load_from_disk(str(heldout)).with_format(None)):
+        save_file({"hidden_states": torch.zeros(4, 4, 64), "token_ids": torch.tensor(row["input_ids"])},
+                  str(heldout / "hidden_states" / f"hs_{index}.safetensors"))
+    again = eyrie("evaluate", "--run", "m", env=env, check=False)
+    assert "fetching them" not in again.stdout and "run m has no finished epoch checkpoint" in again.stderr

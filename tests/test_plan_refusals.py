@@ -1,7 +1,8 @@
 """`eyrie run --plan` refuses, before any GPU work, what would stop a run hours in (issue 21): hidden
 states expected over extract.budget (with each way out and its number), a serve: section larger
 than the inference service's GPUs, a GPU list naming a GPU twice, lists that share a GPU where
-nothing sequences their services. Every shipped example passes its own plan on every .env split
+nothing sequences their services, a trainer sharing the GPUs the vLLM extraction server holds through
+hybrid and online training (issue 23). Every shipped example passes its own plan on every .env split
 the project documents (.env.example and the README's)."""
 
 import json
@@ -9,6 +10,7 @@ import os
 import re
 
 import pytest
+import redis
 import yaml
 
 from conftest import OFFLINE, ROOT, eyrie, tiny_run_config
@@ -169,3 +171,32 @@ def test_device_lists_are_refused_where_they_must_not_overlap(tmp_path):
     twice = eyrie("run", "--config", tiny, "--plan", env=_env(tmp_path, EYRIE_INFERENCE_GPU_IDS="0,1,1"), check=False)
     assert twice.returncode == 1
     assert "EYRIE_INFERENCE_GPU_IDS=0,1,1 names GPU 1 twice: inference gets 2 GPUs, not 3." in twice.stderr
+
+
+def test_on_demand_storage_is_refused_where_the_trainer_shares_the_extraction_servers_gpus(tmp_path, redis_url):
+    """hybrid and online train while the vLLM extraction server holds inference's GPUs (issue 23): a
+    trainer given one of them would wait for it forever. offline hands them over before training."""
+    split = documented_splits()[".env.example"]
+    shared = ("(EYRIE_INFERENCE_GPU_IDS=0,1,2,3,4,5,6,7) and holds them until training ends, and "
+              "EYRIE_TRAINER_GPU_IDS=7 shares GPU 7 with them: a GPU has one holder, so the trainer would wait")
+    fix = ("give EYRIE_TRAINER_GPU_IDS GPUs disjoint from EYRIE_INFERENCE_GPU_IDS=0,1,2,3,4,5,6,7 in .env, "
+           "or set extract.storage: offline")
+    disjoint = {**split, "EYRIE_INFERENCE_GPU_IDS": "0,1,2,3,4,5,6", "EYRIE_EXTRACTOR_GPU_IDS": "0,1,2,3,4,5,6",
+                "EYRIE_TENSOR_PARALLEL_SIZE": "1"}
+    modes = {"online": {"storage": "online"}, "hybrid": {"storage": "hybrid", "budget": "5MB"},
+             "auto": {"storage": "auto", "budget": "5MB"}}  # auto takes hybrid: 5 MB hold part of the states
+    for name, extract in modes.items():
+        config = tiny_run_config(tmp_path, name, extract={"backend": "vllm", **extract}, plan={"mean_tokens": 200})
+        refused = eyrie("run", "--config", config, "--plan", env=_env(tmp_path, **split), check=False)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, name
+        mode = "hybrid (auto's choice: " if name == "auto" else f"{name} trains while the vLLM extraction server"
+        assert f"extract.storage {mode}" in refused.stderr and shared in refused.stderr, refused.stderr
+        assert fix in refused.stderr
+        if name != "hybrid":  # disjoint lists pass, asked for (gpu_plan) or auto's pick (storage_refusal)
+            assert eyrie("run", "--config", config, "--plan", env=_env(tmp_path, **disjoint)).returncode == 0, name
+    offline = tiny_run_config(tmp_path, "offline", extract={"backend": "vllm"})
+    assert eyrie("run", "--config", offline, "--plan", env=_env(tmp_path, **split)).returncode == 0
+    online = tiny_run_config(tmp_path, "online-run", extract={"backend": "vllm", "storage": "online"})
+    started = eyrie("run", "--config", online, env=_env(tmp_path, **split, EYRIE_REDIS_URL=redis_url), check=False)
+    assert started.returncode == 1 and shared in started.stderr  # `eyrie run` itself, before anything is enqueued
+    assert not redis.Redis.from_url(redis_url).keys("rq:*")

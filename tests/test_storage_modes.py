@@ -10,11 +10,14 @@ extract_command as tests/test_vllm_backend.py does) for the whole module, publis
 Without processes: the shard's split, its bound on a states file, the planner's refusals, and a
 materialized directory with samples stored as ids alone."""
 
+import contextlib
 import json
 import os
 import re
 import subprocess
+import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,18 +27,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save, save_file
 
-from conftest import OFFLINE, TINY, TRAIN_PROMPTS, eyrie, free_port, wait_http
+from conftest import BIN, OFFLINE, TINY, TRAIN_PROMPTS, clone_run, eyrie, free_port, wait_for, wait_http
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.stage_settings import ExtractSettings
 from eyrie.data.manifest import (Counts, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
                                  ShardManifest, ShardPlan, TargetRef)
 from eyrie.data.store import FileStore, open_store
-from eyrie.work import inference
+from eyrie.work import inference, progress
 from eyrie_extractor.plan import _check_same, check_storage_mode
-from eyrie_extractor.shard import sample_tensors
-from eyrie_extractor.storage_split import ids_file, split, states_file_bound
-from eyrie_extractor.vllm_backend import connector_env, extract_command
+from eyrie_extractor.shard import ExtractRunner, ids_tensors, sample_tensors
+from eyrie_extractor.storage_split import ids_object_bound, split, states_file_bound
+from eyrie_extractor.vllm_backend import clear_orphans, connector_env, extract_command
 from eyrie_trainer.data import heldout_ids, materialize
 from vllm_real import SMALL, START_S, VLLM_PYTHON, stop_vllm, vllm_env
 
@@ -60,9 +63,15 @@ def _ids(samples: list[dict]) -> list[str]:
     return [s["sample_id"] for s in samples]
 
 
+def _bound(lengths: list[int], kept: int) -> int:
+    """The bytes a shard counts against its allowance: the first `kept` samples' states files, the rest's ids."""
+    return (sum(states_file_bound(n, _params()) for n in lengths[:kept])
+            + sum(ids_object_bound(n) for n in lengths[kept:]))
+
+
 def test_hybrid_keeps_states_in_shard_order_while_the_allowance_holds_them():
     lengths = [30, 20, 40, 30, 50, 5, 10]
-    params = _params(allowance=sum(states_file_bound(n, _params()) for n in lengths[:4]) + 100)
+    params = _params(allowance=_bound(lengths, 4) + 3000)  # s5's states file would take 2,816 B more than its ids
     kept, ids_only = split(params, [], _todo(lengths))
     assert _ids(kept) == ["s0", "s1", "s2", "s3"]
     assert _ids(ids_only) == ["s4", "s5", "s6"]  # s5 alone would fit: the states stop at the first that does not
@@ -72,7 +81,7 @@ def test_hybrid_keeps_states_in_shard_order_while_the_allowance_holds_them():
 
 def test_a_retry_decides_the_rest_as_the_first_attempt_did():
     lengths = [30, 20, 40, 30, 50, 5, 10]
-    params = _params(allowance=sum(states_file_bound(n, _params()) for n in lengths[:4]) + 100)
+    params = _params(allowance=_bound(lengths, 4) + 3000)
     todo = _todo(lengths)
     kept, _ = split(params, [], todo)
     # the first attempt stored s1 (states), s5 (ids alone) and a skipped sample, then died
@@ -91,6 +100,25 @@ def test_a_states_file_never_passes_its_bound(dtype, seq_len):
     params = _params(dtype=dtype)
     data = save(sample_tensors(torch.randn(seq_len, len(LAYERS) + 1, 64), list(range(seq_len)), dtype))
     assert len(data) <= states_file_bound(seq_len, params)
+    assert len(save(ids_tensors(list(range(seq_len))))) <= ids_object_bound(seq_len)
+
+
+def test_a_hybrid_shard_stores_its_ids_only_objects_within_the_allowance_too():
+    """The allowance holds everything the shard stores: 4 states files nearly fill it, and the 12
+    samples after them store their ids in what the 4th would have taken."""
+    lengths = [30, 20, 40, 30] + [50] * 12
+    allowance = sum(states_file_bound(n, _params()) for n in lengths[:4]) + 100
+    kept, ids_only = split(_params(allowance=allowance), [], _todo(lengths))
+    assert _ids(kept) == ["s0", "s1", "s2"] and len(ids_only) == 13
+    assert _bound(lengths, 3) <= allowance < _bound(lengths, 4)
+    stored = [save(sample_tensors(torch.randn(len(s["input_ids"]), len(LAYERS) + 1, 64), s["input_ids"], "bf16"))
+              for s in kept] + [save(ids_tensors(s["input_ids"])) for s in ids_only]
+    assert sum(len(data) for data in stored) <= allowance
+
+
+def test_an_extract_result_names_each_count_once():
+    """The task's result is its counts and these fields together: a repeated name would fail the task at its end."""
+    assert not ExtractRunner.result_fields(None, Counts(tokens=10, on_demand=3), 2.0).keys() & Counts.model_fields
 
 
 # --- the planner's refusals ---------------------------------------------------------------------
@@ -121,7 +149,7 @@ def _stored_run(store: FileStore, samples: list[tuple[list[int], bool]]) -> None
     """A run whose one extract shard holds `samples` (token ids, with states or not) as eyrie stores them."""
     layout, records = Layout("m"), []
     for row, (ids, states) in enumerate(samples):
-        data = save(sample_tensors(torch.randn(len(ids), 4, 64), ids, "bf16")) if states else ids_file(ids)
+        data = save(sample_tensors(torch.randn(len(ids), 4, 64), ids, "bf16")) if states else save(ids_tensors(ids))
         info = store.put_bytes(layout.extract_sample(0, f"s{row}"), data)
         records.append({"sample_id": f"s{row}", "row": row, "status": "done", "key": info.key, "sha256": info.sha256,
                         "bytes": info.size, "seq_len": len(ids), "prompt_len": 2, **({} if states else {"states": False})})
@@ -179,13 +207,23 @@ class Service:
     once and awaited only where a test needs it, published in Redis as `eyrie serve-extract` does."""
 
     def __init__(self, tmp: Path):
-        self.port, self.shared, self.log = free_port(), tmp / "hs", tmp / "vllm.log"
+        self.tmp, self.port, self.shared, self.log = tmp, free_port(), tmp / "hs", tmp / "vllm.log"
         self.url = f"http://127.0.0.1:{self.port}"
+        self.stopped = threading.Event()
+        self.served_before = 0  # requests of earlier vLLM processes (a restart counts from 0)
+        self.start()
+
+    def start(self) -> None:
+        clear_orphans(self.shared)  # as `eyrie serve-extract` does before each vLLM start
         cmd = extract_command(str(TINY), LAYERS, self.shared, 1, self.port, SMALL, vllm_command=str(VLLM_PYTHON),
                               cpu=True)
-        self.proc = subprocess.Popen(cmd, env=connector_env(vllm_env(tmp / "cache")), stdout=self.log.open("w"),
+        self.proc = subprocess.Popen(cmd, env=connector_env(vllm_env(self.tmp / "cache")), stdout=self.log.open("a"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
-        self.stopped = threading.Event()
+
+    def outage(self) -> None:
+        """vLLM goes away (its requests so far kept in the count), the address stays published."""
+        self.served_before = self.requests_served()
+        stop_vllm(self.proc)
 
     def ready(self) -> None:
         try:
@@ -206,7 +244,8 @@ class Service:
     def requests_served(self) -> int:
         """vLLM's own count of finished requests."""
         text = requests.get(f"{self.url}/metrics", timeout=10).text
-        return int(sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M)))
+        served = sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
+        return self.served_before + int(served)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -234,14 +273,54 @@ def runs(redis_server, tiny_server, tmp_path_factory):
         _extract(env, "hy", "--storage", "hybrid", "--budget", f"{need // 2}B")
         before_training = service.requests_served()
         for run in ("on", "hy"):
-            eyrie("train", "--run", run, "--epochs", "1", "--seq-len", "256", "--lr", "3e-3", "--draft-vocab", "500",
-                  "--heldout", str(HELDOUT), env=env)
-        eyrie("worker", "train", "--burst", env=env, timeout=600)
-        yield {"env": env, "store": store, "service": service, "need": need,
+            _train(env, run, "--epochs", "1", "--seq-len", "256")
+        with HighWater({f"{what} {run}": path for run in ("on", "hy") for what, path in (
+                ("bucket", Path(store.root) / Layout(run).root / "extract" / "shards"),
+                ("cache", tmp / "cache" / "runs" / run / "data" / "train" / "hidden_states"))}
+                | {"service": service.shared}) as peaks:
+            eyrie("worker", "train", "--burst", env=env, timeout=600)
+        yield {"env": env, "store": store, "service": service, "need": need, "peaks": peaks,
                "requests": {"before_hybrid": before_hybrid, "hybrid_extract": before_training - before_hybrid,
                             "training": service.requests_served() - before_training}}
     finally:
         service.stop()
+
+
+class HighWater:
+    """The most bytes each folder held, sampled every 0.1 s while the block runs."""
+
+    def __init__(self, folders: dict[str, Path]):
+        self.folders, self.peaks, self.done = folders, dict.fromkeys(folders, 0), threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> dict[str, int]:
+        self.thread.start()
+        return self.peaks
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            for name, folder in self.folders.items():
+                self.peaks[name] = max(self.peaks[name], _bytes_in(folder))
+            if self.done.wait(0.1):
+                return
+
+
+def _bytes_in(folder: Path) -> int:
+    """Its tensor files' bytes (not the shard manifests beside them)."""
+    total = 0
+    for path in folder.rglob("*") if folder.exists() else ():
+        with contextlib.suppress(FileNotFoundError):  # read and deleted in between
+            total += path.stat().st_size if path.is_file() and path.suffix != ".json" else 0
+    return total
+
+
+def _train(env: dict, run: str, *options: str) -> None:
+    eyrie("train", "--run", run, *options, "--lr", "3e-3", "--draft-vocab", "500", "--heldout", str(HELDOUT),
+          env=env)
 
 
 def _generate(env: dict, tmp: Path):
@@ -316,6 +395,10 @@ def test_online_stores_no_hidden_states_and_training_asks_the_service(runs):
     on_demand = len(samples) - HELDOUT
     assert any(f"({on_demand} on demand from the extraction service" in n for n in train["notes"]), train["notes"]
     assert any(f"{HELDOUT} held-out samples' states fetched from the extraction service" in n for n in train["notes"])
+    peaks = runs["peaks"]  # sampled while both runs trained
+    assert peaks["cache on"] == 0  # the trainer's cache held no hidden states at any moment
+    assert 0 < peaks["bucket on"] == sum(e["bytes"] for e in samples)  # token ids alone, nothing added
+    assert 0 < peaks["service"] < runs["need"] / 3  # a few samples' states at a time, each deleted once read
 
 
 def test_hybrid_stores_states_within_the_budget_and_training_asks_for_the_rest(runs):
@@ -343,3 +426,98 @@ def test_hybrid_stores_states_within_the_budget_and_training_asks_for_the_rest(r
     # training asked the service for each on-demand sample once (1 epoch), the held-out ones once,
     # and for no stored one: online's all, hybrid's rest
     assert runs["requests"]["training"] == PROMPTS + on_demand + held_on_demand, runs["requests"]
+    # the high-water marks while it trained: the bucket and the trainer's cache within the budget,
+    # the cache holding the stored part alone (nothing generated kept)
+    stored = sum(e["bytes"] for k in kept for e in k)
+    peaks = runs["peaks"]
+    assert peaks["bucket hy"] <= params.budget_bytes and peaks["cache hy"] <= params.budget_bytes
+    assert peaks["cache hy"] == sum(e["bytes"] for k in kept for e in k if e["sample_id"] not in held) > 0
+    assert stored <= params.budget_bytes
+
+
+def _on_demand_training(runs, run: str) -> tuple[int, int]:
+    """(on-demand training samples, on-demand held-out samples) of a run."""
+    samples = [e for s in _shards(runs["store"], run) for e in s.samples]
+    held = heldout_ids(samples, HELDOUT)
+    ids_only = [e for e in samples if e.get("states") is False]
+    return sum(e["sample_id"] not in held for e in ids_only), sum(e["sample_id"] in held for e in ids_only)
+
+
+def _train_worker(env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([str(BIN / "eyrie"), "worker", "train"], env=env, stdout=log.open("a"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finish(env: dict, run: str, worker: subprocess.Popen) -> dict:
+    try:
+        wait_for(lambda: _status(run, env)["train"]["state"] in ("done", "failed"), f"run {run} trained", 900, 1)
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+    return _status(run, env)["train"]
+
+
+def _live(env: dict, run: str) -> dict:
+    """The train task's live progress, straight from Redis (a status command takes too long here)."""
+    tasks = progress.read(redis.Redis.from_url(env["EYRIE_REDIS_URL"]), run, "train")
+    return next(iter(tasks.values()), {})
+
+
+def _states_files(folder: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.glob("hs_*.safetensors")}
+
+
+def test_a_trainer_killed_mid_epoch_resumes_without_asking_twice_or_fetching_its_cache_again(runs, tmp_path):
+    """Hybrid, 2 epochs: SIGTERM (`docker stop`) a few on-demand samples into epoch 0; the retried
+    task resumes there: the service is asked once per on-demand sample per epoch (give or take the
+    batch in flight at the kill), the stored states in the trainer's cache are not fetched again."""
+    env, service = runs["env"], runs["service"]
+    clone_run(runs["store"], "hy", "kill")
+    on_demand, held_on_demand = _on_demand_training(runs, "kill")
+    assert on_demand >= 4  # the premise: the kill lands inside epoch 0
+    _train(env, "kill", "--epochs", "2", "--seq-len", "64")
+    start = service.requests_served()
+    worker = _train_worker(env, tmp_path / "worker.log")
+    wait_for(lambda: _live(env, "kill").get("step", 0) >= 2, "two steps of training", 600, 0.05)
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(120) == 0  # the worker itself stops, after the checkpoint
+    first = service.requests_served() - start - held_on_demand
+    saved = runs["store"].get_json(Layout("kill").checkpoint_manifest("0"))
+    assert (saved["epoch"], saved["local_step"] > 0) == (0, True), saved
+    cache = Path(env["EYRIE_CACHE_DIR"]) / "runs" / "kill" / "data" / "train" / "hidden_states"
+    cached = _states_files(cache)
+    assert cached  # the stored part, fetched by the first attempt
+
+    resumed_from = service.requests_served()
+    train = _finish(env, "kill", _train_worker(env, tmp_path / "worker.log"))
+    second = service.requests_served() - resumed_from
+    assert train["state"] == "done" and train["dropped"] == 0, train
+    assert any(f"resuming from checkpoint 0 (step {saved['local_step']} of epoch 0)" in n for n in train["notes"])
+    assert _states_files(cache) == cached  # nothing in the cache fetched or written again
+    assert second < 2 * on_demand  # epoch 0's trained batches were skipped, not asked again
+    assert 2 * on_demand <= first + second <= 2 * on_demand + 2, (first, second, on_demand)
+    assert train["charts"]["ttt"]["steps"] == list(range(1, train["done"] + 1))  # no step twice
+
+
+def test_training_waits_out_an_extraction_service_outage(runs, tmp_path):
+    """Online, 1 epoch: vLLM stops a few samples in and comes back a while later on the same
+    address; training waits (speculators' retries), then goes on; no sample is left out."""
+    env, service = runs["env"], runs["service"]
+    clone_run(runs["store"], "on", "out")
+    on_demand, held_on_demand = _on_demand_training(runs, "out")
+    _train(env, "out", "--epochs", "1", "--seq-len", "64")
+    start = service.requests_served()
+    worker = _train_worker(env, tmp_path / "worker.log")
+    wait_for(lambda: _live(env, "out").get("step", 0) >= 2, "two steps of training", 600, 0.05)
+    service.outage()
+    during = _status("out", env)["train"]
+    time.sleep(10)
+    after = _status("out", env)["train"]
+    assert worker.poll() is None and after["state"] != "failed" and after["done"] <= during["done"] + 1, after
+    service.start()
+    service.ready()
+    train = _finish(env, "out", worker)
+    assert train["state"] == "done" and train["dropped"] == 0 and not train["errors"], train
+    asked = service.requests_served() - start - held_on_demand
+    assert on_demand <= asked <= on_demand + 1  # every sample once; the one cut off by the outage again
+    assert not list(service.shared.iterdir())  # the cut-off request's file went with the restart

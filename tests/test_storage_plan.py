@@ -10,11 +10,13 @@ import yaml
 
 from conftest import OFFLINE, ROOT, eyrie
 from eyrie.core.errors import EyrieError
-from eyrie.core.storage import resolve_mode
+from eyrie.core.storage import resolve_mode, shard_allowance
+from eyrie.data.manifest import ExtractParams
 from eyrie.runs.pipeline import RunConfig, load_config
 from eyrie.runs.plan_checks import over_budget, refuse
 from eyrie.runs.projection import project, render
 from eyrie.runs.storage_plan import gpu_sharing, vllm_utilization
+from eyrie_extractor.storage_split import ids_object_bound, split, states_file_bound
 
 SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
 GPU_VARS = ("EYRIE_INFERENCE_GPU_IDS", "EYRIE_EXTRACTOR_GPU_IDS", "EYRIE_TRAINER_GPU_IDS",
@@ -138,6 +140,26 @@ def test_the_seed_with_25000_samples_fits_its_budget_through_hybrid(settings):
     s = p["storage"]
     assert s["chosen"] == "hybrid" and s["modes"]["hybrid"]["stored_bytes"] <= 2.8e12 and p["refusals"] == []
     assert "online would end sooner (34.6 h) at 234.5 service GPU-h and 9 GPUs at once" in s["why"]
+
+
+def test_the_extract_shards_fill_the_budget_by_the_plans_rule(settings):
+    """hybrid's bucket in the plan (f x states + (1 - f) x token ids = the budget) and the extract
+    shards' rule are one: a shard's states files and ids-only objects, at their bounds, stay within
+    its allowance, and it keeps the plan's share of states to within one sample. At 1.79 GB a shard's
+    49.7 MB hold 12 states files and a tenth of another: not the ids of the other 88 as well."""
+    shards, per_shard, tokens = 36, 100, 1000
+    p = project(_small(storage="hybrid", budget="1.79GB"), settings(), measure=False)
+    hybrid = p["storage"]["modes"]["hybrid"]
+    assert p["samples"] == shards * per_shard and abs(hybrid["stored_bytes"] - p["budget_bytes"]) <= 1
+    params = ExtractParams(backend="vllm", aux_layers=p["aux_layers"], dtype=p["dtype"], max_length=tokens,
+                           num_layers=p["num_layers"], hidden_size=p["hidden_size"], samples=p["samples"],
+                           tokens=p["samples"] * tokens, truncated=0, projected_bytes=1, budget_bytes=p["budget_bytes"],
+                           storage="hybrid", shard_allowance_bytes=shard_allowance("hybrid", p["budget_bytes"], shards))
+    todo = [{"sample_id": f"s{row}", "row": row, "input_ids": [0] * tokens} for row in range(per_shard)]
+    kept, ids_only = split(params, [], todo)
+    shard_bytes = len(kept) * states_file_bound(tokens, params) + len(ids_only) * ids_object_bound(tokens)
+    assert shard_bytes <= params.shard_allowance_bytes and shards * shard_bytes <= hybrid["stored_bytes"]
+    assert hybrid["stored_fraction"] * per_shard - 1 <= len(kept) <= hybrid["stored_fraction"] * per_shard
 
 
 def test_gpu_memory_of_the_service_and_the_trainer(settings):

@@ -15,7 +15,7 @@ import pytest
 import redis
 from safetensors import safe_open
 
-from conftest import BIN, OFFLINE, S3_KEYS, TINY, TRAIN_PROMPTS, eyrie
+from conftest import BIN, OFFLINE, S3_KEYS, TINY, TRAIN_PROMPTS, clone_run, eyrie
 from eyrie.core.config import load_settings
 from eyrie.data.manifest import Layout, RunManifest
 from eyrie.data.store import open_store
@@ -53,18 +53,6 @@ def store_of(env):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def clone_run(store, src: str, dst: str) -> None:
-    """A new run over the same extracted samples (the shard manifests point at src's objects)."""
-    source, target = Layout(src), Layout(dst)
-    manifest = store.get_json(source.manifest)
-    manifest.update(run=dst, train=None, drafter=None)
-    store.put_json(target.manifest, manifest)
-    for plan in manifest["generate_shards"]:
-        for stage in ("generate", "extract"):
-            shard = store.get_json(source.shard_manifest(stage, plan["index"]))
-            store.put_json(target.shard_manifest(stage, plan["index"]), {**shard, "run": dst})
 
 
 def status(run, env) -> dict:

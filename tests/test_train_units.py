@@ -247,3 +247,46 @@ def test_verifys_vllm_dies_with_the_worker_that_started_it():
     while os.path.exists(f"/proc/{child}") and "Z (zombie)" not in open(f"/proc/{child}/status").read():
         assert time.monotonic() < deadline, "the child outlived the process that started it"
         time.sleep(0.1)
+
+
+def test_a_sample_whose_states_do_not_match_its_ids_is_counted_as_dropped_with_the_reason(hs_dir, tmp_path):
+    """speculators leaves out a sample whose hidden states file holds other token ids (what a
+    mixed-up generated file would be) and trains on the rest: eyrie counts it and says why."""
+    import shutil
+
+    from eyrie_trainer.runner import TrainRunner
+
+    data = tmp_path / "data"
+    shutil.copytree(hs_dir, data)
+    shutil.copy(data / "hidden_states" / "hs_1.safetensors", data / "hidden_states" / "hs_0.safetensors")
+    hooks, seen = recording_hooks()
+    reasons: list[str] = []
+    hooks.on_dropped = reasons.append
+    engine.train_with_fallback(argv(data, tmp_path / "ck", "--epochs", "1"), "cpu", False, hooks, print)
+    dropped = sum(round(m["train"].get("error_records", 0)) for m in seen["metrics"] if "train" in m)
+    assert dropped == 1
+    assert reasons == ["the generated hidden states' token ids do not match the sample's"]
+
+    runner = TrainRunner.__new__(TrainRunner)  # its counting alone: no task, no store
+    runner.live = {}
+    for reason in reasons:
+        runner._on_dropped(reason)
+    for record in seen["metrics"]:
+        if "train" in record:
+            runner._count_dropped(round(record["train"].get("error_records", 0)), record.get("epoch"))
+    assert runner.live["dropped"] == 1
+    assert runner.live["notes"] == ["1 sample(s) left out of a step of epoch 0: the generated hidden states' "
+                                    "token ids do not match the sample's"]
+
+
+def test_speculators_words_for_a_sample_it_gave_up_on_become_the_reason():
+    from speculators.train.recovery import GenerationRecoveryGuard
+
+    reasons: list[str] = []
+    with engine.speculators_patched("cpu", engine.Hooks(on_dropped=reasons.append)):
+        result = GenerationRecoveryGuard(retries=1, max_consecutive_failures=20).run(
+            lambda: (_ for _ in ()).throw(ConnectionError("Connection refused")),
+            description="Hidden-state round trip failed for dataset index 3, file index 3")
+    assert result.counts_as_failure
+    assert reasons == ["Hidden-state round trip failed for dataset index 3, file index 3 (attempt 2/2, "
+                       "consecutive failures=1/20): ConnectionError: Connection refused"]

@@ -180,19 +180,45 @@ def evaluate(run: str = typer.Option(..., "--run", help="Run name (trained)."),
     from eyrie.data.manifest import load_run_manifest
 
     done_samples, heldout_ids = entry("eyrie_trainer.data.done_samples"), entry("eyrie_trainer.data.heldout_ids")
-    settings, _, store = context()
+    settings, conn, store = context()
     manifest = load_run_manifest(store, run)
     if manifest.train is None:
         raise EyrieError(f"run {run} has not been trained.", f"run `eyrie train --run {run} --wait` first.")
     held = heldout_ids(done_samples(store, run), manifest.train.heldout_samples)
     eval_dir = Path(settings.cache_dir) / "runs" / run / "data" / "heldout"
     entry("eyrie_trainer.data.materialize")(store, run, eval_dir, lambda s: s["sample_id"] in held)
+    _fetch_heldout_states(settings, conn, manifest, eval_dir)
     result = entry("eyrie_trainer.export.evaluate")(store, run, eval_dir, device, lambda m: None)
     typer.echo(f"run {run}: tau (mean acceptance length, counted as vLLM does) with K={result['k']} on "
                f"{manifest.train.heldout_samples} held-out samples")
     typer.echo(f"  untrained        {result['baseline']['tau']:.3f}")
     for c in result["checkpoints"]:
         typer.echo(f"  checkpoint {c['label']:<5} {c['tau']:.3f}" + ("  best" if c["label"] == result["best"] else ""))
+
+
+# speculators' default: a request retried after 2, 4 and 8 s. The train task rides out a longer outage
+# (eyrie_trainer.runner.SERVICE_RETRIES); a command someone waits on says what failed sooner.
+EVALUATE_FETCH_RETRIES = 3
+
+
+def _fetch_heldout_states(settings, conn, manifest, eval_dir: Path) -> None:
+    """Held-out samples stored as token ids alone (extract.storage hybrid, online) whose states are
+    not on this host yet: fetched from the extraction service, as the train task fetches them."""
+    missing = entry("eyrie_trainer.data.missing_states")(eval_dir)
+    if not missing:
+        return
+    typer.echo(f"run {manifest.run}: {len(missing)} held-out samples have no hidden states here (extract.storage "
+               f"{manifest.extract.storage}): fetching them from the vLLM extraction service")
+    shown = []  # the wait's first report only: it repeats every second
+
+    def waiting(what: str) -> None:
+        if not shown:
+            typer.echo(f"  waiting for {what}")
+            shown.append(what)
+
+    endpoint, fetched = entry("eyrie_trainer.data.fetch_heldout_states")(
+        settings, conn, manifest, eval_dir, EVALUATE_FETCH_RETRIES, waiting, lambda: False)
+    typer.echo(f"  {fetched} fetched from {endpoint}")
 
 
 @app.command()

@@ -17,8 +17,9 @@ def resolve_mode(asked: str, need_bytes: int, budget_bytes: int | None) -> str:
 
 
 def shard_allowance(mode: str, budget_bytes: int | None, shards: int) -> int | None:
-    """hybrid: the hidden-state bytes one shard may store, the budget spread evenly over the shards
-    (no shard needs to know another's bytes, so retries and parallel workers keep the bound)."""
+    """hybrid: the bytes one shard may store, its states files and ids-only objects alike (as the
+    plan's bucket counts them), the budget spread evenly over the shards (no shard needs to know
+    another's bytes, so retries and parallel workers keep the bound)."""
     if mode != "hybrid":
         return None
     if budget_bytes is None:

@@ -1,6 +1,7 @@
 """What `eyrie run --plan` refuses before any GPU work, with the ways out and their numbers: hidden
 states expected (at plan.mean_tokens) over extract.budget, and GPUs the stack's services are given
-(EYRIE_<SERVICE>_GPU_IDS) that cannot carry the run's serve: section or would have two owners."""
+(EYRIE_<SERVICE>_GPU_IDS) that cannot carry the run's serve: section, would have two owners, or
+that the trainer would wait for forever (hybrid and online)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from eyrie.core.budget import (TOKEN_ID_BYTES, UNITS, human, length_that_fits, p
 from eyrie.core.errors import EyrieError
 from eyrie.runs.storage_plan import auto_choice
 from eyrie.stages.generate import Generate
+
+ON_DEMAND = ("hybrid", "online")  # storage modes whose training asks the extraction server for states
 
 
 def over_budget(p: dict) -> tuple[str, str] | None:
@@ -55,19 +58,37 @@ def _offline_over(p: dict) -> tuple[str, str] | None:
 
 
 def storage_refusal(p: dict) -> tuple[str, str] | None:
-    """What the extract stage would refuse in hybrid and online, after generation: hybrid without
-    a budget to fill, and the hf backend (the vLLM extraction service makes the states not stored)."""
+    """What would stop hybrid and online after generation: hybrid without a budget to fill, the hf
+    backend (the vLLM extraction service makes the states not stored), and auto's pick of them on a
+    trainer GPU the service holds (a mode asked for is checked with the GPUs: gpu_plan)."""
     s = p["storage"]
     if s["asked"] == "hybrid" and p["budget_bytes"] is None:
         return (f"run {p['run']}: extract.storage: hybrid stores hidden states up to extract.budget, and none is set.",
                 "set extract.budget (e.g. 2.8TB), or extract.storage: offline or online.")
-    if s["chosen"] not in ("hybrid", "online") or s["backend"] == "vllm":
+    if s["chosen"] not in ON_DEMAND:
         return None
     chose = "" if s["asked"] == s["chosen"] else f" (auto's choice: {s['why'].removeprefix('auto: ')})"
+    if s["backend"] == "vllm":
+        return on_demand_overlap(p["run"], s["chosen"], p["gpus"]["ids"], chose) if s["asked"] == "auto" else None
     return (f"run {p['run']}: extract.storage {s['chosen']}{chose} has the vLLM extraction service make hidden "
             f"states during training, and extract.backend is {s['backend']}.",
             "set extract.backend: vllm (docs/vllm-extraction.md), or extract.storage: offline with an "
             "extract.budget that holds every state.")
+
+
+def on_demand_overlap(run: str, mode: str, ids: dict, chose: str = "") -> tuple[str, str] | None:
+    """hybrid and online: the vLLM extraction server holds inference's GPUs until training ends
+    (it makes the states not stored), so a trainer given one of them would wait for it forever."""
+    shared = sorted(set(ids.get("trainer", [])) & set(ids.get("inference", [])), key=int)
+    if mode not in ON_DEMAND or not shared:
+        return None
+    inference, trainer = ",".join(ids["inference"]), ",".join(ids["trainer"])
+    return (f"run {run}: extract.storage {mode}{chose} trains while the vLLM extraction server serves the target "
+            f"on inference's GPUs (EYRIE_INFERENCE_GPU_IDS={inference}) and holds them until training ends, and "
+            f"EYRIE_TRAINER_GPU_IDS={trainer} shares GPU {','.join(shared)} with them: a GPU has one holder, so "
+            "the trainer would wait for the server forever.",
+            f"give EYRIE_TRAINER_GPU_IDS GPUs disjoint from EYRIE_INFERENCE_GPU_IDS={inference} in .env, or set "
+            "extract.storage: offline with an extract.budget that holds every state.")
 
 
 def storage_way(p: dict, mode: str) -> str:
@@ -156,6 +177,8 @@ def gpu_plan(config, settings) -> dict:
                          "grants every stage its GPUs at once): two owners of one GPU.",
                          "give each service its own GPUs in .env, or EYRIE_GPU_SCHEDULER=redis (the GPU lease "
                          "sequences serve, extract and train on one host)."))
+    if overlap := on_demand_overlap(config.run, config.extract.storage, ids):
+        refusals.append(overlap)
     return {"ids": ids, "serve_gpus": need, "sequenced": sequenced,
             "shared": {f"{a}+{b}": gpus for (a, b), gpus in shared.items()}, "refusals": refusals}
 

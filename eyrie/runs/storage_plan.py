@@ -41,7 +41,8 @@ def full_and_ids_bytes(p: dict) -> tuple[int, int]:
 
 def stored_fraction(mode: str, full: int, ids: int, budget: int | None) -> float:
     """The share of the samples whose hidden states the bucket keeps (the rest: token ids only).
-    hybrid fills the budget: f x full + (1 - f) x ids = budget."""
+    hybrid fills the budget: f x full + (1 - f) x ids = budget, the rule each extract shard keeps
+    to within its allowance (eyrie_extractor.storage_split: ids-only objects count as states files do)."""
     if mode == "online":
         return 0.0
     if mode == "offline" or budget is None or full <= budget:

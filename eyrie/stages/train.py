@@ -67,6 +67,7 @@ def train_status(view: RunView, stage: Train) -> TrainStatus:
         phase="done" if done else live.get("phase", "pending"), epoch=live.get("epoch"),
         epochs=manifest.train.epochs, loss=live.get("loss"), val_loss=live.get("val_loss"),
         acc=live.get("acc"), path=live.get("path"), notes=live.get("notes", []), on_demand=live.get("on_demand", 0),
+        dropped=live.get("dropped", 0), drop_reasons=live.get("drop_reasons", []),
         checkpoints=live.get("checkpoints", []), evaluation=evaluation, drafter=manifest.drafter,
         verify=manifest.verify, charts=chart_series(evaluation, manifest.verify, curve),
         waiting_for=[live["waiting_for"]] if live.get("waiting_for") and live.get("phase") == "waiting" else [],

@@ -57,6 +57,9 @@ class TrainStatus(StageStatus):
     path: dict | None = Field(None, description="The attention/loss path speculators took.")
     notes: list[str] = Field(default_factory=list)
     on_demand: int = Field(0, description="Training samples whose hidden states the extraction service makes.")
+    dropped: int = Field(0, description="Samples speculators left out of a step in this attempt: the extraction "
+                                        "service's retries exhausted, or states whose token ids did not match.")
+    drop_reasons: list[str] = Field(default_factory=list, description="The last few reasons, speculators' words.")
     checkpoints: list = Field(default_factory=list)
     evaluation: dict | None = None
     drafter: dict | None = None

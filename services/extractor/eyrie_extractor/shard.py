@@ -32,7 +32,7 @@ from eyrie.work.queue import LEASE_TTL_S
 from eyrie_extractor.capture import HFCapture, token_budget_batches
 from eyrie_extractor.plan import generated_records, load_tokenizer
 from eyrie_extractor.render import fit, render
-from eyrie_extractor.storage_split import ids_file, split
+from eyrie_extractor.storage_split import split
 from eyrie_extractor.tasks import ExtractTask
 from eyrie_extractor.vllm_backend import VllmCapture, VllmCaptureError
 
@@ -40,10 +40,15 @@ MAX_PENDING_BATCHES = 2
 IDS_PER_PART = 64  # token-ids-only samples stored between two parts (and cancel checks)
 
 
+def ids_tensors(input_ids: list[int]) -> dict[str, torch.Tensor]:
+    """token_ids int64 [seq], as speculators reads them: all an ids-only sample's object holds."""
+    return {"token_ids": torch.tensor(input_ids, dtype=torch.long)}
+
+
 def sample_tensors(states: torch.Tensor, input_ids: list[int], dtype: str) -> dict[str, torch.Tensor]:
     """speculators' per-sample file: hidden_states [seq, n_aux+1, H], token_ids int64 [seq]
     (fp8: e4m3 with one fp32 scale per token, as hs-connectors' fp8 connector writes)."""
-    tensors = {"token_ids": torch.tensor(input_ids, dtype=torch.long)}
+    tensors = ids_tensors(input_ids)
     if dtype == "fp8":
         from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
 
@@ -126,7 +131,7 @@ class ExtractRunner(ShardedStageTask):
         with ThreadPoolExecutor(self.settings.extract_write_threads) as pool:
             for start in range(0, len(items), IDS_PER_PART):
                 chunk = items[start:start + IDS_PER_PART]
-                self._collect([pool.submit(self._put, item, ids_file(item["input_ids"]), False)
+                self._collect([pool.submit(self._put, item, save(ids_tensors(item["input_ids"])), False)
                                for item in chunk], self.gpu)
 
     def _extract(self, todo: list[dict]) -> None:
@@ -220,7 +225,7 @@ class ExtractRunner(ShardedStageTask):
                 "truncated": sum(1 for e in records if e.get("truncated"))}
 
     def result_fields(self, counts: Counts, wall: float) -> dict:
-        return {"tok_per_s": round(counts.tokens / wall, 1), "on_demand": self.count_fields()["on_demand"]}
+        return {"tok_per_s": round(counts.tokens / wall, 1)}  # on_demand: among the counts already
 
 
 def run_extract_shard(payload: dict) -> dict:

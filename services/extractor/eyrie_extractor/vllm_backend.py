@@ -99,6 +99,17 @@ def extract_command(model: str, aux_layers: Sequence[int], shared_dir: str | Pat
             "--kv-transfer-config", json.dumps(kv_transfer_config(shared_dir, cpu)), *extra]
 
 
+def clear_orphans(shared_dir: str | Path) -> int:
+    """Before vLLM starts: the files an earlier vLLM process left in its shared directory. Each
+    answered a request that died with that process (an outage, a crash); no reader will ever
+    ask for them. Returns how many were deleted."""
+    folder = Path(shared_dir)
+    orphans = [p for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
+    for path in orphans:
+        path.unlink(missing_ok=True)
+    return len(orphans)
+
+
 def connector_env(env: dict | None = None) -> dict:
     """The environment of a vLLM that loads CpuHiddenStatesConnector: this package on its path."""
     import os

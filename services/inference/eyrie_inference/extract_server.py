@@ -1,8 +1,12 @@
 """`eyrie serve-extract`: the stack's vLLM extraction server. It waits for a pipeline whose extract
 stage runs on the vLLM backend, takes the GPU lease (once inference has handed it over), serves the
 run's target with `extract_hidden_states` (its serve section: TP, PP, trust_remote_code, ...; the
-run's layers; the shared directory the extractor reads), publishes itself for the extractor, and
-stops and hands the GPUs back once every shard is extracted (then the trainer takes them)."""
+run's layers; the shared directory the extractor reads) and publishes itself. An offline run needs
+it until every shard is extracted; a hybrid or online run (extract.storage) until its drafter is
+trained, since the trainer asks it for the hidden states not stored (an online run's extract stage
+needs none, its training does: it is started for a run already extracted too). Then, or once the
+run is cancelled or no longer active, it stops vLLM and hands the GPUs back (to the trainer, after
+an offline run; `eyrie run --plan` refuses hybrid and online where the trainer's GPUs are its own)."""
 
 from __future__ import annotations
 
@@ -14,25 +18,43 @@ from eyrie.core.vllm import on_cpu, serve_env
 from eyrie.data.manifest import Layout, load_run_manifest
 from eyrie.runs.pipeline import stored_config
 from eyrie.work import inference, keys
-from eyrie_extractor.vllm_backend import connector_env, extract_command
+from eyrie_extractor.vllm_backend import clear_orphans, connector_env, extract_command
 from eyrie_inference.server import Server
 
 
+ON_DEMAND = ("hybrid", "online")  # extract.storage modes whose training asks the server for states
+
+
 def extraction_run(conn, store) -> str | None:
-    """An active pipeline whose extract stage is planned on the vLLM backend and not done."""
+    """An active pipeline on the vLLM backend that needs the server now (needs_server)."""
     for run in sorted(m.decode() for m in conn.smembers(keys.ACTIVE_PIPELINES)):
         try:
             manifest = load_run_manifest(store, run)
         except EyrieError:
             continue
-        if manifest.extract and manifest.extract.backend == "vllm" and not extracted(store, manifest):
+        if manifest.extract and manifest.extract.backend == "vllm" and needs_server(store, manifest):
             return run
     return None
+
+
+def needs_server(store, manifest) -> bool:
+    """offline: until every shard is extracted; hybrid and online: until the drafter is trained."""
+    if trains_on_demand(manifest):
+        return not trained(store, manifest)
+    return not extracted(store, manifest)
+
+
+def trains_on_demand(manifest) -> bool:
+    return manifest.extract.storage in ON_DEMAND
 
 
 def extracted(store, manifest) -> bool:
     layout = Layout(manifest.run)
     return all(store.exists(layout.extract_shard_manifest(p.index)) for p in manifest.generate_shards)
+
+
+def trained(store, manifest) -> bool:
+    return store.exists(Layout(manifest.run).drafter_manifest)
 
 
 def vllm_command(settings, cfg, manifest) -> list[str]:
@@ -54,12 +76,14 @@ class ExtractServer(Server):
 
     def __init__(self, settings, conn, store, run: str):
         self.store, self.run_name = store, run
+        self._said_training = False
         self.config, self.manifest = stored_config(store, run), load_run_manifest(store, run)
         settings = settings.model_copy(update={"server": "vllm", "endpoint_name": "extract"})
         super().__init__(settings, conn, self.config.target.model, self.config.serve)
 
     def command(self) -> list[str]:
         Path(self.settings.extract_shared_dir).mkdir(parents=True, exist_ok=True)
+        clear_orphans(self.settings.extract_shared_dir)
         return vllm_command(self.settings, self.config, self.manifest)
 
     def env(self) -> dict[str, str]:
@@ -67,16 +91,30 @@ class ExtractServer(Server):
         return connector_env(serve_env()) if on_cpu() else serve_env()
 
     def _wait_turn(self) -> None:
-        pass  # started for a run that is extracting now
+        pass  # started for a run that extracts, or trains on demand, now
 
     def _drained(self) -> bool:
-        """Done: every shard extracted, or the run cancelled or no longer active."""
-        done = extracted(self.store, self.manifest) or self.conn.exists(keys.cancelled(self.run_name)) \
-            or not self.conn.sismember(keys.ACTIVE_PIPELINES, self.run_name)
-        if done and self.proc is not None:
-            print(f"eyrie serve-extract: run {self.run_name} is extracted: stopping vLLM and handing over "
-                  "the GPUs", flush=True)
-        return bool(done)
+        """Done: the run no longer needs the server (needs_server), or it is cancelled or no longer active."""
+        run = self.run_name
+        if self.conn.exists(keys.cancelled(run)) or not self.conn.sismember(keys.ACTIVE_PIPELINES, run):
+            return self._done(f"run {run} is cancelled or no longer active")
+        if not needs_server(self.store, self.manifest):
+            return self._done(f"run {run} is trained" if trains_on_demand(self.manifest) else f"run {run} is extracted")
+        if self.proc is not None and not self._said_training:
+            self._say_when_training()
+        return False
+
+    def _say_when_training(self) -> None:
+        if trains_on_demand(self.manifest) and extracted(self.store, self.manifest):
+            self._said_training = True
+            print(f"eyrie serve-extract: run {self.run_name} is extracted and trains on hidden states this server "
+                  f"makes (extract.storage {self.manifest.extract.storage}): serving until its drafter is trained",
+                  flush=True)
+
+    def _done(self, why: str) -> bool:
+        if self.proc is not None:
+            print(f"eyrie serve-extract: {why}: stopping vLLM and handing over the GPUs", flush=True)
+        return True
 
     def _publish(self, state: str) -> None:
         self.endpoint.state = state
@@ -84,13 +122,20 @@ class ExtractServer(Server):
 
 
 def serve_extract(settings, conn, store, once: bool = False, poll_s: float = 5.0) -> int:
-    """Serve each run's extraction in turn (or one, with `once`); holds no GPU while it waits."""
+    """Serve each run that needs the server in turn (or one, with `once`); holds no GPU while it waits."""
     while True:
         run = extraction_run(conn, store)
         if run is None:
             time.sleep(poll_s)
             continue
-        print(f"eyrie serve-extract: run {run} extracts on vLLM", flush=True)
+        print(f"eyrie serve-extract: {serving_for(store, run)}", flush=True)
         code = ExtractServer(settings, conn, store, run).run()
         if once or code:
             return code
+
+
+def serving_for(store, run: str) -> str:
+    manifest = load_run_manifest(store, run)
+    if trains_on_demand(manifest) and extracted(store, manifest):
+        return f"run {run} trains on hidden states made on vLLM (extract.storage {manifest.extract.storage})"
+    return f"run {run} extracts on vLLM"

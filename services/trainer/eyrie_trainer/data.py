@@ -4,8 +4,8 @@ and token_freq.pt (loss-masked token counts, for the draft vocabulary).
 
 A sample stored as its token ids alone (extract.storage hybrid or online) is a row of the dataset
 with no hs_<i> file: speculators asks the vLLM extraction service for its states when it loads it.
-The held-out set's such samples get theirs from the service once (`fetch_missing_states`): its
-evaluation reads states files.
+The held-out set's such samples get theirs from the service once (`fetch_heldout_states`, for the
+train task and `eyrie evaluate`): their evaluation reads states files.
 
 Every object is checked against its sha256; files already in place are not fetched again, and
 a directory whose marker names the same samples is not touched at all."""
@@ -23,7 +23,7 @@ import orjson
 from eyrie.core.errors import EyrieError
 from eyrie.data.manifest import Layout, ShardManifest, load_run_manifest
 from eyrie.data.store import sha256_file
-from eyrie.work.extract_server import on_demand
+from eyrie.work.extract_server import api_base, on_demand, server_url
 
 MARKER = "eyrie-samples.json"
 
@@ -150,6 +150,19 @@ def missing_states(dest: Path) -> list[int]:
 
     rows = len(datasets.load_from_disk(str(dest)))
     return [index for index in range(rows) if not states_path(dest, index).exists()]
+
+
+def fetch_heldout_states(settings, conn, manifest, eval_dir: Path, max_retries: int,
+                         waiting: Callable[[str], None], cancelled: Callable[[], bool],
+                         on_ready: Callable[[], None] = lambda: None) -> tuple[str, int]:
+    """The extraction service waited for (EYRIE_EXTRACT_VLLM_URL, else the one `eyrie serve-extract`
+    published: eyrie.work.extract_server), then every row of `eval_dir` without a states file gets
+    one from it, once: evaluation reads files. Returns the service's API root and how many were fetched."""
+    endpoint = api_base(server_url(settings, conn, waiting, cancelled))
+    on_ready()
+    fetched = fetch_missing_states(eval_dir, endpoint, manifest.target.model, manifest.generate.request_timeout_s,
+                                   max_retries)
+    return endpoint, fetched
 
 
 def fetch_missing_states(dest: Path, endpoint: str, model: str, timeout_s: float, max_retries: int) -> int:

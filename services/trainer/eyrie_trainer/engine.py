@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ class Hooks:
     on_checkpoint: Callable[[str, int, int], None] = lambda label, epoch, local_step: None
     on_step: Callable[[int], None] = lambda global_step: None  # raises to stop (lease lost)
     on_start: Callable[[int, int], None] = lambda steps_per_epoch, global_step: None
+    on_dropped: Callable[[str], None] = lambda reason: None  # why speculators left a sample out
     state: dict = field(default_factory=dict)  # steps, interrupted
 
 
@@ -74,18 +77,23 @@ def _trainer_class(device: str, hooks: Hooks):
         def run_training(self):
             # speculators' loop without its barriers (one device), stopping at max_steps in total:
             # its own loop would run one more step in every later epoch.
-            hooks.on_start(len(self.train_loader), self.global_step)
-            for epoch in range(self.current_epoch, self.config.num_epochs):
-                if self._reached_max_steps():
-                    break
-                hooks.state["epoch"] = epoch
-                hooks.state["epoch_start_step"] = self.global_step - getattr(self, "_resume_local_step", 0)
-                self.train_epoch(epoch, step_callback=self._after_step)
-                self.maybe_save_checkpoint(epoch)
-                self.maybe_update_best(epoch, self.val_epoch(epoch))
+            with _StopSignal(hooks.state):
+                hooks.on_start(len(self.train_loader), self.global_step)
+                for epoch in range(self.current_epoch, self.config.num_epochs):
+                    if self._reached_max_steps():
+                        break
+                    hooks.state["epoch"] = epoch
+                    hooks.state["epoch_start_step"] = self.global_step - getattr(self, "_resume_local_step", 0)
+                    self.train_epoch(epoch, step_callback=self._after_step)
+                    self.maybe_save_checkpoint(epoch)
+                    self.maybe_update_best(epoch, self.val_epoch(epoch))
 
         def _after_step(self) -> None:
             hooks.state["steps"] = hooks.state.get("steps", 0) + 1
+            if hooks.state.get("signalled"):  # a stop the data path swallowed: stop at this step's end
+                from speculators.train.graceful_shutdown import TrainingInterruptedError
+
+                raise TrainingInterruptedError(hooks.state["signalled"])
             hooks.on_step(self.global_step)
 
         def _reached_max_steps(self) -> bool:
@@ -107,6 +115,33 @@ def _trainer_class(device: str, hooks: Hooks):
     return EyrieTrainer
 
 
+class _StopSignal:
+    """SIGTERM/SIGINT while training: remembered, then raised as speculators' handler does (it saves
+    a resumable checkpoint). Its own handler raises once and forgets; a raise that lands in the
+    data path (a request to the extraction service) is caught there as a failed attempt and
+    retried, and the stop was lost. Remembered, it is raised again at the step's end."""
+
+    def __init__(self, state: dict):
+        self.state, self.owner = state, os.getpid()
+
+    def __enter__(self):
+        self.previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handler(self, signum, frame) -> None:
+        from speculators.train.graceful_shutdown import TrainingInterruptedError
+
+        if os.getpid() != self.owner:  # a forked data-loader worker: the trainer process decides
+            return
+        first = not self.state.get("signalled")
+        self.state["signalled"] = signal.Signals(signum).name
+        if first:
+            raise TrainingInterruptedError(self.state["signalled"])
+
+
 def _install_no_sync_step_timer(trainer_module) -> Callable[[], None]:
     """speculators' step timer synchronizes the accelerator, which fails where there is none.
     Returns the undo."""
@@ -125,7 +160,9 @@ def _install_no_sync_step_timer(trainer_module) -> Callable[[], None]:
 
 
 class _MetricsHandler(logging.Handler):
-    """speculators logs each step's metrics as a dict on 'speculators.metrics'."""
+    """speculators logs each step's metrics as a dict on 'speculators.metrics', and why it leaves a
+    sample out as a warning: its retries to the extraction service exhausted, or generated states
+    whose token ids are not the sample's (a Python warning, captured as a log record)."""
 
     def __init__(self, hooks: Hooks):
         super().__init__()
@@ -135,6 +172,19 @@ class _MetricsHandler(logging.Handler):
         if record.name == "speculators.metrics" and isinstance(record.msg, dict) \
                 and not getattr(record, "hparams", False):
             self.hooks.on_metrics(record.msg)
+        elif record.levelno >= logging.WARNING:
+            reason = drop_reason(record.getMessage())
+            if reason:
+                self.hooks.on_dropped(reason)
+
+
+def drop_reason(message: str) -> str | None:
+    """speculators' warning for a sample it leaves out, as one short line (its token ids cut off)."""
+    if "consecutive failures=" in message:
+        return message.splitlines()[0][:300]
+    if "Loaded token ids" in message and "match input ids" in message:
+        return "the generated hidden states' token ids do not match the sample's"
+    return None
 
 
 @contextlib.contextmanager
@@ -151,6 +201,7 @@ def speculators_patched(device: str, hooks: Hooks) -> Iterator[None]:
         undo_timer = _install_no_sync_step_timer(trainer_module)
     handler = _MetricsHandler(hooks)
     logging.getLogger().addHandler(handler)
+    logging.captureWarnings(True)
     try:
         yield
     finally:
@@ -158,6 +209,7 @@ def speculators_patched(device: str, hooks: Hooks) -> Iterator[None]:
         if undo_timer:
             undo_timer()
         logging.getLogger().removeHandler(handler)
+        logging.captureWarnings(False)
 
 
 def speculators_config(options: Mapping[str, Any]):

@@ -18,12 +18,12 @@ from eyrie.data.manifest import Layout, load_run_manifest
 from eyrie.data.store import CorruptObject
 from eyrie.stages import EXTRACT, TRAIN
 from eyrie.tasks.executor import Context, StageTask, execute
-from eyrie.work.extract_server import api_base, on_demand, server_url
+from eyrie.work.extract_server import on_demand
 from eyrie.work.gpu import pick_device
 from eyrie.work.queue import enqueue
 from eyrie_trainer import checkpoints, engine
 from eyrie_trainer.base import prepare_base, save_vocab_mapping
-from eyrie_trainer.data import done_samples, fetch_missing_states, heldout_ids, materialize
+from eyrie_trainer.data import done_samples, fetch_heldout_states, heldout_ids, materialize
 from eyrie_trainer.export import evaluate_and_export
 from eyrie_trainer.plan import TrainTask, ensure_plan
 
@@ -99,7 +99,8 @@ class TrainRunner(StageTask):
         stored_curve = self.layout.train_curve
         self.curve = Curve(self.store.get_json(stored_curve) if self.store.exists(stored_curve) else None)
         hooks = engine.Hooks(on_metrics=self._on_metrics, on_checkpoint=self._on_checkpoint,
-                             on_step=lambda step: self._on_step(), on_start=self._on_start)
+                             on_step=lambda step: self._on_step(), on_start=self._on_start,
+                             on_dropped=self._on_dropped)
         self._report(phase="training", force=True)
         try:
             settings = {**self._options(train_dir, device), **self._on_missing(), **base}
@@ -112,6 +113,9 @@ class TrainRunner(StageTask):
             return {"status": "cancelled", "step": self.live.get("step")}
         if hooks.state.get("interrupted"):
             raise Interrupted("training interrupted (SIGTERM); the checkpoint is in the store")
+        if hooks.state.get("signalled"):  # it came as training ended: finish the task, then the worker stops
+            self._say(f"{hooks.state['signalled']} as training ended: the drafter is exported, then the worker stops")
+            os.kill(os.getpid(), signal.SIGTERM)
         # the total was an estimate: speculators packs each epoch's shuffle into batches anew
         self._report(phase="evaluating", path=path, total_steps=self.live["step"], force=True)
         result = evaluate_and_export(self.store, self.run_name, eval_dir, device, path, self._say)
@@ -134,12 +138,11 @@ class TrainRunner(StageTask):
         return train_dir, eval_dir
 
     def _fetch_heldout_states(self, eval_dir: Path) -> None:
-        """The extraction service waited for (EYRIE_EXTRACT_VLLM_URL, or the published one), then
-        the held-out on-demand samples' states fetched from it once: evaluation reads files."""
-        self.service_url = api_base(server_url(self.settings, self.conn, self.report_waiting, self.cancelled))
-        self._report(phase="data", waiting_for=None, force=True)
-        fetched = fetch_missing_states(eval_dir, self.service_url, self.manifest.target.model,
-                                       self.manifest.generate.request_timeout_s, SERVICE_RETRIES)
+        """The extraction service waited for (training asks it too), then the held-out on-demand
+        samples' states fetched from it once, as `eyrie evaluate` fetches them."""
+        self.service_url, fetched = fetch_heldout_states(
+            self.settings, self.conn, self.manifest, eval_dir, SERVICE_RETRIES, self.report_waiting, self.cancelled,
+            on_ready=lambda: self._report(phase="data", waiting_for=None, force=True))
         if fetched:
             self._say(f"{fetched} held-out samples' states fetched from the extraction service at {self.service_url}")
 
@@ -211,9 +214,20 @@ class TrainRunner(StageTask):
             self.live.update(step=record["global_step"] + 1, epoch=record.get("epoch"), loss=metrics.get("loss"),
                              acc=per_position(metrics, "full_acc"), lr=record.get("lr"))
             self.live["tokens"] += round(profile.get("tokens_per_s", 0) * profile.get("step_ms", 0) / 1000)
+            self._count_dropped(round(metrics.get("error_records", 0)), record.get("epoch"))
         elif "val" in record:
             self.live["val_loss"] = record["val"].get("loss_epoch")
         self._report()
+
+    def _on_dropped(self, reason: str) -> None:
+        self.live["drop_reasons"] = [*self.live.get("drop_reasons", [])[-4:], reason]
+
+    def _count_dropped(self, dropped: int, epoch: int | None) -> None:
+        """Samples speculators left out of this step (it trains on the rest): counted, with why."""
+        if dropped:
+            self.live["dropped"] = self.live.get("dropped", 0) + dropped
+            why = (self.live.get("drop_reasons") or ["see the trainer's log"])[-1]
+            self._say(f"{dropped} sample(s) left out of a step of epoch {epoch}: {why}")
 
     def _on_checkpoint(self, label: str, epoch: int, local_step: int) -> None:
         """The curve up to this checkpoint goes to the store with it (a resumed run continues it)."""
