@@ -104,3 +104,88 @@ def test_train_mix_is_read_as_7648_prompts_by_the_dataset_reader():
     rows = [json.loads(line) for line in TRAIN_MIX.read_text(encoding="utf-8").splitlines()]
     assert [r["source"] for r in rows] == ["gsm8k"] * 7473 + ["self-instruct"] * 175
     assert rows[0]["id"] == "gsm8k-train-00000" and rows[-1]["id"] == "self-instruct-seed-00174"
+
+
+# --- bench/storage_modes.py's pure parts, without a process ---------------------------------------
+
+def _storage_modes():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import storage_modes
+
+    return storage_modes
+
+
+def _mode(stored: int, peak: int, wall: float, length: float, error: float, requests: int = 0) -> dict:
+    return {"stored_bytes": stored, "peak_bytes": peak, "peak_state_bytes": peak // 2, "service_requests": requests,
+            "expected_requests": requests, "wall_per_epoch_s": wall, "eyrie_tau": length,
+            "acceptance": {"length": length, "error": error}}
+
+
+def _storage_result() -> dict:
+    machine = {"cpus": 2, "cpu": "AMD EPYC", "memory_gib": 23.5, "gpu": None}
+    return {"targets": {"tiny": {
+        "model": "assets/tiny-target", "machine": machine, "date": "2026-12-03 02:00 UTC", "commit": "abc",
+        "vllm": "0.32.0", "command": "python bench/storage_modes.py --target tiny", "prompts": 96, "max_tokens": 64,
+        "generate_s": 40.0, "heldout": 8, "epochs": 2, "lr": 0.003, "seq_len": 256, "draft_vocab": 500, "k": 3,
+        "device": "cpu", "verify_prompts": 8, "verify_tokens": 64,
+        "modes": {"offline": _mode(4_000_000, 9_000_000, 10.0, 1.50, 0.05),
+                  "hybrid": _mode(2_000_000, 7_000_000, 12.0, 1.52, 0.05, 100),
+                  "online": _mode(40_000, 5_000_000, 14.0, 1.80, 0.05, 180)}}}}
+
+
+def test_storage_modes_prompt_slice_takes_every_stride_th_row():
+    sm = _storage_modes()
+    lines = [f"{i}\n" for i in range(30)] + ["\n"]
+    assert sm.prompt_slice(lines, 3, 12) == ["0\n", "12\n", "24\n"]
+    assert sm.prompt_slice(lines, 2, 1) == ["0\n", "1\n"]
+    with pytest.raises(SystemExit, match="fewer than 4 prompts"):
+        sm.prompt_slice(lines, 4, 12)
+
+
+def test_storage_modes_epoch_walls_and_expected_requests():
+    sm = _storage_modes()
+    walls = sm.epoch_walls(100.0, {"1": 130.0, "0": 110.0}, 131.0, 2)
+    assert walls == {"per_epoch_s": [10.0, 20.0], "wall_per_epoch_s": 15.5}
+    assert sm.epoch_walls(None, {}, None, 2) == {"per_epoch_s": [], "wall_per_epoch_s": None}
+    samples = [{"sample_id": "a"}, {"sample_id": "b", "states": False}, {"sample_id": "c", "states": False},
+               {"sample_id": "d", "states": True}]
+    assert sm.expected_requests(samples, {"c", "d"}, 3) == 3 + 1  # b every epoch, held-out c once
+    assert sm.request_wait({"wall_per_epoch_s": 12.0, "per_epoch_s": [11, 13], "service_requests": 40},
+                           {"wall_per_epoch_s": 2.0}) == pytest.approx(0.5)
+    assert sm.request_wait({"wall_per_epoch_s": 12.0, "per_epoch_s": [], "service_requests": 40}, {}) is None
+
+
+def test_storage_modes_acceptance_error_and_noise():
+    sm = _storage_modes()
+    # every draft accepts exactly one token: no spread
+    assert sm.acceptance_error(2.0, [1.0, 0.0, 0.0], 100) == 0.0
+    # a in {0, 3} half each: mean 1.5, variance 2.25
+    assert sm.acceptance_error(2.5, [0.5, 0.5, 0.5], 100) == pytest.approx(0.15)
+    assert sm.acceptance_error(None, [], 0) is None
+    assert sm.same_within_noise({"length": 1.5, "error": 0.05}, {"length": 1.6, "error": 0.05})
+    assert not sm.same_within_noise({"length": 1.5, "error": 0.05}, {"length": 1.8, "error": 0.05})
+    assert sm.same_within_noise({"length": 1.5, "error": None}, {"length": 1.5, "error": 0.1}) is None
+
+
+def test_storage_modes_section_and_chart():
+    import xml.etree.ElementTree as ET
+
+    sm = _storage_modes()
+    lines = sm.section(_storage_result(), "results/storage_modes.svg")
+    assert lines[0] == "# Storage modes: offline, hybrid, online (bench/storage_modes.py)"
+    assert "| tiny | hybrid | 2.00 MB | 7.00 MB | 3.50 MB | 100 (100) | 12.0 s | 1.520 ± 0.050 | 1.520 | - |" in lines
+    assert "| tiny | hybrid / offline | 0.50x | 0.78x | 1.20x | 1.01x | yes |" in lines
+    assert "| tiny | online / offline | 0.01x | 0.56x | 1.40x | 1.20x | no |" in lines
+    assert "![acceptance, wall time per epoch and peak bytes per mode](results/storage_modes.svg)" in lines
+    assert any("a mode differs from offline beyond noise" in line for line in lines)
+    r = _storage_result()
+    r["targets"]["tiny"]["earlier"] = [sm.summary(r["targets"]["tiny"] | {"command": "python bench/storage_modes.py "
+                                                                             "--target tiny --prompts 48"})]
+    assert ("- earlier run of **tiny** (`python bench/storage_modes.py --target tiny --prompts 48`, "
+            "2026-12-03 02:00 UTC, `abc`): wall per epoch offline 10.0 s, hybrid 12.0 s, online 14.0 s; "
+            "load average offline -, hybrid -, online -; vLLM acceptance offline 1.500, hybrid 1.520, "
+            "online 1.800.") in sm.section(r)
+    root = ET.fromstring(sm.chart(_storage_result()))
+    assert len(root.findall("{http://www.w3.org/2000/svg}rect")) == 3 + 4 * 3  # legend + 4 panels x 3 modes

@@ -1,8 +1,9 @@
 """How long the stack's vLLM extraction server (`eyrie serve-extract`) lives (issue 23): an offline
 run needs it until every shard is extracted; a hybrid or online run until its drafter is trained,
 since the trainer asks it for the hidden states not stored (an online run's extract stage needs
-none, its training does). Cancelled or no longer active: it stops. Real Redis and a real file
-store; the lifetime end to end through tests/fake_vllm (as in tests/test_extract_server.py)."""
+none, its training does). Cancelled or no longer active: it stops. For such a run it shares its GPUs
+with the trainer: a "share" lease, vLLM at the plan's utilization. Real Redis and a real file store;
+the lifetime end to end through tests/fake_vllm (as in tests/test_extract_server.py)."""
 
 import os
 import subprocess
@@ -17,8 +18,13 @@ from eyrie.data.manifest import Layout
 from eyrie.data.store import open_store
 from eyrie.runs.pipeline import config_key
 from eyrie.work import inference, keys
-from eyrie.work.gpu import holder
+from eyrie.runs.projection import project
+from eyrie.tasks.executor import Context, StageTask, execute
+from eyrie.work.gpu import holder, leases
+from eyrie_inference import extract_server
 from eyrie_inference.extract_server import ExtractServer, extraction_run
+from eyrie_trainer.plan import TrainTask
+from eyrie_trainer.runner import TrainRunner
 from test_extract_server import RUN, _config, _manifest, extract_server_ready
 
 OFFLINE_RUN = "a-offline"  # sorted before RUN: extraction_run passes over it
@@ -83,12 +89,74 @@ def test_serve_extract_starts_for_an_extracted_online_run_and_stops_once_it_is_t
         assert "run xs trains on hidden states made on vLLM (extract.storage online)" in log.read_text()
         _wait_for_line(log, "serving until its drafter is trained", proc)
         assert proc.poll() is None and holder(conn)["holder"]["owner"].startswith("extract-server@")
+        assert holder(conn)["holder"]["mode"] == "share"  # its trainer may hold one of its GPUs beside it
+        assert "vLLM keeps its --gpu-memory-utilization: vLLM's CPU build sizes its KV cache" in log.read_text()
         store.put_json(Layout(RUN).drafter_manifest, {})
         assert proc.wait(60) == 0, log.read_text()
         assert holder(conn) is None and inference.read_extract(conn).state == "stopped"
         assert "run xs is trained: stopping vLLM and handing over the GPUs" in log.read_text()
     finally:
         stop(proc)
+
+
+def test_a_run_training_on_demand_gets_a_sharing_lease_and_the_planned_utilization(redis_url, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """On a GPU (on_cpu False): vLLM at the plan's utilization_for_both (storage_plan.gpu_sharing), in
+    place of a higher one in serve.extra_args; a lower one stays. An offline run's server owns its GPUs."""
+    conn, store = redis.Redis.from_url(redis_url), open_store(_settings(redis_url, tmp_path))
+    _plant(conn, store, RUN, "hybrid")
+    _plant(conn, store, OFFLINE_RUN, "offline")
+    monkeypatch.setattr(extract_server, "on_cpu", lambda: False)
+
+    def command(run: str, extra_args: list[str]) -> list[str]:
+        config = _config().model_copy(update={"run": run})  # a GPU of 10 GB: the tiny target and its trainer
+        config.plan.gpu_memory, config.serve.extra_args = "10GB", extra_args  # need 4.0 and 4.2 GB of it
+        store.put_json(config_key(run), config.model_dump())
+        server = ExtractServer(_settings(redis_url, tmp_path), conn, store, run)
+        planned = project(server.config, server.settings, measure=False)["storage"]["gpu_sharing"]
+        assert planned["utilization_for_both"] == 0.57 and server.gpu_mode() == ("own" if run == OFFLINE_RUN else
+                                                                                 "share")
+        return server.command()
+
+    cmd = command(RUN, ["--gpu-memory-utilization", "0.9", "--enforce-eager"])
+    assert cmd[-2:] == ["--gpu-memory-utilization", "0.57"] and cmd.count("--gpu-memory-utilization") == 1
+    assert "0.9" not in cmd and "--enforce-eager" in cmd
+    out = capsys.readouterr().out
+    assert ("eyrie serve-extract: run xs trains beside this server: --gpu-memory-utilization 0.57: the highest share "
+            "at which the service (4.00 GB a GPU) fits and leaves the trainer (4.22 GB) room") in out
+    assert command(RUN, ["--gpu-memory-utilization=0.5"])[-1] == "--gpu-memory-utilization=0.5"  # lower: kept
+    assert "vLLM keeps its --gpu-memory-utilization: its 0.50 (serve.extra_args" in capsys.readouterr().out
+    assert "--gpu-memory-utilization" not in command(OFFLINE_RUN, [])  # the GPUs are its own: vLLM's default
+    monkeypatch.setattr(extract_server, "on_cpu", lambda: True)
+    assert "--gpu-memory-utilization" not in command(RUN, [])
+    assert "VLLM_CPU_KVCACHE_SPACE" in capsys.readouterr().out
+
+
+def test_the_trainer_of_a_run_training_on_demand_leases_its_gpu_beside_the_server(redis_url, tmp_path):
+    """TrainRunner.gpu_mode: "beside" for hybrid and online (read from the run manifest), else "own";
+    the executor takes the stage's GPU lease in its task's mode."""
+    conn, settings = redis.Redis.from_url(redis_url), _settings(redis_url, tmp_path)
+    store = open_store(settings)
+    ctx = Context(settings, conn, store)
+    _plant(conn, store, RUN, "online")
+    _plant(conn, store, OFFLINE_RUN, "offline")
+    assert TrainRunner(ctx, TrainTask(run=RUN)).gpu_mode() == "beside"
+    assert TrainRunner(ctx, TrainTask(run=OFFLINE_RUN)).gpu_mode() == "own"
+
+    class Beside(StageTask):
+        stage, gpu_owner = TrainRunner.stage, "trainer"
+
+        def devices(self) -> str:
+            return "cuda:0"
+
+        def gpu_mode(self) -> str:
+            return "beside"
+
+        def run(self) -> dict:
+            return self.result("done", mode=self.gpu.mode, holders=[h["mode"] for h in leases(conn)["holders"]])
+
+    ctx = Context(settings.model_copy(update={"gpu_ids": "7", "gpu_host": "h1"}), conn, store)
+    assert execute(Beside, {"run": RUN}, ctx) == {"status": "done", "mode": "beside", "holders": ["beside"]}
 
 
 def _wait_for_line(log, text: str, proc, timeout_s: float = 30) -> None:

@@ -159,3 +159,97 @@ def test_the_stage_lease_reads_host_and_gpus_from_settings(conn):
     assert (first.host, first.device_ids) == ("rack7", ["4"]) and first.acquire(wait_s=1)
     assert gpu_admission.gpu_lease(settings, conn, "extractor@x", "cuda:0").acquire(wait_s=1)
     assert not gpu_admission.gpu_lease(settings, conn, "verify@x", "all").acquire(wait_s=0.1, poll_s=0.05)
+
+
+# Sharing (issue 23): the vLLM extraction service of a run training on demand (extract.storage hybrid
+# or online) leases its GPUs in "share" mode at a --gpu-memory-utilization that leaves the trainer
+# room; that run's trainer leases one of them "beside" it. Everyone else ("own") waits for both.
+
+def shared(conn, owner, mode, gpu_ids, devices="cuda", host="h1", ttl_s=30):
+    return GpuLease(conn, owner, devices, ttl_s=ttl_s, host=host, gpu_ids=gpu_ids, mode=mode)
+
+
+def test_a_sharer_and_a_trainer_beside_it_hold_one_gpu_together_in_either_order(conn):
+    for first_mode in ("share", "beside"):
+        service = shared(conn, "extract-server@h1", "share", "0,1")
+        trainer = shared(conn, "trainer@h1", "beside", "1")
+        first, second = (service, trainer) if first_mode == "share" else (trainer, service)
+        assert first.acquire(wait_s=1) and second.acquire(wait_s=1), first_mode
+        assert service.held() and trainer.held()
+        assert conn.get(keys.gpu_device("h1", "1") + ":shared") == service.token.encode()
+        assert conn.get(keys.gpu_device("h1", "1")) == trainer.token.encode()  # the exclusive key: the trainer's
+        found = leases(conn)
+        assert sorted((h["owner"], h["mode"], tuple(h["gpus"])) for h in found["holders"]) == [
+            ("extract-server@h1", "share", ("0", "1")), ("trainer@h1", "beside", ("1",))]
+        assert GpuHolder(**found).holders and "keys" not in found["holder"]
+        service.release()
+        trainer.release()
+        assert leases(conn) is None and not conn.keys("eyrie:gpu:device:*")
+
+
+def test_an_own_holder_waits_for_the_sharer_and_for_the_trainer_beside_it(conn):
+    service, trainer = shared(conn, "extract-server@h1", "share", "0,1"), shared(conn, "trainer@h1", "beside", "1")
+    assert service.acquire(wait_s=1) and trainer.acquire(wait_s=1)
+    for gpu in ("0", "1"):
+        assert not lease(conn, "inference@h1", gpu_ids=gpu).acquire(wait_s=0.1, poll_s=0.05), gpu
+    assert not lease(conn, "verify@h1", "all").acquire(wait_s=0.1, poll_s=0.05)  # the whole host overlaps both
+    service.release()
+    assert lease(conn, "inference@h1", gpu_ids="0").acquire(wait_s=1)  # the sharer's GPU 0 is free now
+    waiting = lease(conn, "verify@h1", gpu_ids="1")
+    got = []
+    thread = threading.Thread(target=lambda: got.append(waiting.acquire(wait_s=10, poll_s=0.05)))
+    thread.start()
+    time.sleep(0.3)
+    assert got == [] and leases(conn)["waiting"] == ["verify@h1"]  # the trainer beside still has GPU 1
+    trainer.release()
+    thread.join()
+    assert got == [True] and waiting.held()
+
+
+def test_two_sharers_never_share_and_own_or_beside_holders_keep_a_sharer_out(conn):
+    service = shared(conn, "extract-server@h1", "share", "0,1")
+    assert service.acquire(wait_s=1)
+    assert not shared(conn, "extract-server@h1b", "share", "1,2").acquire(wait_s=0.1, poll_s=0.05)
+    assert not conn.exists(keys.gpu_device("h1", "2") + ":shared")  # all or nothing
+    service.release()
+    inference = lease(conn, "inference@h1", gpu_ids="0,1")
+    assert inference.acquire(wait_s=1)
+    assert not shared(conn, "extract-server@h1", "share", "0,1").acquire(wait_s=0.1, poll_s=0.05)
+    assert not shared(conn, "trainer@h1", "beside", "1").acquire(wait_s=0.1, poll_s=0.05)  # beside waits for own
+    inference.release()
+    trainer = shared(conn, "trainer@h1", "beside", "1")
+    assert trainer.acquire(wait_s=1)
+    assert not shared(conn, "trainer@h1b", "beside", "1").acquire(wait_s=0.1, poll_s=0.05)  # one trainer a GPU
+
+
+def test_whole_host_leases_respect_sharing(conn):
+    """No GPU ids: the whole host (`*`), in every mode."""
+    service = shared(conn, "extract-server@h1", "share", None, devices="all")
+    assert service.device_ids == [WHOLE_HOST] and service.acquire(wait_s=1)
+    assert not lease(conn, "inference@h1", gpu_ids="3").acquire(wait_s=0.1, poll_s=0.05)
+    assert not shared(conn, "extract-server@h1b", "share", "3").acquire(wait_s=0.1, poll_s=0.05)
+    trainer = shared(conn, "trainer@h1", "beside", "7")
+    assert trainer.acquire(wait_s=1)
+    service.release()
+    assert not lease(conn, "verify@h1", "all").acquire(wait_s=0.1, poll_s=0.05)  # GPU 7: the trainer's
+    assert shared(conn, "extract-server@h1", "share", None, devices="all").acquire(wait_s=1)  # beside it again
+
+
+def test_a_sharers_lease_lapses_and_renews_as_an_own_one_does(conn):
+    dead = shared(conn, "crashed@h1", "share", "0,1", ttl_s=0.5)
+    assert dead.acquire(wait_s=1)
+    waiter = shared(conn, "extract-server@h1", "share", "1")
+    assert not waiter.acquire(wait_s=0.1, poll_s=0.05)
+    assert waiter.acquire(wait_s=3, poll_s=0.05)
+    assert [h["owner"] for h in leases(conn)["holders"]] == ["extract-server@h1"]
+    with pytest.raises(redis.exceptions.LockNotOwnedError):
+        dead.renew()
+    held = shared(conn, "extract-server@h1b", "share", "4", ttl_s=0.6)
+    assert held.acquire(wait_s=1)
+    for _ in range(4):
+        time.sleep(0.3)
+        held.renew()
+    assert held.held() and conn.pttl(keys.gpu_device("h1", "4") + ":shared") > 300
+    assert not lease(conn, "inference@h1", gpu_ids="4").acquire(wait_s=0.1, poll_s=0.05)
+    with pytest.raises(ValueError, match="GPU lease mode 'both'"):
+        shared(conn, "x", "both", "5")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from eyrie.core.errors import EyrieError
 
 MODES = ("offline", "hybrid", "online")  # least extraction first: one pass, part of one per epoch, one per epoch
+ON_DEMAND = ("hybrid", "online")  # training asks the vLLM extraction service for the states not stored
 
 
 def resolve_mode(asked: str, need_bytes: int, budget_bytes: int | None) -> str:

@@ -1,7 +1,7 @@
 """What `eyrie run --plan` refuses before any GPU work, with the ways out and their numbers: hidden
 states expected (at plan.mean_tokens) over extract.budget, and GPUs the stack's services are given
 (EYRIE_<SERVICE>_GPU_IDS) that cannot carry the run's serve: section, would have two owners, or
-that the trainer would wait for forever (hybrid and online)."""
+that the trainer would wait for forever (hybrid and online, where it cannot train beside the service)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import math
 from eyrie.core.budget import (TOKEN_ID_BYTES, UNITS, human, length_that_fits, projected_bytes, samples_that_fit,
                                token_id_bytes)
 from eyrie.core.errors import EyrieError
+from eyrie.core.storage import ON_DEMAND
 from eyrie.runs.storage_plan import auto_choice
 from eyrie.stages.generate import Generate
-
-ON_DEMAND = ("hybrid", "online")  # storage modes whose training asks the extraction server for states
 
 
 def over_budget(p: dict) -> tuple[str, str] | None:
@@ -50,7 +49,7 @@ def _offline_over(p: dict) -> tuple[str, str] | None:
                     f"extract.dtype: fp8 ({human(fp8)}, still too big) with " + " or ".join(shorter("fp8")))
     ways += shorter(dtype)
     ways.append(f"extract.budget: {_at_least(expected)} on a disk that holds it")
-    ways += [storage_way(p, mode) for mode in ("hybrid", "online") if p["storage"]["modes"][mode]["fits"]]
+    ways += [storage_way(p, mode) for mode in ON_DEMAND if p["storage"]["modes"][mode]["fits"]]
     return (f"run {p['run']}: the hidden states are expected to need {human(expected)} ({n:,} samples x "
             f"{mean:,} tokens x {shape[0]} states x {shape[1]} x {dtype}) but extract.budget is {human(budget)}: "
             f"extract would refuse them{_after_generation(p)}.",
@@ -59,8 +58,8 @@ def _offline_over(p: dict) -> tuple[str, str] | None:
 
 def storage_refusal(p: dict) -> tuple[str, str] | None:
     """What would stop hybrid and online after generation: hybrid without a budget to fill, the hf
-    backend (the vLLM extraction service makes the states not stored), and auto's pick of them on a
-    trainer GPU the service holds (a mode asked for is checked with the GPUs: gpu_plan)."""
+    backend (the vLLM extraction service makes the states not stored), and a trainer on a GPU the
+    service holds where the two cannot share it."""
     s = p["storage"]
     if s["asked"] == "hybrid" and p["budget_bytes"] is None:
         return (f"run {p['run']}: extract.storage: hybrid stores hidden states up to extract.budget, and none is set.",
@@ -69,26 +68,44 @@ def storage_refusal(p: dict) -> tuple[str, str] | None:
         return None
     chose = "" if s["asked"] == s["chosen"] else f" (auto's choice: {s['why'].removeprefix('auto: ')})"
     if s["backend"] == "vllm":
-        return on_demand_overlap(p["run"], s["chosen"], p["gpus"]["ids"], chose) if s["asked"] == "auto" else None
+        return on_demand_overlap(p, chose)
     return (f"run {p['run']}: extract.storage {s['chosen']}{chose} has the vLLM extraction service make hidden "
             f"states during training, and extract.backend is {s['backend']}.",
             "set extract.backend: vllm (docs/vllm-extraction.md), or extract.storage: offline with an "
             "extract.budget that holds every state.")
 
 
-def on_demand_overlap(run: str, mode: str, ids: dict, chose: str = "") -> tuple[str, str] | None:
-    """hybrid and online: the vLLM extraction server holds inference's GPUs until training ends
-    (it makes the states not stored), so a trainer given one of them would wait for it forever."""
-    shared = sorted(set(ids.get("trainer", [])) & set(ids.get("inference", [])), key=int)
-    if mode not in ON_DEMAND or not shared:
+def on_demand_overlap(p: dict, chose: str = "") -> tuple[str, str] | None:
+    """hybrid and online: the vLLM extraction server holds inference's GPUs until training ends (it
+    makes the states not stored). A trainer given one of them trains beside it, the service at the
+    plan's utilization_for_both (a shared GPU lease); where the two do not fit one GPU at any
+    utilization, the trainer would wait for the server forever."""
+    g, ids, mode = p["storage"]["gpu_sharing"], p["gpus"]["ids"], p["storage"]["chosen"]
+    shared = g["trainer_on_service_gpus"]
+    if mode not in ON_DEMAND or not shared or g["utilization_for_both"] is not None:
         return None
     inference, trainer = ",".join(ids["inference"]), ",".join(ids["trainer"])
-    return (f"run {run}: extract.storage {mode}{chose} trains while the vLLM extraction server serves the target "
-            f"on inference's GPUs (EYRIE_INFERENCE_GPU_IDS={inference}) and holds them until training ends, and "
-            f"EYRIE_TRAINER_GPU_IDS={trainer} shares GPU {','.join(shared)} with them: a GPU has one holder, so "
-            "the trainer would wait for the server forever.",
-            f"give EYRIE_TRAINER_GPU_IDS GPUs disjoint from EYRIE_INFERENCE_GPU_IDS={inference} in .env, or set "
-            "extract.storage: offline with an extract.budget that holds every state.")
+    offline = p["storage"]["modes"]["offline"]["stored_bytes"]
+    return (f"run {p['run']}: extract.storage {mode}{chose} trains while the vLLM extraction server serves the "
+            f"target on inference's GPUs (EYRIE_INFERENCE_GPU_IDS={inference}) until training ends, and "
+            f"EYRIE_TRAINER_GPU_IDS={trainer} shares GPU {','.join(shared)} with them, where the trainer cannot "
+            f"train beside the service: the service needs {human(g['service']['total'])} a GPU and the trainer "
+            f"{human(g['trainer']['total'])}, more than a GPU's {human(g['gpu_bytes'])} (plan.gpu_memory) at any "
+            "--gpu-memory-utilization, so the trainer would wait for the server forever.",
+            f"give the trainer a GPU of its own ({g['gpus_apart']} GPUs at once: the service's "
+            f"{g['service']['gpus']} and the trainer's 1): {_apart(ids, g)} in .env; or set extract.storage: "
+            f"offline with extract.budget: {_at_least(offline)} on a disk that holds it.")
+
+
+def _apart(ids: dict, g: dict) -> str:
+    """The split that gives the trainer a GPU the service does not hold, on this host if it can."""
+    rest = [i for i in ids["inference"] if i not in g["trainer_on_service_gpus"]]
+    if len(rest) >= g["service"]["gpus"]:
+        return f"EYRIE_INFERENCE_GPU_IDS={','.join(rest)} beside EYRIE_TRAINER_GPU_IDS={','.join(ids['trainer'])}"
+    known = set().union(*ids.values())
+    spare = next((str(i) for i in range(len(known) + 1) if str(i) not in known))
+    return (f"a host with {g['gpus_apart']} GPUs, EYRIE_TRAINER_GPU_IDS={spare} beside "
+            f"EYRIE_INFERENCE_GPU_IDS={','.join(ids['inference'])}")
 
 
 def storage_way(p: dict, mode: str) -> str:
@@ -177,8 +194,6 @@ def gpu_plan(config, settings) -> dict:
                          "grants every stage its GPUs at once): two owners of one GPU.",
                          "give each service its own GPUs in .env, or EYRIE_GPU_SCHEDULER=redis (the GPU lease "
                          "sequences serve, extract and train on one host)."))
-    if overlap := on_demand_overlap(config.run, config.extract.storage, ids):
-        refusals.append(overlap)
     return {"ids": ids, "serve_gpus": need, "sequenced": sequenced,
             "shared": {f"{a}+{b}": gpus for (a, b), gpus in shared.items()}, "refusals": refusals}
 
@@ -206,7 +221,7 @@ def budget_verdict(p: dict) -> str:
         return verdict + (f"; expected {human(expected)} at {mean:,} tokens a sample: fits (extract refuses before "
                           "any forward pass if the real samples are longer)")
     s = p["storage"]
-    if s["chosen"] in ("hybrid", "online") and s["modes"][s["chosen"]]["fits"]:
+    if s["chosen"] in ON_DEMAND and s["modes"][s["chosen"]]["fits"]:
         kept = s["modes"][s["chosen"]]["stored_fraction"]
         return verdict + (f"; expected {human(expected)} at {mean:,} tokens a sample: does NOT fit in full: "
                           f"extract.storage {s['chosen']} stores {kept:.1%} of the samples' states "
@@ -226,4 +241,15 @@ def gpu_lines(p: dict) -> list[str]:
         pairs = "; ".join(f"{pair.replace('+', ' and ')} share {','.join(gpus)}" for pair, gpus in g["shared"].items())
         lines.append(f"    {pairs}: " + ("the GPU lease gives each of them one holder at a time" if g["sequenced"] else
                                          "nothing runs them one at a time (refused below)"))
-    return lines
+    return lines + _beside_lines(p)
+
+
+def _beside_lines(p: dict) -> list[str]:
+    """hybrid and online with the trainer on a GPU of the service's: how the two share it."""
+    s = p["storage"]
+    g = s["gpu_sharing"]
+    if s["chosen"] not in ON_DEMAND or not g["trainer_on_service_gpus"] or g["utilization_for_both"] is None:
+        return []
+    return [f"    in {s['chosen']} the extraction service runs at --gpu-memory-utilization "
+            f"{g['utilization_for_both']:.2f} on inference's GPUs with the trainer on GPU "
+            f"{','.join(g['trainer_on_service_gpus'])} beside it (their GPU leases share it; GPU memory below)"]

@@ -266,7 +266,7 @@ def _sequence_lines(g: dict, chosen: str | None) -> list[str]:
         lines.append(f"    so {chosen} needs a host with {g['gpus_apart']} GPUs (the trainer's own beside the "
                      f"service's {serve})" + (f", or the extraction service at --gpu-memory-utilization "
                                               f"{g['utilization_for_both']:.2f} with the trainer on one of its GPUs "
-                                              "(where the GPU lease lets them share: today it gives a GPU one holder)"
+                                              "(their GPU leases share it)"
                                               if g["utilization_for_both"] and not g["trainer_fits_beside"] else ""))
         lines += _split_lines(g, chosen)
     return lines
@@ -291,11 +291,13 @@ def _split_lines(g: dict, chosen: str) -> list[str]:
     shared, host, most = g["trainer_on_service_gpus"], g["host_gpus"], g["utilization_for_both"]
     if not shared:
         return []
-    where = (f"    this host's split gives the trainer GPU {','.join(shared)}, one of inference's ({host} GPUs in "
-             "all): the GPU lease gives a GPU one holder, so the trainer would wait while the service runs; ")
-    if host >= g["gpus_apart"]:
-        return [where + "give EYRIE_TRAINER_GPU_IDS a GPU outside EYRIE_INFERENCE_GPU_IDS"]
+    where = f"    this host's split gives the trainer GPU {','.join(shared)}, one of inference's ({host} GPUs in all): "
     if most is None:
-        return [where + f"on {host} GPUs {chosen} cannot run: add a GPU, or a budget that holds offline"]
+        return [where + f"the two cannot share it, so {chosen} needs the trainer on a GPU outside "
+                        "EYRIE_INFERENCE_GPU_IDS" + ("" if host >= g["gpus_apart"] else ": add a GPU, or a budget that "
+                                                     "holds offline")]
+    if host >= g["gpus_apart"]:
+        return [where + f"the trainer trains beside the service, at --gpu-memory-utilization {most:.2f} (a GPU "
+                        "outside EYRIE_INFERENCE_GPU_IDS leaves vLLM its full share)"]
     return [where + f"on {host} GPUs {chosen} runs only with the service at --gpu-memory-utilization {most:.2f} and "
-                    f"the trainer on GPU {shared[0]} under one lease (or add a GPU)"]
+                    f"the trainer on GPU {shared[0]} beside it: eyrie serve-extract starts it so (or add a GPU)"]

@@ -32,6 +32,7 @@ from eyrie.stages import TaskKind, entry, task_kinds
 from eyrie.tasks.gpu_admission import gpu_lease
 from eyrie.work import progress
 from eyrie.work.cancel import Cancelled, CancelWatch
+from eyrie.work.gpu import in_mode
 from eyrie.work.queue import Heartbeat, connect, held_task
 
 RUN_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -107,6 +108,10 @@ class StageTask:
         """The devices it computes on under the GPU lease; None when it needs no GPU lease."""
         return None
 
+    def gpu_mode(self) -> str:
+        """How its GPU lease shares (eyrie.work.gpu): "own" unless a subclass says otherwise."""
+        return "own"
+
     def report_waiting(self, what: str) -> None:
         """Show in live progress what it waits for (the GPU lease)."""
 
@@ -157,7 +162,8 @@ def _on_device(task: StageTask) -> dict:
     if devices is None:
         return task.run()
     owner = f"{task.gpu_owner}@{socket.gethostname()}"
-    task.gpu = task.beat.gpu = gpu_lease(task.settings, task.conn, owner, devices, caches=task.gpu_caches)
+    lease = gpu_lease(task.settings, task.conn, owner, devices, caches=task.gpu_caches)
+    task.gpu = task.beat.gpu = in_mode(lease, task.gpu_mode())
     task.report_waiting("gpu_lease")
     task.gpu.acquire()
     try:

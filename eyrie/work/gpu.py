@@ -3,12 +3,23 @@
 A lease over a set of GPUs takes one key per (host, device), all of them or none, in one Lua
 script (atomic in Redis), each with a TTL its holder renews. So GPU stages on disjoint GPUs of
 one host, or on different hosts, hold theirs side by side; sets that share a GPU wait for each
-other, and a GPU never has two owners. A process that cannot say which of the host's GPUs it has
-(no EYRIE_GPU_IDS, NVIDIA_VISIBLE_DEVICES or CUDA_VISIBLE_DEVICES) leases the whole host (`*`),
-which overlaps every set on it: one lease per host, as before.
+other, and a GPU never has two owners (but for the one case of sharing below). A process that
+cannot say which of the host's GPUs it has (no EYRIE_GPU_IDS, NVIDIA_VISIBLE_DEVICES or
+CUDA_VISIBLE_DEVICES) leases the whole host (`*`), which overlaps every set on it: one lease per
+host, as before.
 
 The inference service holds one while vLLM runs; extractor, trainer and verify take one before
-GPU work. Status lists every holder and every waiter (`leases`)."""
+GPU work. Status lists every holder and every waiter (`leases`).
+
+Two holders may share a GPU in one case: the vLLM extraction service serving a run that trains
+on demand (extract.storage hybrid or online) at a --gpu-memory-utilization that leaves the
+trainer room, and that run's trainer. A lease's `mode` says which side it is:
+- own (everyone else): the device keys; waits for every other holder, sharing or not.
+- share (the extraction service): the devices' `:shared` keys; waits for own holders and other
+  sharers, not for a trainer beside it (a trainer that got its GPU first must not keep the
+  service it waits for from starting).
+- beside (the trainer of such a run): the device keys; waits for own and beside holders, not
+  for the sharer."""
 
 from __future__ import annotations
 
@@ -30,28 +41,33 @@ TTL_S = 30
 WHOLE_HOST = "*"  # the device id of a lease over every GPU of its host
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
-# KEYS: the leases hash, the host's device index, the waiting hash, then one key per device wanted.
-# ARGV: token, TTL in ms, holder JSON, the host's device-key prefix, then the device ids (as KEYS).
-# Free or ours: every key; `*` also needs every device ever leased on the host free or ours.
+# KEYS: the leases hash, the host's device index, the waiting hash, then the keys the lease sets.
+# ARGV: token, TTL in ms, holder JSON, the host's device-key prefix, mode, then the device ids (as KEYS).
+# Free or ours: every device wanted, and the whole host; `*` also needs every device ever leased
+# on the host. A beside holder's token starts with "beside:", so a sharer can tell it apart.
 _TAKE = """
-local token, prefix = ARGV[1], ARGV[4]
-local function taken(key)
+local token, prefix, mode = ARGV[1], ARGV[4], ARGV[5]
+local function clash(key)
   local holder = redis.call('GET', key)
-  return holder and holder ~= token
+  if not holder or holder == token then return false end
+  return not (mode == 'share' and string.sub(holder, 1, 7) == 'beside:')
 end
-if taken(prefix .. '*') then return 0 end
+local function busy(device)
+  return clash(prefix .. device) or (mode ~= 'beside' and clash(prefix .. device .. ':shared'))
+end
+if busy('*') then return 0 end
 for i = 4, #KEYS do
-  if ARGV[i + 1] == '*' then
+  if ARGV[i + 2] == '*' then
     for _, device in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-      if taken(prefix .. device) then return 0 end
+      if busy(device) then return 0 end
     end
-  elseif taken(KEYS[i]) then
+  elseif busy(ARGV[i + 2]) then
     return 0
   end
 end
 for i = 4, #KEYS do
   redis.call('SET', KEYS[i], token, 'PX', ARGV[2])
-  redis.call('SADD', KEYS[2], ARGV[i + 1])
+  redis.call('SADD', KEYS[2], ARGV[i + 2])
 end
 redis.call('HSET', KEYS[1], token, ARGV[3])
 redis.call('HDEL', KEYS[3], token)
@@ -87,23 +103,39 @@ return live
 """
 
 
+MODES = ("own", "share", "beside")
+
+
 class GpuLease:
     """`devices`: what the stage computes on ("all", "cuda", "cuda:1", "cuda:0,cuda:1"; anything
     else, e.g. "cpu", leases the whole host); `host`: the machine (EYRIE_GPU_HOST, default
     `default_host()`); `gpu_ids`: the host's ids of this process's CUDA devices 0, 1, ...
     (EYRIE_GPU_IDS, default `visible_gpus()`). `caches`: functools caches holding models on the
-    device, emptied before the lease goes."""
+    device, emptied before the lease goes. `mode`: own, share or beside (the module's doc); set it
+    before `acquire`."""
 
     def __init__(self, conn: redis.Redis, owner: str, devices: str = "all", ttl_s: float = TTL_S,
-                 caches: tuple = (), host: str | None = None, gpu_ids: str | None = None):
+                 caches: tuple = (), host: str | None = None, gpu_ids: str | None = None, mode: str = "own"):
         self.conn, self.owner, self.devices, self.ttl_s = conn, owner, devices, ttl_s
         self.caches = caches
         self.host = host or default_host()
         self.device_ids = device_set(devices, visible_gpus(gpu_ids))
-        self.keys = [keys.gpu_device(self.host, d) for d in self.device_ids]
-        self.token = uuid.uuid4().hex
+        self.mode = mode
         self.since: float | None = None
         self._take, self._release = conn.register_script(_TAKE), conn.register_script(_RELEASE)
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"GPU lease mode {mode!r}: one of {', '.join(MODES)}")
+        self._mode = mode
+        suffix = ":shared" if mode == "share" else ""
+        self.keys = [keys.gpu_device(self.host, d) + suffix for d in self.device_ids]
+        self.token = ("" if mode == "own" else f"{mode}:") + uuid.uuid4().hex
 
     def acquire(self, wait_s: float | None = None, poll_s: float = 1.0) -> bool:
         """Block until every device of the set is ours (visible as waiting in status meanwhile)."""
@@ -142,14 +174,22 @@ class GpuLease:
         holder = orjson.dumps({**self._who(), "since": self.since, "keys": self.keys})
         took = self._take(keys=[keys.GPU_LEASE, keys.gpu_host_devices(self.host), keys.GPU_WAITING, *self.keys],
                           args=[self.token, int(self.ttl_s * 1000), holder, keys.gpu_device(self.host, ""),
-                                *self.device_ids])
+                                self.mode, *self.device_ids])
         if not took and not self.held():
             self.since = None
         return bool(took)
 
     def _who(self) -> dict:
         return {"owner": self.owner, "devices": self.devices, "gpus": self.device_ids, "gpu_host": self.host,
-                "host": socket.gethostname(), "pid": os.getpid()}
+                "host": socket.gethostname(), "pid": os.getpid(), "mode": self.mode}
+
+
+def in_mode(lease, mode: str):
+    """`lease` (eyrie.tasks.gpu_admission.gpu_lease's) in sharing `mode`; a Kueue-admitted pod's
+    GPUs are its own, so its lease has no mode."""
+    if isinstance(lease, GpuLease):
+        lease.mode = mode
+    return lease
 
 
 def default_host() -> str:

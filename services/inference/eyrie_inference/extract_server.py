@@ -6,23 +6,28 @@ it until every shard is extracted; a hybrid or online run (extract.storage) unti
 trained, since the trainer asks it for the hidden states not stored (an online run's extract stage
 needs none, its training does: it is started for a run already extracted too). Then, or once the
 run is cancelled or no longer active, it stops vLLM and hands the GPUs back (to the trainer, after
-an offline run; `eyrie run --plan` refuses hybrid and online where the trainer's GPUs are its own)."""
+an offline run). For a hybrid or online run it leases the GPUs in "share" mode and starts vLLM at the
+--gpu-memory-utilization the plan names for it, so that the run's trainer may train on one of them
+beside it (eyrie.work.gpu; `eyrie run --plan` refuses where the trainer cannot fit there)."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+from eyrie.core.budget import human
 from eyrie.core.errors import EyrieError
+from eyrie.core.storage import ON_DEMAND
 from eyrie.core.vllm import on_cpu, serve_env
 from eyrie.data.manifest import Layout, load_run_manifest
 from eyrie.runs.pipeline import stored_config
+from eyrie.runs.projection import project
+from eyrie.runs.storage_plan import vllm_utilization
 from eyrie.work import inference, keys
 from eyrie_extractor.vllm_backend import clear_orphans, connector_env, extract_command
 from eyrie_inference.server import Server
 
-
-ON_DEMAND = ("hybrid", "online")  # extract.storage modes whose training asks the server for states
+UTILIZATION = "--gpu-memory-utilization"
 
 
 def extraction_run(conn, store) -> str | None:
@@ -71,6 +76,35 @@ def vllm_command(settings, cfg, manifest) -> list[str]:
                            host=settings.host, vllm_command=settings.vllm_command, cpu=on_cpu())
 
 
+def sharing_utilization(settings, config) -> tuple[float | None, str]:
+    """vLLM's --gpu-memory-utilization for a run training on demand: the plan's highest at which the
+    service still fits and leaves the trainer room on a GPU they share (storage_plan.gpu_sharing),
+    unless serve.extra_args sets a lower one; and why. None: vLLM keeps its own."""
+    if on_cpu():
+        return None, "vLLM's CPU build sizes its KV cache by VLLM_CPU_KVCACHE_SPACE, not by a share of a GPU"
+    try:
+        g = project(config, settings, measure=False)["storage"]["gpu_sharing"]
+    except EyrieError as exc:
+        return None, f"the plan could not size the GPUs' memory ({exc})"
+    most, asked = g["utilization_for_both"], vllm_utilization(config.serve.extra_args)
+    if most is None:
+        return None, (f"the trainer ({human(g['trainer']['total'])}) fits beside the service "
+                      f"({human(g['service']['total'])} a GPU) at no utilization of {human(g['gpu_bytes'])} "
+                      "(plan.gpu_memory): it needs a GPU of its own")
+    if asked <= most:
+        return None, f"its {asked:.2f} (serve.extra_args or vLLM's default) leaves the trainer room (at most {most:.2f})"
+    return most, (f"the highest share at which the service ({human(g['service']['total'])} a GPU) fits and "
+                  f"leaves the trainer ({human(g['trainer']['total'])}) room on a GPU of {human(g['gpu_bytes'])} "
+                  f"(plan.gpu_memory) they share; {asked:.2f} would leave {human((1 - asked) * g['gpu_bytes'])}")
+
+
+def with_utilization(cmd: list[str], share: float) -> list[str]:
+    """`cmd` with --gpu-memory-utilization `share` in place of any it had."""
+    kept = [a for i, a in enumerate(cmd) if a != UTILIZATION and not a.startswith(UTILIZATION + "=")
+            and not (i > 0 and cmd[i - 1] == UTILIZATION)]
+    return [*kept, UTILIZATION, f"{share:.2f}"]
+
+
 class ExtractServer(Server):
     OWNER = "extract-server"
 
@@ -84,7 +118,17 @@ class ExtractServer(Server):
     def command(self) -> list[str]:
         Path(self.settings.extract_shared_dir).mkdir(parents=True, exist_ok=True)
         clear_orphans(self.settings.extract_shared_dir)
-        return vllm_command(self.settings, self.config, self.manifest)
+        cmd = vllm_command(self.settings, self.config, self.manifest)
+        if not trains_on_demand(self.manifest):
+            return cmd
+        share, why = sharing_utilization(self.settings, self.config)
+        chose = f"{UTILIZATION} {share:.2f}" if share is not None else f"vLLM keeps its {UTILIZATION}"
+        print(f"eyrie serve-extract: run {self.run_name} trains beside this server: {chose}: {why}", flush=True)
+        return cmd if share is None else with_utilization(cmd, share)
+
+    def gpu_mode(self) -> str:
+        """A run training on demand: its trainer may hold one of these GPUs beside vLLM."""
+        return "share" if trains_on_demand(self.manifest) else "own"
 
     def env(self) -> dict[str, str]:
         """On the CPU, vLLM loads our CPU-safe connector (eyrie_extractor.vllm_cpu_connector)."""

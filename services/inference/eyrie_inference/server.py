@@ -23,7 +23,7 @@ from eyrie.data.store import open_store
 from eyrie.runs.pipeline import drained_run, load_config, stored_config
 from eyrie.tasks.gpu_admission import gpu_lease
 from eyrie.work import inference, keys
-from eyrie.work.gpu import GpuLease
+from eyrie.work.gpu import GpuLease, in_mode
 from eyrie.work.queue import connect
 
 PROGRESS = re.compile(r"(\d{1,3})%\|")  # tqdm bars, e.g. vLLM's "Loading safetensors ... 37%|"
@@ -136,7 +136,8 @@ class Server:
                 # (the next GPU Job to finish queues this server again: gpu_admission.resume_waiting)
                 return False
             self._wait_turn()
-            self.gpu = gpu_lease(self.settings, self.conn, f"{self.OWNER}@{socket.gethostname()}")
+            lease = gpu_lease(self.settings, self.conn, f"{self.OWNER}@{socket.gethostname()}")
+            self.gpu = in_mode(lease, self.gpu_mode())
             print("eyrie serve: waiting for the GPU lease", flush=True)
             self.gpu.acquire()
             threading.Thread(target=self._renew_gpu_lease, daemon=True).start()
@@ -163,6 +164,10 @@ class Server:
 
     def command(self) -> list[str]:
         return command(self.settings, self.model, self.serve)
+
+    def gpu_mode(self) -> str:
+        """How its GPU lease shares (eyrie.work.gpu): the GPUs are vLLM's own."""
+        return "own"
 
     def _wait_turn(self) -> None:
         while self._drained():  # restarted while a drained pipeline's later stages need the GPUs

@@ -65,6 +65,13 @@ class TrainRunner(StageTask):
         self.device = pick_device(self.settings.device)
         return self.device if self.device.startswith("cuda") else None
 
+    def gpu_mode(self) -> str:
+        """Beside the vLLM extraction service, which shares its GPUs with the trainer of a run that
+        trains on demand (the manifest's resolved extract.storage: offline, or one of
+        eyrie.core.storage.ON_DEMAND); else the GPU is the trainer's own."""
+        extract = load_run_manifest(self.store, self.run_name).extract
+        return "own" if extract is None or extract.storage == "offline" else "beside"
+
     def report_waiting(self, what: str) -> None:
         self._report(phase="waiting", waiting_for=what, force=True)
 
