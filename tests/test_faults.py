@@ -127,11 +127,13 @@ def test_workers_sigkilled_mid_task_in_every_stage(env, tiny_server, tmp_path, w
     workers.start("generate", "extract", "train")
     eyrie("run", "--config", run_config(tmp_path, "kill"), env=env)
 
-    def generating():
-        active = status("kill", env)["stages"]["generate"]["active"]
-        return any(a["done"] >= 2 for a in active)
+    conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
 
-    wait_for(generating, "a generate task with records stored", timeout=600)
+    def generating():  # straight from Redis: a status command takes longer than a few records here
+        return any(2 <= e.get("done", 0) < FAULT_RUN["generate"]["shard_size"]
+                   for e in progress.read(conn, "kill", "generate").values())
+
+    wait_for(generating, "a generate task with records stored", timeout=600, every=0.05)
     workers.kill("generate")
     assert status("kill", env)["stages"]["generate"]["state"] != "done", "finished before the kill: proves nothing"
     workers.start("generate")
