@@ -3,7 +3,8 @@ misbehaves). Used by tests/test_faults.py.
 
 http: a reverse proxy in front of the inference server. A share `--rate` of requests gets, in
       turn, a 5xx, a hang past the client's timeout, its connection dropped before any answer, or
-      its connection dropped mid-answer; the rest are forwarded. GET /_faults: the counts.
+      its connection dropped mid-answer; the rest are forwarded, each POST after `--delay-s` (a
+      slow server). GET /_faults: the counts.
 tcp:  a byte relay in front of the S3 server. SIGUSR1: down (listener closed, open connections
       cut: the server looks stopped); SIGUSR2: up again on the same port.
 
@@ -25,7 +26,7 @@ from aiohttp import web
 FAULTS = ("http_503", "hang", "drop", "drop_mid_answer")
 
 
-def http_app(upstream: str, rate: float, hang_s: float, seed: int) -> web.Application:
+def http_app(upstream: str, rate: float, hang_s: float, seed: int, delay_s: float = 0.0) -> web.Application:
     rng, counts, turn = random.Random(seed), Counter(), [0]
     hop = {"host", "content-length", "transfer-encoding", "connection"}
 
@@ -42,6 +43,8 @@ def http_app(upstream: str, rate: float, hang_s: float, seed: int) -> web.Applic
         if fault in ("hang", "drop"):
             request.transport.close()
             return web.Response(status=500)
+        if request.method == "POST" and delay_s:
+            await asyncio.sleep(delay_s)
         async with request.app["session"].request(
                 request.method, upstream + request.path_qs, data=body,
                 headers={k: v for k, v in request.headers.items() if k.lower() not in hop}) as up:
@@ -129,9 +132,10 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.2)
     parser.add_argument("--hang-s", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--delay-s", type=float, default=0.0)
     a = parser.parse_args()
     if a.mode == "http":
-        web.run_app(http_app(a.upstream.rstrip("/"), a.rate, a.hang_s, a.seed), host="127.0.0.1", port=a.port,
+        web.run_app(http_app(a.upstream.rstrip("/"), a.rate, a.hang_s, a.seed, a.delay_s), host="127.0.0.1", port=a.port,
                     print=None)
     else:
         asyncio.run(run_tcp(a.port, a.upstream))
