@@ -15,6 +15,8 @@ import yaml
 
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
+from eyrie.data.manifest import Layout
+from eyrie.data.store import open_store
 from eyrie.stages import queues
 from eyrie.tasks import gpu_admission
 from eyrie.work import k8s_jobs
@@ -219,6 +221,55 @@ def test_drained_extraction_stops_the_runs_extraction_server(redis_url, tmp_path
         other = admission.dispatch(conn, "extract-server", "r2")
         assert gpu_admission.stop_servers(settings, "extract") == [server]
         assert list(stub.jobs) == [other]
+    finally:
+        stub.close()
+
+
+def test_a_run_training_on_demand_keeps_its_extraction_server_until_training_drains(redis_url, tmp_path,
+                                                                                    monkeypatch):
+    """hybrid and online (issue 23): the trainer asks the vLLM extraction server for the states not
+    stored, so the server's Job outlives the extract queue: enqueueing the train task finds it (or
+    creates it again), and it goes when the train queue drains. An offline run's server goes after
+    extraction and its trainer runs alone. The run's storage comes from its manifest in the store."""
+    from test_extract_server import _manifest
+
+    stub = KubeStub()
+    try:
+        (tmp_path / "gpu-jobs.json").write_text(json.dumps(chart_templates("seed-8gpu")))
+        env = {"EYRIE_GPU_SCHEDULER": "kueue", "EYRIE_KUEUE_JOBS_FILE": str(tmp_path / "gpu-jobs.json"),
+               "EYRIE_KUBERNETES_API": stub.url, "EYRIE_REDIS_URL": redis_url,
+               "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}"}
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        store, conn = open_store(load_settings()), redis.Redis.from_url(redis_url)
+        for run, storage in (("hy", "hybrid"), ("on", "online"), ("off", "offline")):
+            manifest = _manifest()
+            extract = manifest.extract.model_copy(update={"storage": storage})
+            store.put_json(Layout(run).manifest, manifest.model_copy(update={"run": run, "extract": extract}).model_dump())
+
+        def stages(run: str) -> list[str]:
+            return sorted(j["metadata"]["labels"][k8s_jobs.STAGE_LABEL] for j in stub.jobs.values()
+                          if j["metadata"]["labels"][k8s_jobs.RUN_LABEL] == k8s_jobs.run_label(run))
+
+        for run in ("hy", "on", "off"):
+            enqueue_task(conn, "extract", EXTRACT_FUNC, {"run": run, "shard": 0}, f"extract-{run}-0")
+            assert stages(run) == ["extract", "extract-server"]
+            settings = load_settings(job_run=run)
+            stopped = gpu_admission.stop_servers(settings, "extract")
+            assert (stopped == []) == (run != "off"), (run, stopped)
+            enqueue_task(conn, "train", TRAIN_FUNC, {"run": run}, f"train-{run}")
+            assert stages(run) == (["extract", "extract-server", "train"] if run != "off" else ["extract", "train"])
+            assert len(gpu_admission.stop_servers(settings, "train")) == (run != "off")
+            assert stages(run) == ["extract", "train"]  # the server went with training
+
+        server_gone = load_settings(job_run="hy")  # a train task retried after the server went: created again
+        enqueue_task(conn, "train", TRAIN_FUNC, {"run": "hy"}, "train-hy-retry")
+        assert stages("hy") == ["extract", "extract-server", "train"]
+        train = next(j for j in stub.jobs.values() if j["metadata"]["labels"][k8s_jobs.STAGE_LABEL] == "train")
+        container = train["spec"]["template"]["spec"]["containers"][0]
+        assert {"name": "EYRIE_EXTRACT_VLLM_URL", "value": "http://eyrie-extract-server:8000"} in container["env"]
+        assert {"name": "shared-hs", "mountPath": "/shared/eyrie-hs"} in container["volumeMounts"]
+        assert gpu_admission.stop_servers(server_gone, "train")
     finally:
         stub.close()
 

@@ -3,7 +3,8 @@ states expected over extract.budget (with each way out and its number), a serve:
 than the inference service's GPUs, a GPU list naming a GPU twice, lists that share a GPU where
 nothing sequences their services, a trainer on a GPU the vLLM extraction server holds through hybrid
 and online training where the two cannot share it (issue 23). Every shipped example passes its own plan on every .env split
-the project documents (.env.example and the README's)."""
+the project documents (.env.example and the README's). On Kubernetes, hybrid and online need a Kueue quota
+that holds the extraction server and the trainer at once."""
 
 import json
 import os
@@ -234,3 +235,32 @@ def test_the_seed_on_a_gpu_too_small_to_share_is_refused_with_a_ninth_gpu_or_off
     offline = _variant(tmp_path, "seed-100gb-offline", plan={"gpu_memory": "100GB"},
                        extract={"storage": "offline", "budget": "2.94TB"})
     assert eyrie("run", "--config", offline, "--plan", env=_env(tmp_path, **split)).returncode == 0
+
+
+def test_on_demand_on_kubernetes_is_refused_where_kueues_quota_cannot_hold_the_server_and_the_trainer(tmp_path):
+    """Under kueue the extraction server's Job holds its GPUs while the train Job trains (hybrid and
+    online): the seed-8gpu chart's 8-GPU server and 1-GPU trainer in an 8-GPU ClusterQueue would
+    leave the train Job waiting for the server forever; a 9-GPU quota admits both."""
+    from test_k8s_jobs import chart_templates
+
+    templates = chart_templates("seed-8gpu")
+    assert templates["gpuQuota"] == 8
+    jobs = tmp_path / "gpu-jobs.json"
+    kueue = {"EYRIE_GPU_SCHEDULER": "kueue", "EYRIE_KUEUE_JOBS_FILE": str(jobs)}
+    for quota, refused in ((8, True), (9, False)):
+        jobs.write_text(json.dumps({**templates, "gpuQuota": quota}))
+        result = eyrie("run", "--config", str(SEED), "--plan", env=_env(tmp_path, **kueue), check=False)
+        assert (result.returncode == 1) == refused and "Traceback" not in result.stderr, result.stderr
+    jobs.write_text(json.dumps(templates))
+    refusal = eyrie("run", "--config", str(SEED), "--plan", env=_env(tmp_path, **kueue), check=False).stderr
+    assert ("extract.storage hybrid (auto's choice: " in refusal and "trains while the vLLM extraction server's Job "
+            "holds its 8 GPUs and the train Job asks 1 more, 9 at once, but Kueue's ClusterQueue has 8 "
+            "(kueue.clusterQueue.quota.gpus): the train Job would wait for the server forever.") in refusal, refusal
+    assert ("set kueue.clusterQueue.quota.gpus: 9 (nodes with GPUs for both), or set extract.storage: offline with "
+            "extract.budget: 2.94TB on a disk that holds it") in refusal, refusal
+    offline = _variant(tmp_path, "seed-offline", extract={"storage": "offline", "budget": "2.94TB"})
+    assert eyrie("run", "--config", offline, "--plan", env=_env(tmp_path, **kueue)).returncode == 0
+    no_server = {**templates, "stages": {k: v for k, v in templates["stages"].items() if k != "extract-server"}}
+    jobs.write_text(json.dumps(no_server))
+    refusal = eyrie("run", "--config", str(SEED), "--plan", env=_env(tmp_path, **kueue), check=False).stderr
+    assert "the chart renders no Job for it (gpuJobs.extractServer)" in refusal and "enable gpuJobs.extractServer" in refusal

@@ -9,6 +9,11 @@ MODES = ("offline", "hybrid", "online")  # least extraction first: one pass, par
 ON_DEMAND = ("hybrid", "online")  # training asks the vLLM extraction service for the states not stored
 
 
+def trains_on_demand(manifest) -> bool:
+    """A run (its manifest, extract.storage resolved) whose training asks the extraction service."""
+    return manifest.extract is not None and manifest.extract.storage in ON_DEMAND
+
+
 def resolve_mode(asked: str, need_bytes: int, budget_bytes: int | None) -> str:
     """The mode a run's extract stage uses: `auto` is offline where every hidden state fits the
     budget (or none is set), else hybrid (the bucket holds what the budget allows)."""

@@ -1,7 +1,8 @@
 """What `eyrie run --plan` refuses before any GPU work, with the ways out and their numbers: hidden
 states expected (at plan.mean_tokens) over extract.budget, and GPUs the stack's services are given
 (EYRIE_<SERVICE>_GPU_IDS) that cannot carry the run's serve: section, would have two owners, or
-that the trainer would wait for forever (hybrid and online, where it cannot train beside the service)."""
+that the trainer would wait for forever (hybrid and online, where it cannot train beside the service,
+or where Kueue's quota cannot hold the service's Job and the trainer's at once)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from eyrie.core.errors import EyrieError
 from eyrie.core.storage import ON_DEMAND
 from eyrie.runs.storage_plan import auto_choice
 from eyrie.stages.generate import Generate
+from eyrie.work import k8s_jobs
 
 
 def over_budget(p: dict) -> tuple[str, str] | None:
@@ -95,6 +97,34 @@ def on_demand_overlap(p: dict, chose: str = "") -> tuple[str, str] | None:
             f"give the trainer a GPU of its own ({g['gpus_apart']} GPUs at once: the service's "
             f"{g['service']['gpus']} and the trainer's 1): {_apart(ids, g)} in .env; or set extract.storage: "
             f"offline with extract.budget: {_at_least(offline)} on a disk that holds it.")
+
+
+def on_demand_quota(p: dict, settings) -> tuple[str, str] | None:
+    """Kubernetes (EYRIE_GPU_SCHEDULER=kueue): hybrid and online train while the vLLM extraction
+    server's Job holds its GPUs (eyrie.work.kueue.run_jobs); Kueue admits the train Job only where
+    the ClusterQueue's quota holds both, or it waits for the server forever."""
+    s = p["storage"]
+    mode = s["chosen"]
+    if settings.gpu_scheduler != "kueue" or mode not in ON_DEMAND:
+        return None
+    chose = "" if s["asked"] == mode else f" (auto's choice: {s['why'].removeprefix('auto: ')})"
+    offline = f"extract.storage: offline with extract.budget: {_at_least(s['modes']['offline']['stored_bytes'])}"
+    templates = k8s_jobs.load_templates(settings.kueue_jobs_file)
+    if "extract-server" not in templates.get("stages", {}):
+        return (f"run {p['run']}: extract.storage {mode}{chose} trains from the vLLM extraction server, and the "
+                "chart renders no Job for it (gpuJobs.extractServer).",
+                f"enable gpuJobs.extractServer (with its sharedClaim and the run's layers), or set {offline}.")
+    server, trainer = (k8s_jobs.gpus_of(k8s_jobs.build_job(templates, stage, p["run"]))
+                       for stage in ("extract-server", "train"))
+    quota = templates.get("gpuQuota")
+    if quota is None or server + trainer <= quota:
+        return None
+    return (f"run {p['run']}: extract.storage {mode}{chose} trains while the vLLM extraction server's Job holds "
+            f"its {server} GPUs and the train Job asks {trainer} more, {server + trainer} at once, but Kueue's "
+            f"ClusterQueue has {quota} (kueue.clusterQueue.quota.gpus): the train Job would wait for the server "
+            "forever.",
+            f"set kueue.clusterQueue.quota.gpus: {server + trainer} (nodes with GPUs for both), or set {offline} "
+            "on a disk that holds it.")
 
 
 def _apart(ids: dict, g: dict) -> str:

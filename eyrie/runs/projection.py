@@ -21,7 +21,8 @@ from eyrie.data.dataset import resolve
 from eyrie.data.manifest import Layout, ShardManifest, load_run_manifest
 from eyrie.data.store import open_store
 from eyrie.runs.pipeline import RunConfig
-from eyrie.runs.plan_checks import budget_verdict, gpu_lines, gpu_plan, over_budget, refuse, storage_refusal
+from eyrie.runs.plan_checks import (budget_verdict, gpu_lines, gpu_plan, on_demand_quota, over_budget, refuse,
+                                   storage_refusal)
 from eyrie.runs.storage_plan import sharing_lines, storage_lines, storage_plan
 from eyrie.stages.extract import Extract
 from eyrie.stages.generate import Generate
@@ -102,7 +103,8 @@ def project(config: RunConfig, settings, measure: bool = True) -> dict:
     p["gpus"] = gpu_plan(config, settings)
     p["storage"] = storage_plan(config, p)
     p["space"] = space(config, settings, p) if measure else None
-    p["refusals"] = [r for r in (over_budget(p), storage_refusal(p)) if r] + p["gpus"]["refusals"]
+    p["refusals"] = [r for r in (over_budget(p), storage_refusal(p), on_demand_quota(p, settings)) if r] + \
+        p["gpus"]["refusals"]
     return p
 
 

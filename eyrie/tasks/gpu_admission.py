@@ -28,7 +28,7 @@ from eyrie.core.config import Settings, load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.stages import gpu_queues, queues
 from eyrie.work import gpu, k8s_jobs
-from eyrie.work.kueue import KueueAdmission, dispatch
+from eyrie.work.kueue import KueueAdmission, dispatch, servers_done
 from eyrie.work.queue import connect, queue, run_worker
 from eyrie.work.task_kinds import jobs_for_queue
 
@@ -86,13 +86,14 @@ def resume_waiting(conn) -> list[str]:
 
 
 def stop_servers(settings: Settings, queue_name: str) -> list[str]:
-    """Once a queue has drained, the run's server Jobs it read (the vLLM extraction server, after
-    extraction) go, and their GPUs with them: every Job of the queue but the one that drains it."""
+    """Once a queue has drained, the run's server Jobs no task needs any more go, and their GPUs
+    with them (the vLLM extraction server: after extraction, or after training where the run trains
+    on demand; eyrie.work.kueue.servers_done)."""
     run = settings.job_run
     if settings.gpu_scheduler != "kueue" or not run:
         return []
     admission = KueueAdmission(settings)
-    live = [j for server in jobs_for_queue(queue_name)[:-1] for j in admission.jobs(server, run)
+    live = [j for server in servers_done(settings, queue_name, run) for j in admission.jobs(server, run)
             if k8s_jobs.job_state(j) in ("waiting", "running")]
     for job in live:
         admission.client.delete_job(job["metadata"]["name"])

@@ -2,16 +2,25 @@
 stage, created when the stage's tasks are enqueued (eyrie.work.queue calls `dispatch` on every
 enqueue), which drains the stage's queue and exits, freeing the quota for the next stage or the
 next run. Kueue decides when it starts. Under redis (the default) `dispatch` does nothing: the
-stage's workers run all the time and wait for the lease (eyrie.tasks.gpu_admission)."""
+stage's workers run all the time and wait for the lease (eyrie.tasks.gpu_admission).
+
+A run that trains on demand (extract.storage hybrid or online) reads the vLLM extraction server
+until its drafter is trained: its train tasks need that server's Job too, and the server goes
+when the train queue drains, not the extract queue."""
 
 from __future__ import annotations
 
 import time
 
 from eyrie.core.config import Settings, load_settings, one_setting
-from eyrie.core.errors import EyrieError
+from eyrie.core.errors import EyrieError, UnknownRun
+from eyrie.core.storage import trains_on_demand
+from eyrie.data.manifest import load_run_manifest
+from eyrie.data.store import open_store
 from eyrie.work import k8s_jobs, keys
 from eyrie.work.task_kinds import jobs_for_queue
+
+EXTRACT_SERVER = "extract-server"
 
 
 class KueueAdmission:
@@ -57,6 +66,34 @@ def dispatch(conn, queue_stage: str, run: str) -> list[str]:
     (Settings.gpu_scheduler: every enqueue asks)."""
     if one_setting("gpu_scheduler") != "kueue" or not jobs_for_queue(queue_stage):
         return []
-    admission = KueueAdmission(load_settings())
-    names = (admission.dispatch(conn, job_stage, run) for job_stage in jobs_for_queue(queue_stage))
+    settings = load_settings()
+    admission = KueueAdmission(settings)
+    names = (admission.dispatch(conn, job_stage, run) for job_stage in run_jobs(settings, queue_stage, run))
     return [name for name in names if name]
+
+
+def run_jobs(settings: Settings, queue_stage: str, run: str) -> tuple[str, ...]:
+    """The Jobs a run's tasks of a queue need, in creation order: those its task kinds declare, and
+    the vLLM extraction server before the trainer of a run that trains on demand."""
+    jobs = jobs_for_queue(queue_stage)
+    if queue_stage == "train" and run_trains_on_demand(settings, run):
+        return (EXTRACT_SERVER, *jobs)
+    return jobs
+
+
+def servers_done(settings: Settings, queue_stage: str, run: str) -> tuple[str, ...]:
+    """The server Jobs of a run no task needs once the queue has drained: every Job of the queue but
+    the one that drains it; the extraction server stays after extraction where training reads it."""
+    servers = run_jobs(settings, queue_stage, run)[:-1]
+    if queue_stage == "extract" and run_trains_on_demand(settings, run):
+        return tuple(s for s in servers if s != EXTRACT_SERVER)
+    return servers
+
+
+def run_trains_on_demand(settings: Settings, run: str) -> bool:
+    """extract.storage hybrid or online, from the run's manifest in the store (a run without one
+    has nothing to train: its task says so itself)."""
+    try:
+        return trains_on_demand(load_run_manifest(open_store(settings), run))
+    except UnknownRun:
+        return False

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from eyrie.core.budget import human
 from eyrie.core.errors import EyrieError
-from eyrie.core.storage import ON_DEMAND
+from eyrie.core.storage import trains_on_demand
 from eyrie.core.vllm import on_cpu, serve_env
 from eyrie.data.manifest import Layout, load_run_manifest
 from eyrie.runs.pipeline import stored_config
@@ -47,10 +47,6 @@ def needs_server(store, manifest) -> bool:
     if trains_on_demand(manifest):
         return not trained(store, manifest)
     return not extracted(store, manifest)
-
-
-def trains_on_demand(manifest) -> bool:
-    return manifest.extract.storage in ON_DEMAND
 
 
 def extracted(store, manifest) -> bool:

@@ -16,6 +16,7 @@ from eyrie.core.errors import EyrieError
 from eyrie.data.charts import Curve, per_position
 from eyrie.data.manifest import Layout, load_run_manifest
 from eyrie.data.store import CorruptObject
+from eyrie.core.storage import trains_on_demand
 from eyrie.stages import EXTRACT, TRAIN
 from eyrie.tasks.executor import Context, StageTask, execute
 from eyrie.work.extract_server import on_demand
@@ -67,10 +68,8 @@ class TrainRunner(StageTask):
 
     def gpu_mode(self) -> str:
         """Beside the vLLM extraction service, which shares its GPUs with the trainer of a run that
-        trains on demand (the manifest's resolved extract.storage: offline, or one of
-        eyrie.core.storage.ON_DEMAND); else the GPU is the trainer's own."""
-        extract = load_run_manifest(self.store, self.run_name).extract
-        return "own" if extract is None or extract.storage == "offline" else "beside"
+        trains on demand (eyrie.core.storage.trains_on_demand); else the GPU is the trainer's own."""
+        return "beside" if trains_on_demand(load_run_manifest(self.store, self.run_name)) else "own"
 
     def report_waiting(self, what: str) -> None:
         self._report(phase="waiting", waiting_for=what, force=True)

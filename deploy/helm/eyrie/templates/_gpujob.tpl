@@ -85,7 +85,7 @@ spec:
             {{- if eq $stage "train" }}
             - {name: EYRIE_CACHE_DIR, value: /cache/eyrie}
             {{- end }}
-            {{- if and (eq $stage "extract") $root.Values.gpuJobs.extractServer.enabled }}
+            {{- if and (eq $stage "extract" "train") $root.Values.gpuJobs.extractServer.enabled }}
             - {name: EYRIE_EXTRACT_VLLM_URL, value: {{ printf "http://%s-extract-server:8000" $full | quote }}}
             {{- end }}
           {{- if eq $stage "serve" "extract-server" }}
@@ -118,7 +118,7 @@ spec:
             {{- if eq $stage "train" }}
             - {name: cache, mountPath: /cache/eyrie}
             {{- end }}
-            {{- if and (eq $stage "extract" "extract-server") $root.Values.gpuJobs.extractServer.enabled }}
+            {{- if and (eq $stage "extract" "extract-server" "train") $root.Values.gpuJobs.extractServer.enabled }}
             - {name: shared-hs, mountPath: /shared/eyrie-hs}
             {{- end }}
       volumes:
@@ -143,7 +143,7 @@ spec:
           emptyDir: {}
           {{- end }}
         {{- end }}
-        {{- if and (eq $stage "extract" "extract-server") $root.Values.gpuJobs.extractServer.enabled }}
+        {{- if and (eq $stage "extract" "extract-server" "train") $root.Values.gpuJobs.extractServer.enabled }}
         - name: shared-hs
           persistentVolumeClaim: {claimName: {{ required "gpuJobs.extractServer.sharedClaim (a ReadWriteMany PVC) is required" $root.Values.gpuJobs.extractServer.sharedClaim }}}
         {{- end }}
