@@ -88,6 +88,38 @@ def test_unreachable_s3_is_one_clear_error(monkeypatch):
         open_store(load_settings())
 
 
+@pytest.mark.parametrize("store_env", ["s3"], indirect=True)
+def test_processes_opening_a_new_bucket_at_once_all_get_it(store_env, monkeypatch):
+    """Workers and `eyrie run` start together on a new bucket: each sees it missing, one makes it,
+    the others' make_bucket is answered BucketAlreadyOwnedByYou (the real server's answer, checked
+    first), which is success, not an error about keys."""
+    from minio.error import S3Error
+
+    for key, value in store_env.items():
+        monkeypatch.setenv(key, value)
+    first = open_store(load_settings())
+    with pytest.raises(S3Error) as made_twice:
+        first.client.make_bucket(first.bucket)
+    assert made_twice.value.code == "BucketAlreadyOwnedByYou"
+    for attempt in range(3):
+        monkeypatch.setenv("EYRIE_STORE_URL", f"s3://eyrie-race-{os.getpid()}-{attempt}/runs")
+        settings, start, errors = load_settings(), threading.Barrier(8), []
+
+        def open_at_once():
+            start.wait()
+            try:
+                open_store(settings).put_bytes("k", b"v")
+            except Exception as exc:  # noqa: BLE001 (reported below)
+                errors.append(exc)
+
+        threads = [threading.Thread(target=open_at_once) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+
+
 def test_files_stream_in_and_out_verified(store, tmp_path):
     source = tmp_path / "big.bin"
     source.write_bytes(os.urandom(9 * (1 << 20) + 7))  # several read blocks, not a multiple

@@ -249,6 +249,8 @@ class S3Store(Store):
             if not self.client.bucket_exists(self.bucket):
                 self.client.make_bucket(self.bucket)
         except S3Error as exc:
+            if exc.code == "BucketAlreadyOwnedByYou":  # another process of ours made it in between: ours
+                return
             raise EyrieError(
                 f"S3 endpoint {safe_url(endpoint)} refused bucket {self.bucket}: {exc.code}.",
                 "check EYRIE_S3_ACCESS_KEY / EYRIE_S3_SECRET_KEY and the bucket name.",
