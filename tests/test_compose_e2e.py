@@ -3,7 +3,7 @@ them first), brought up from docker-compose.yml + compose.ci.yml (the CPU stand-
 on a Docker engine of this machine; `make run CONFIG=examples/run.tiny.vllm.yaml` through it the way
 a GPU host runs it (vLLM, its CPU build, serves, extracts and verifies) to an exported drafter with
 vLLM's acceptance in the manifest, a generator SIGKILLed mid-run then scaled to 2, `down` then `up`
-again, and the stack's network checked from inside (Redis needs its password; only api and inference
+again, an online run trained from the extraction service, and the stack's network checked from inside (Redis needs its password; only api and inference
 are published)."""
 
 import json
@@ -15,6 +15,7 @@ import time
 
 import pytest
 import requests
+import yaml
 
 from conftest import ROOT, free_port, wait_for
 from tls_index import WheelIndex, bridge_gateway, download_wheels, make_ca
@@ -22,6 +23,7 @@ from tls_index import WheelIndex, bridge_gateway, download_wheels, make_ca
 PROJECT = "eyrie-e2e"
 CONFIG = "examples/run.tiny.vllm.yaml"
 RUN = "tiny-vllm"  # its run
+ONLINE = "tiny-online"  # the same, 40 prompts, with extract.storage online
 IMAGES = ["eyrie-generator:local", "eyrie-api:local", "eyrie-extractor:local", "eyrie-trainer:local",
           "eyrie-vllm-cpu:local", "eyrie-inference:local", "eyrie-ci-redis:local", "eyrie-ci-s3:local"]
 TIMINGS: dict[str, float] = {}
@@ -83,8 +85,8 @@ class Stack:
             state = f"(the API did not answer: {exc})"
         return f"run state: {state}\n{logs.stdout[-12000:]}"
 
-    def run_state(self) -> dict:
-        return next((r for r in self.api("/runs") if r["run"] == RUN), {})
+    def run_state(self, run: str = RUN) -> dict:
+        return next((r for r in self.api("/runs") if r["run"] == run), {})
 
     def make_run(self, config: str) -> subprocess.CompletedProcess:
         files = " ".join(self.files)
@@ -156,6 +158,38 @@ def test_the_run_and_its_objects_survive_down_and_up(stack):
     status = subprocess.run(["make", "-s", "status", f"RUN={RUN}", f"COMPOSE_FILES={files}"], cwd=ROOT,
                             env=stack.env, capture_output=True, text=True, timeout=120)
     assert status.returncode == 0 and RUN in status.stdout and "train" in status.stdout, status.stdout + status.stderr
+
+
+def test_an_online_run_trains_from_the_extraction_service_in_the_stack(stack, tmp_path):
+    """extract.storage online (issue 23) through the stack: the bucket gets token ids alone, and the
+    trainer container asks the extract-server container's vLLM for every sample's hidden states in
+    each epoch (over the stack's network, the states through the shared volume); the server serves
+    the run until its drafter is trained, then stops. No sample is dropped."""
+    body = yaml.safe_load((ROOT / CONFIG).read_text())
+    body.update(run=ONLINE, dataset={**body["dataset"], "limit": 40}, verify={"enabled": False})
+    body["generate"]["shard_size"] = 20
+    body["extract"]["storage"] = "online"
+    body["train"]["epochs"] = 2
+    config = tmp_path / "online.yaml"
+    config.write_text(yaml.safe_dump(body))
+    started = time.monotonic()
+    result = stack.make_run(str(config))
+    assert result.returncode == 0 and f"run {ONLINE}:" in result.stdout, result.stdout + result.stderr
+    try:
+        final = wait_for(lambda: (r := stack.run_state(ONLINE)).get("state") in ("done", "failed", "cancelled") and r,
+                         "the online run to end", timeout=1200, every=3)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{stack.diagnosis()}") from None
+    TIMINGS["online run trained"] = time.monotonic() - started
+    assert final["state"] == "done", json.dumps(final, indent=1) + stack.diagnosis()
+    train = final["stages"]["train"]
+    assert train.get("dropped", 0) == 0 and not train.get("errors"), train
+    manifest = stack.api(f"/runs/{ONLINE}/manifest")
+    assert manifest["drafter"] and manifest["extract"]["storage"] == "online", manifest["extract"]
+    extract = final["stages"]["extract"]
+    assert extract["on_demand"] == extract["done"] > 0, extract  # every sample stored as its token ids alone
+    logs = stack.compose("logs", "--no-color", "extract-server").stdout
+    assert f"run {ONLINE} is trained: stopping vLLM" in logs, logs[-4000:]
 
 
 def test_redis_needs_its_password_and_only_api_and_inference_are_published(stack):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from pydantic import BaseModel
 
@@ -76,14 +77,31 @@ def _context(path: Path) -> int | None:
 
 
 def text_config(model: str):
-    """The target's (text) config, or one clear error when this host cannot read it."""
-    from transformers import AutoConfig
-
+    """The target's (text) config, or one clear error when this host cannot read it. Where
+    transformers is not installed (the generator and api images), its config.json as read."""
     try:
+        from transformers import AutoConfig
+    except ImportError:
+        AutoConfig = None
+    try:
+        if AutoConfig is None:
+            return _config_json(model)
         return AutoConfig.from_pretrained(model).get_text_config()
     except Exception as exc:
         raise EyrieError(f"cannot read the config of the target {model} ({type(exc).__name__}).",
                          "make the model directory (or HF cache) available to this host.") from None
+
+
+def _config_json(model: str) -> SimpleNamespace:
+    """config.json of a local directory or from the hub (its cache first), its text part where it
+    nests one (multimodal targets), its keys as attributes."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(model, "config.json"))
+    config = json.loads(path.read_text())
+    return SimpleNamespace(**config.get("text_config", config))
 
 
 def check_served(target, served) -> None:
