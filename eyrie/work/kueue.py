@@ -75,8 +75,10 @@ def dispatch(conn, queue_stage: str, run: str) -> list[str]:
 def run_jobs(settings: Settings, queue_stage: str, run: str) -> tuple[str, ...]:
     """The Jobs a run's tasks of a queue need, in creation order: those its task kinds declare, and
     the vLLM extraction server before the trainer of a run that trains on demand."""
+    from eyrie.stages import TRAIN  # eyrie.stages reaches this module through eyrie.work.queue
+
     jobs = jobs_for_queue(queue_stage)
-    if queue_stage == "train" and run_trains_on_demand(settings, run):
+    if queue_stage == TRAIN.queue and run_trains_on_demand(settings, run):
         return (EXTRACT_SERVER, *jobs)
     return jobs
 
@@ -84,8 +86,10 @@ def run_jobs(settings: Settings, queue_stage: str, run: str) -> tuple[str, ...]:
 def servers_done(settings: Settings, queue_stage: str, run: str) -> tuple[str, ...]:
     """The server Jobs of a run no task needs once the queue has drained: every Job of the queue but
     the one that drains it; the extraction server stays after extraction where training reads it."""
+    from eyrie.stages import EXTRACT
+
     servers = run_jobs(settings, queue_stage, run)[:-1]
-    if queue_stage == "extract" and run_trains_on_demand(settings, run):
+    if queue_stage == EXTRACT.queue and run_trains_on_demand(settings, run):
         return tuple(s for s in servers if s != EXTRACT_SERVER)
     return servers
 
