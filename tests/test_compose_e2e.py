@@ -160,38 +160,6 @@ def test_the_run_and_its_objects_survive_down_and_up(stack):
     assert status.returncode == 0 and RUN in status.stdout and "train" in status.stdout, status.stdout + status.stderr
 
 
-def test_an_online_run_trains_from_the_extraction_service_in_the_stack(stack, tmp_path):
-    """extract.storage online (issue 23) through the stack: the bucket gets token ids alone, and the
-    trainer container asks the extract-server container's vLLM for every sample's hidden states in
-    each epoch (over the stack's network, the states through the shared volume); the server serves
-    the run until its drafter is trained, then stops. No sample is dropped."""
-    body = yaml.safe_load((ROOT / CONFIG).read_text())
-    body.update(run=ONLINE, dataset={**body["dataset"], "limit": 40}, verify={"enabled": False})
-    body["generate"]["shard_size"] = 20
-    body["extract"]["storage"] = "online"
-    body["train"]["epochs"] = 2
-    config = tmp_path / "online.yaml"
-    config.write_text(yaml.safe_dump(body))
-    started = time.monotonic()
-    result = stack.make_run(str(config))
-    assert result.returncode == 0 and f"run {ONLINE}:" in result.stdout, result.stdout + result.stderr
-    try:
-        final = wait_for(lambda: (r := stack.run_state(ONLINE)).get("state") in ("done", "failed", "cancelled") and r,
-                         "the online run to end", timeout=1200, every=3)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{stack.diagnosis()}") from None
-    TIMINGS["online run trained"] = time.monotonic() - started
-    assert final["state"] == "done", json.dumps(final, indent=1) + stack.diagnosis()
-    train = final["stages"]["train"]
-    assert train.get("dropped", 0) == 0 and not train.get("errors"), train
-    manifest = stack.api(f"/runs/{ONLINE}/manifest")
-    assert manifest["drafter"] and manifest["extract"]["storage"] == "online", manifest["extract"]
-    extract = final["stages"]["extract"]
-    assert extract["on_demand"] == extract["done"] > 0, extract  # every sample stored as its token ids alone
-    logs = stack.compose("logs", "--no-color", "extract-server").stdout
-    assert f"run {ONLINE} is trained: stopping vLLM" in logs, logs[-4000:]
-
-
 def test_redis_needs_its_password_and_only_api_and_inference_are_published(stack):
     probe = ("import os, redis\n"
              "try:\n    redis.Redis(host='redis').ping(); print('open')\n"
@@ -254,3 +222,36 @@ def test_behind_the_tls_proxy_the_base_builds_only_with_the_ca_secret_and_keeps_
         assert "BEGIN CERTIFICATE" not in history and ca_line not in history and str(ca) not in history
     finally:
         subprocess.run(["docker", "image", "rm", "-f", *tags], capture_output=True)
+
+
+def test_an_online_run_trains_from_the_extraction_service_in_the_stack(stack, tmp_path):
+    """extract.storage online (issue 23) through the stack: the bucket gets token ids alone, and the
+    trainer container asks the extract-server container's vLLM for every sample's hidden states in
+    each epoch (over the stack's network, the states through the shared volume); the server serves
+    the run until its drafter is trained, then stops. No sample is dropped. Last: the stack's other
+tests see it as the first run left it."""
+    body = yaml.safe_load((ROOT / CONFIG).read_text())
+    body.update(run=ONLINE, dataset={**body["dataset"], "limit": 40}, verify={"enabled": False})
+    body["generate"]["shard_size"] = 20
+    body["extract"]["storage"] = "online"
+    body["train"]["epochs"] = 2
+    config = tmp_path / "online.yaml"
+    config.write_text(yaml.safe_dump(body))
+    started = time.monotonic()
+    result = stack.make_run(str(config))
+    assert result.returncode == 0 and f"run {ONLINE}:" in result.stdout, result.stdout + result.stderr
+    try:
+        final = wait_for(lambda: (r := stack.run_state(ONLINE)).get("state") in ("done", "failed", "cancelled") and r,
+                         "the online run to end", timeout=1200, every=3)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{stack.diagnosis()}") from None
+    TIMINGS["online run trained"] = time.monotonic() - started
+    assert final["state"] == "done", json.dumps(final, indent=1) + stack.diagnosis()
+    full = stack.api(f"/runs/{ONLINE}")  # the whole status: the list's summary has counts alone
+    train, extract = full["stages"]["train"], full["stages"]["extract"]
+    assert train["dropped"] == 0 and not train["errors"], train
+    manifest = stack.api(f"/runs/{ONLINE}/manifest")
+    assert manifest["drafter"] and manifest["extract"]["storage"] == "online", manifest["extract"]
+    assert extract["on_demand"] == extract["done"] > 0, extract  # every sample stored as its token ids alone
+    logs = stack.compose("logs", "--no-color", "extract-server").stdout
+    assert f"run {ONLINE} is trained: stopping vLLM" in logs, logs[-4000:]
