@@ -254,4 +254,6 @@ tests see it as the first run left it."""
     assert manifest["drafter"] and manifest["extract"]["storage"] == "online", manifest["extract"]
     assert extract["on_demand"] == extract["done"] > 0, extract  # every sample stored as its token ids alone
     logs = stack.compose("logs", "--no-color", "extract-server").stdout
-    assert f"run {ONLINE} is trained: stopping vLLM" in logs, logs[-4000:]
+    # it stopped once the run was trained (a run that ends is also no longer active: either word)
+    assert any(f"run {ONLINE} is {why}: stopping vLLM" in logs for why in ("trained", "cancelled or no longer active")), \
+        logs[-4000:]

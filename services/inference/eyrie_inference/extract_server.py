@@ -136,10 +136,10 @@ class ExtractServer(Server):
     def _drained(self) -> bool:
         """Done: the run no longer needs the server (needs_server), or it is cancelled or no longer active."""
         run = self.run_name
+        if not needs_server(self.store, self.manifest):  # first: a finished run is also no longer active
+            return self._done(f"run {run} is trained" if trains_on_demand(self.manifest) else f"run {run} is extracted")
         if self.conn.exists(keys.cancelled(run)) or not self.conn.sismember(keys.ACTIVE_PIPELINES, run):
             return self._done(f"run {run} is cancelled or no longer active")
-        if not needs_server(self.store, self.manifest):
-            return self._done(f"run {run} is trained" if trains_on_demand(self.manifest) else f"run {run} is extracted")
         if self.proc is not None and not self._said_training:
             self._say_when_training()
         return False
