@@ -22,7 +22,7 @@ from eyrie.tasks import gpu_admission
 from eyrie.work import k8s_jobs
 from eyrie.work.gpu import GpuLease, holder
 from eyrie.work.queue import enqueue_task
-from eyrie.work.task_kinds import jobs_for_queue
+from eyrie.work.task_kinds import jobs_for_queue, servers_done
 from kube_stub import KubeStub
 from test_helm import gpu_jobs, render_text, value_set
 
@@ -114,6 +114,12 @@ def test_the_jobs_dispatched_on_enqueue_are_the_ones_the_stages_declare():
     stages' task kinds declare: the servers first, then the Job that drains the queue."""
     assert {q: jobs_for_queue(q) for q in queues()} == {
         "generate": ("serve",), "extract": ("extract-server", "extract"), "train": ("train",), "verify": ("verify",)}
+    # a run that trains on demand: the trainer reads the extraction server, which extraction's drain leaves up
+    assert jobs_for_queue("train", on_demand=True) == ("extract-server", "train")
+    assert {q: servers_done(q, on_demand=True) for q in queues()} == {
+        "generate": (), "extract": (), "train": ("extract-server",), "verify": ()}
+    assert {q: servers_done(q) for q in queues()} == {
+        "generate": (), "extract": ("extract-server",), "train": (), "verify": ()}
 
 
 def test_redis_scheduler_is_the_lease_unchanged(redis_url, monkeypatch):

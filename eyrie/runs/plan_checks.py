@@ -16,7 +16,6 @@ from eyrie.runs.storage_plan import auto_choice
 from eyrie.stages import TRAIN
 from eyrie.stages.generate import Generate
 from eyrie.work import k8s_jobs
-from eyrie.work.kueue import EXTRACT_SERVER
 
 
 def over_budget(p: dict) -> tuple[str, str] | None:
@@ -112,12 +111,13 @@ def on_demand_quota(p: dict, settings) -> tuple[str, str] | None:
     chose = "" if s["asked"] == mode else f" (auto's choice: {s['why'].removeprefix('auto: ')})"
     offline = f"extract.storage: offline with extract.budget: {_at_least(s['modes']['offline']['stored_bytes'])}"
     templates = k8s_jobs.load_templates(settings.kueue_jobs_file)
-    if EXTRACT_SERVER not in templates.get("stages", {}):
+    (extract_server,) = TRAIN.reads_on_demand
+    if extract_server not in templates.get("stages", {}):
         return (f"run {p['run']}: extract.storage {mode}{chose} trains from the vLLM extraction server, and the "
                 "chart renders no Job for it (gpuJobs.extractServer).",
                 f"enable gpuJobs.extractServer (with its sharedClaim and the run's layers), or set {offline}.")
     server, trainer = (k8s_jobs.gpus_of(k8s_jobs.build_job(templates, job, p["run"]))
-                       for job in (EXTRACT_SERVER, TRAIN.jobs[-1]))
+                       for job in (extract_server, TRAIN.jobs[-1]))
     quota = templates.get("gpuQuota")
     if quota is None or server + trainer <= quota:
         return None

@@ -17,7 +17,7 @@ class Train(PipelineStage):
     name = queue = "train"
     sections = ("train",)
     work = TaskKind("train", "train", "eyrie_trainer.runner.run_train_task", gpu=True, timeout_s=7 * 24 * 3600,
-                    jobs=("train",))
+                    jobs=("train",), reads_on_demand=("extract-server",))
     # the base drafter, fetched and checked by the trainer while the target still serves
     side_tasks = (TaskKind("fetch", "train", "eyrie_trainer.plan.run_fetch_task"),)
     starter = "eyrie_trainer.plan.start_train"

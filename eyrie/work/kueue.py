@@ -17,10 +17,7 @@ from eyrie.core.errors import EyrieError, UnknownRun
 from eyrie.core.storage import trains_on_demand
 from eyrie.data.manifest import load_run_manifest
 from eyrie.data.store import open_store
-from eyrie.work import k8s_jobs, keys
-from eyrie.work.task_kinds import jobs_for_queue
-
-EXTRACT_SERVER = "extract-server"
+from eyrie.work import k8s_jobs, keys, task_kinds
 
 
 class KueueAdmission:
@@ -64,7 +61,7 @@ def dispatch(conn, queue_stage: str, run: str) -> list[str]:
     """Called whenever tasks of a stage are enqueued: the names of the run's Jobs that serve them.
     Under the Redis lease (the default) it does nothing and reads one setting alone
     (Settings.gpu_scheduler: every enqueue asks)."""
-    if one_setting("gpu_scheduler") != "kueue" or not jobs_for_queue(queue_stage):
+    if one_setting("gpu_scheduler") != "kueue" or not task_kinds.jobs_for_queue(queue_stage):
         return []
     settings = load_settings()
     admission = KueueAdmission(settings)
@@ -73,25 +70,14 @@ def dispatch(conn, queue_stage: str, run: str) -> list[str]:
 
 
 def run_jobs(settings: Settings, queue_stage: str, run: str) -> tuple[str, ...]:
-    """The Jobs a run's tasks of a queue need, in creation order: those its task kinds declare, and
+    """The Jobs a run's tasks of a queue need, in creation order (eyrie.work.task_kinds.jobs_for_queue):
     the vLLM extraction server before the trainer of a run that trains on demand."""
-    from eyrie.stages import TRAIN  # eyrie.stages reaches this module through eyrie.work.queue
-
-    jobs = jobs_for_queue(queue_stage)
-    if queue_stage == TRAIN.queue and run_trains_on_demand(settings, run):
-        return (EXTRACT_SERVER, *jobs)
-    return jobs
+    return task_kinds.jobs_for_queue(queue_stage, run_trains_on_demand(settings, run))
 
 
 def servers_done(settings: Settings, queue_stage: str, run: str) -> tuple[str, ...]:
-    """The server Jobs of a run no task needs once the queue has drained: every Job of the queue but
-    the one that drains it; the extraction server stays after extraction where training reads it."""
-    from eyrie.stages import EXTRACT
-
-    servers = run_jobs(settings, queue_stage, run)[:-1]
-    if queue_stage == EXTRACT.queue and run_trains_on_demand(settings, run):
-        return tuple(s for s in servers if s != EXTRACT_SERVER)
-    return servers
+    """The server Jobs of a run no task needs once the queue has drained (eyrie.work.task_kinds.servers_done)."""
+    return task_kinds.servers_done(queue_stage, run_trains_on_demand(settings, run))
 
 
 def run_trains_on_demand(settings: Settings, run: str) -> bool:

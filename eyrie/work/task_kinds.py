@@ -27,6 +27,9 @@ class TaskKind:
     # it is enqueued: the servers it reads first (the target, the extraction server), then the one
     # that drains the queue
     jobs: tuple[str, ...] = ()
+    # the server Jobs it reads besides, for a run that trains on demand (extract.storage hybrid or
+    # online), created before its own; they stay up until its queue drains
+    reads_on_demand: tuple[str, ...] = ()
 
     def __post_init__(self):
         _DECLARED[self.name] = self
@@ -41,9 +44,20 @@ def task_funcs() -> frozenset[str]:
     return frozenset(k.func for k in _DECLARED.values())
 
 
-def jobs_for_queue(queue: str) -> tuple[str, ...]:
-    """The Jobs that serve a queue's tasks, as its task kinds declare them, in creation order."""
-    return tuple(dict.fromkeys(job for k in _DECLARED.values() if k.queue == queue for job in k.jobs))
+def jobs_for_queue(queue: str, on_demand: bool = False) -> tuple[str, ...]:
+    """The Jobs that serve a queue's tasks, as its task kinds declare them, in creation order: the
+    servers first, the Job that drains the queue last. on_demand: for a run that trains on demand."""
+    kinds = [k for k in _DECLARED.values() if k.queue == queue]
+    reads = [job for k in kinds for job in k.reads_on_demand] if on_demand else []
+    return tuple(dict.fromkeys([*reads, *(job for k in kinds for job in k.jobs)]))
+
+
+def servers_done(queue: str, on_demand: bool = False) -> tuple[str, ...]:
+    """The server Jobs no task needs once the queue has drained: every Job of the queue but the one
+    that drains it, less those another queue's tasks read on demand (the extraction server stays
+    after extraction where training reads it)."""
+    kept = {job for k in _DECLARED.values() if k.queue != queue for job in k.reads_on_demand} if on_demand else set()
+    return tuple(job for job in jobs_for_queue(queue, on_demand)[:-1] if job not in kept)
 
 
 def gpu_queues() -> frozenset[str]:
