@@ -194,6 +194,22 @@ def eyrie(*args: str, env: dict, check: bool = True, timeout: float = 300) -> su
     return result
 
 
+def eyrie_in_process(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:
+    """`eyrie` through the console script's own app (eyrie.commands.cli.app) in this process, with
+    exactly `env` as its environment: the same code and output, without a Python start and the
+    import of torch per call. Only for commands that start nothing and return (`run --plan`)."""
+    from typer.testing import CliRunner
+
+    from eyrie.commands.cli import app
+
+    swapped = {**{k: None for k in os.environ if k not in env}, **env}
+    result = CliRunner().invoke(app, list(args), env=swapped, catch_exceptions=False, prog_name="eyrie")
+    done = subprocess.CompletedProcess(["eyrie", *args], result.exit_code, result.stdout, result.stderr)
+    if check and done.returncode != 0:
+        raise AssertionError(f"eyrie {' '.join(args)} -> {done.returncode}\n{done.stdout}\n{done.stderr}")
+    return done
+
+
 def clone_run(store, src: str, dst: str) -> None:
     """A new run over the same extracted samples (the shard manifests point at src's objects)."""
     from eyrie.data.manifest import Layout

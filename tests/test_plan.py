@@ -9,7 +9,7 @@ import sys
 
 import yaml
 
-from conftest import OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, tiny_run_config
+from conftest import OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, eyrie_in_process, tiny_run_config
 from eyrie.core.support import check, table
 
 SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
@@ -30,7 +30,7 @@ def test_the_seed_plans_hours_bytes_and_support_with_no_gpu(tmp_path):
     assert "extract      9.77 h: 102,400,000 tokens stored at 2,912 tok/s (the seed" in out
     assert "generate     4.98 h" in out and "total" in out
     assert "KimiK25ForConditionalGeneration (vllm/model_executor/models/kimi_k25.py) implements SupportsEagle3" in out
-    plan = json.loads(eyrie("run", "--config", str(SEED), "--plan", "--json", env=_env(tmp_path)).stdout)
+    plan = json.loads(eyrie_in_process("run", "--config", str(SEED), "--plan", "--json", env=_env(tmp_path)).stdout)
     assert plan["hours"]["extract"]["tokens_per_s"] == 2912 and plan["support"]["eagle3"] is True
     assert plan["space"]["trainer_copy_bytes"] == plan["storage"]["modes"]["hybrid"]["trainer_cache_bytes"]
     assert plan["storage"]["modes"]["offline"]["trainer_cache_bytes"] == plan["hidden_states_bytes_expected"]
@@ -40,7 +40,7 @@ def test_the_seed_plans_hours_bytes_and_support_with_no_gpu(tmp_path):
 def test_free_space_counts_the_bucket_and_the_trainers_copy_on_one_device(tmp_path):
     path = tiny_run_config(tmp_path, "p1", plan={"mean_tokens": 200, "generate_tokens_per_s": 1000,
                                                   "extract_tokens_per_s": 4000, "train_tokens_per_s": 8000})
-    plan = json.loads(eyrie("run", "--config", path, "--plan", "--json", env=_env(tmp_path)).stdout)
+    plan = json.loads(eyrie_in_process("run", "--config", path, "--plan", "--json", env=_env(tmp_path)).stdout)
     space = plan["space"]
     assert space["same_device"] and abs(space["bucket_free"] - shutil.disk_usage(tmp_path).free) < 2e9
     assert space["fits_bucket"] is True
@@ -51,13 +51,13 @@ def test_free_space_counts_the_bucket_and_the_trainers_copy_on_one_device(tmp_pa
 
 def test_a_training_length_shorter_than_extraction_is_counted(tmp_path):
     path = tiny_run_config(tmp_path, "p2", extract={"max_length": 300}, train={"seq_len": 256})
-    out = eyrie("run", "--config", path, "--plan", env=_env(tmp_path)).stdout
+    out = eyrie_in_process("run", "--config", path, "--plan", env=_env(tmp_path)).stdout
     assert "training cuts at 256: up to 13,464 stored tokens are never trained on" in out  # 306 rows x 44
     assert "(set train.seq_len: 300 or extract.max_length: 256)" in out
 
 
 def test_no_rate_known_says_which_to_give(tmp_path):
-    out = eyrie("run", "--config", tiny_run_config(tmp_path, "p3"), "--plan", env=_env(tmp_path)).stdout
+    out = eyrie_in_process("run", "--config", tiny_run_config(tmp_path, "p3"), "--plan", env=_env(tmp_path)).stdout
     assert "unknown: set plan.generate_tokens_per_s" in out and "total: unknown until every rate is given" in out
 
 
@@ -71,13 +71,13 @@ def _unsupported_config(tmp_path, backend: str) -> str:
 
 
 def test_an_architecture_without_eagle3_in_vllm_is_refused_before_any_gpu_work(tmp_path):
-    result = eyrie("run", "--config", _unsupported_config(tmp_path, "vllm"), "--plan", env=_env(tmp_path), check=False)
+    result = eyrie_in_process("run", "--config", _unsupported_config(tmp_path, "vllm"), "--plan", env=_env(tmp_path), check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "Gemma3ForCausalLM (vllm/model_executor/models/gemma3.py) does not implement SupportsEagle3" in result.stderr
     assert "set extract.backend: hf" in result.stderr
     started = eyrie("run", "--config", _unsupported_config(tmp_path, "vllm"), env=_env(tmp_path), check=False)
     assert started.returncode == 1 and "set extract.backend: hf" in started.stderr  # refused before Redis
-    hf = eyrie("run", "--config", _unsupported_config(tmp_path, "hf"), "--plan", env=_env(tmp_path))
+    hf = eyrie_in_process("run", "--config", _unsupported_config(tmp_path, "hf"), "--plan", env=_env(tmp_path))
     assert "cannot serve an EAGLE-3 drafter for Gemma3ForCausalLM" in hf.stdout
 
 
@@ -118,7 +118,7 @@ def test_generation_rate_is_measured_once_the_run_has_generated(env, stub_server
           "--max-tokens", "64", env=env)
     eyrie("worker", "generate", "--burst", env=env)
     path = tiny_run_config(tmp_path, "pm", dataset={"limit": 16}, plan={"generate_tokens_per_s": 1.0})
-    plan = json.loads(eyrie("run", "--config", path, "--plan", "--json", env=env).stdout)
+    plan = json.loads(eyrie_in_process("run", "--config", path, "--plan", "--json", env=env).stdout)
     rate = plan["hours"]["generate"]
     assert rate["source"] == "measured: this run's 1 generated shard(s)"
     assert 800 / 12 <= rate["tokens_per_s"] <= 800 / 2  # 16 x 50 tokens in 4 waves of 1 s (C=4), to the second

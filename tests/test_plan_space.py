@@ -14,7 +14,7 @@ import time
 import pytest
 import redis
 
-from conftest import BIN, OFFLINE, S3_KEYS, eyrie, stop, tiny_run_config
+from conftest import BIN, OFFLINE, S3_KEYS, eyrie_in_process, stop, tiny_run_config
 
 TIB = 2**40
 
@@ -86,15 +86,15 @@ def test_plan_reads_the_buckets_free_space_from_the_s3_server(fake_minio, tmp_pa
            "EYRIE_REDIS_URL": "redis://127.0.0.1:1/0", "EYRIE_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("EYRIE_DATA_DIR", None)
     path = tiny_run_config(tmp_path, "sp", plan={"mean_tokens": 200})
-    out = eyrie("run", "--config", path, "--plan", env=env).stdout
+    out = eyrie_in_process("run", "--config", path, "--plan", env=env).stdout
     assert "free at s3://eyrie (the S3 server's own figure): 2.80 TB: fits" in out
-    plan = json.loads(eyrie("run", "--config", path, "--plan", "--json", env=env).stdout)
+    plan = json.loads(eyrie_in_process("run", "--config", path, "--plan", "--json", env=env).stdout)
     assert plan["space"]["bucket_free"] == 2_800_000_000_000 and plan["space"]["same_device"] is False
     # no trainer reports to this (unreachable) Redis: said, not measured on this container's own disk
     assert plan["space"]["trainer_free"] is None
     assert "the trainer's free space is not known here: no `eyrie worker train` reports it" in out
     _FakeMinio.info = {"servers": []}  # the S3 server says nothing: the bucket's directory here (EYRIE_DATA_DIR)
-    plan = json.loads(eyrie("run", "--config", path, "--plan", "--json",
+    plan = json.loads(eyrie_in_process("run", "--config", path, "--plan", "--json",
                             env={**env, "EYRIE_DATA_DIR": str(tmp_path)}).stdout)
     assert plan["space"]["bucket_dir"] == str(tmp_path) and plan["space"]["bucket_free"] > 0
 
@@ -123,8 +123,8 @@ def test_the_trainer_reports_its_caches_free_space_and_plan_uses_it(redis_url, s
         assert abs(report["free"] - shutil.disk_usage(trainer_cache).free) < 2e9
         plan_env = {**os.environ, **OFFLINE, **store, "EYRIE_CACHE_DIR": str(tmp_path / "plan-cache")}
         path = tiny_run_config(tmp_path, "tr", plan={"mean_tokens": 200})
-        out = eyrie("run", "--config", path, "--plan", env=plan_env).stdout
-        plan = json.loads(eyrie("run", "--config", path, "--plan", "--json", env=plan_env).stdout)
+        out = eyrie_in_process("run", "--config", path, "--plan", env=plan_env).stdout
+        plan = json.loads(eyrie_in_process("run", "--config", path, "--plan", "--json", env=plan_env).stdout)
     finally:
         stop(proc)
     space = plan["space"]

@@ -5,7 +5,6 @@ a blocked or cancelled run does not keep the inference server down."""
 
 import json
 import os
-import re
 import signal
 import subprocess
 import threading
@@ -16,7 +15,7 @@ import psutil
 import pytest
 import redis
 
-from conftest import BIN, OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, free_port, stop, wait_for
+from conftest import BIN, OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, eyrie_in_process, free_port, stop, wait_for
 from eyrie.work import inference, keys
 from eyrie.work.gpu import GpuLease, holder
 from eyrie.work.queue import LEASE_TTL_S, Heartbeat, held_task
@@ -140,8 +139,8 @@ def test_the_projection_counts_the_trainers_local_copy():
     EYRIE_TRAINER_CACHE_DIR): as many bytes as the extract stage stores, said by `--plan`."""
     seed = str(ROOT / "examples" / "run.kimi-k2.5.yaml")
     env = {**os.environ, **OFFLINE}
-    out = eyrie("run", "--config", seed, "--plan", env=env).stdout
-    plan = json.loads(eyrie("run", "--config", seed, "--plan", "--json", env=env).stdout)
+    out = eyrie_in_process("run", "--config", seed, "--plan", env=env).stdout
+    plan = json.loads(eyrie_in_process("run", "--config", seed, "--plan", "--json", env=env).stdout)
     stored = plan["storage"]["modes"][plan["storage"]["chosen"]]["trainer_cache_bytes"]  # hybrid: part of them
     assert plan["space"]["trainer_copy_bytes"] == stored > 0
     assert "the trainer's local copy" in out and "EYRIE_TRAINER_CACHE_DIR" in out, out

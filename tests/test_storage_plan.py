@@ -8,7 +8,7 @@ import os
 import pytest
 import yaml
 
-from conftest import OFFLINE, ROOT, eyrie
+from conftest import OFFLINE, ROOT, eyrie_in_process
 from eyrie.core.errors import EyrieError
 from eyrie.core.storage import resolve_mode, shard_allowance
 from eyrie.data.manifest import ExtractParams
@@ -203,7 +203,7 @@ def test_plan_prints_each_modes_bytes_and_hours(tmp_path):
     clean = {k: v for k, v in os.environ.items() if not k.startswith("EYRIE_")}
     env = {**clean, **OFFLINE, "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}",
            "EYRIE_CACHE_DIR": str(tmp_path / "cache")}
-    out = eyrie("run", "--config", str(SEED), "--plan", env=env).stdout
+    out = eyrie_in_process("run", "--config", str(SEED), "--plan", env=env).stdout
     assert ("mode    |    bucket | trainer cache | extraction passes | service GPU-h | trainer GPU-h |  wall h | fits"
             in out)
     rows = {"offline": "  2.94 TB |       2.94 TB |              1.00 |          78.2 |          34.6 |    44.4 | no",
