@@ -197,7 +197,8 @@ def eyrie(*args: str, env: dict, check: bool = True, timeout: float = 300) -> su
 def eyrie_in_process(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:
     """`eyrie` through the console script's own app (eyrie.commands.cli.app) in this process, with
     exactly `env` as its environment: the same code and output, without a Python start and the
-    import of torch per call. Only for commands that start nothing and return (`run --plan`)."""
+    import of torch per call. Only for commands that start nothing and return (`run --plan`,
+    `generate` and `status` without --wait)."""
     from typer.testing import CliRunner
 
     from eyrie.commands.cli import app

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from conftest import ROOT, TINY, eyrie, free_port, stop, wait_http
+from conftest import ROOT, TINY, eyrie, eyrie_in_process, free_port, stop, wait_http
 
 GOOD = {"conversations": [{"from": "human", "value": "hello"}]}
 HUGE = "word " * (1 << 20)  # a 5 MB message
@@ -172,7 +172,8 @@ def test_malformed_dataset_is_accounted_for_or_refused(env, stub_url, tmp_path, 
                                                        expected):
     env = {**env, "EYRIE_INFERENCE_URL": stub_url, "EYRIE_SERVER": "vllm", "EYRIE_MODEL": str(TINY)}
     source = write_case(tmp_path, filename, content)
-    started = eyrie("generate", "--dataset", source, "--run", "bad", "--shard-size", "3", env=env, check=False)
+    started = eyrie_in_process("generate", "--dataset", source, "--run", "bad", "--shard-size", "3", env=env,
+                               check=False)
     no_traceback(started)
     if isinstance(expected, tuple):
         assert started.returncode == 1, started
@@ -185,7 +186,7 @@ def test_malformed_dataset_is_accounted_for_or_refused(env, stub_url, tmp_path, 
     worker = eyrie("worker", "generate", "--burst", env=env, check=False)
     no_traceback(worker)
     assert worker.returncode == 0
-    status = eyrie("status", "bad", "--json", env=env)
+    status = eyrie_in_process("status", "bad", "--json", env=env)
     gen = json.loads(status.stdout)["stages"]["generate"]
     rows = sum(expected.values())
     assert (gen["state"], gen["total"]) == ("done", rows)
