@@ -253,7 +253,14 @@ tests see it as the first run left it."""
     manifest = stack.api(f"/runs/{ONLINE}/manifest")
     assert manifest["drafter"] and manifest["extract"]["storage"] == "online", manifest["extract"]
     assert extract["on_demand"] == extract["done"] > 0, extract  # every sample stored as its token ids alone
-    logs = stack.compose("logs", "--no-color", "extract-server").stdout
-    # it stopped once the run was trained (a run that ends is also no longer active: either word)
-    assert any(f"run {ONLINE} is {why}: stopping vLLM" in logs for why in ("trained", "cancelled or no longer active")), \
-        logs[-4000:]
+    # it stops once the run is trained (a run that ends is also no longer active: either word), seen at its
+    # next look at the run, seconds after the run is done
+    stops = [f"run {ONLINE} is {why}: stopping vLLM" for why in ("trained", "cancelled or no longer active")]
+
+    def logs() -> str:
+        return stack.compose("logs", "--no-color", "extract-server").stdout
+
+    try:
+        wait_for(lambda: any(stop in logs() for stop in stops), "the extract-server to stop vLLM", timeout=120, every=3)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{logs()[-4000:]}") from None
