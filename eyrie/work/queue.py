@@ -283,16 +283,23 @@ class _Maintained:
     all), and whose maintenance requeues the tasks of dead workers: a survivor takes them over
     without a restart."""
 
+    _keeper: threading.Thread | None = None
+
     def execute_job(self, job, queue):
-        stop = threading.Event()
-        keeper = threading.Thread(target=_keep_alive, args=(self.connection, job.id, stop), daemon=True)
-        keeper.start()
         try:
             return super().execute_job(job, queue)
         finally:
-            stop.set()
-            keeper.join()
+            if self._keeper is not None:
+                self._keeper_stop.set()
+                self._keeper.join()
+                self._keeper = None
             self.connection.delete(keys.job_alive(job.id))
+
+    def _start_keeper(self, job) -> None:
+        self._keeper_stop = threading.Event()
+        self._keeper = threading.Thread(target=_keep_alive, args=(self.connection, job.id, self._keeper_stop),
+                                        daemon=True)
+        self._keeper.start()
 
     def run_maintenance_tasks(self):
         super().run_maintenance_tasks()
@@ -312,10 +319,19 @@ def stop_requested() -> bool:
 
 
 class ForkingWorker(_Maintained, Worker):
-    pass
+    def fork_work_horse(self, job, queue):
+        """The keeper starts after the fork, in this process (the work horse never returns here): a
+        thread inside getaddrinfo while the process forks leaves the work horse glibc's resolver lock
+        held for good, and its first Redis connection hangs with the task taken and nothing done."""
+        super().fork_work_horse(job, queue)
+        self._start_keeper(job)
 
 
 class InProcessWorker(_Maintained, SimpleWorker):
+    def execute_job(self, job, queue):
+        self._start_keeper(job)
+        return super().execute_job(job, queue)
+
     def handle_warm_shutdown_request(self):
         """SIGTERM (or Ctrl+C) while a task runs in this process: RQ waits for it to end; a task
         that only waits (for a server) sees `stop_requested()` and ends its wait."""
