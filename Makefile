@@ -11,7 +11,7 @@ export HF_HUB_DISABLE_UPDATE_CHECK := 1
 REQS := requirements/base.txt requirements/generator.txt requirements/inference.txt \
         requirements/speculators.txt requirements/api.txt requirements/dev.txt pyproject.toml
 
-.PHONY: setup test faults demo redis chromium api bench gpu-checks compose-check helm-check up down ps logs status run \
+.PHONY: setup test check faults demo redis redis-up chromium api bench gpu-checks compose-check helm-check up down ps logs status run \
         clean tiny-target smollm2 docker wheelhouse images compose-stack compose-e2e
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed redis chromium
@@ -44,13 +44,20 @@ chromium:
 	@{ command -v chromium && command -v chromedriver; } >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
 # The images build (network, disk: mostly waiting) while the rest of the suite runs; the stack's
-# own test goes last, on the built images. The build's log: .eyrie/compose-stack.log
+# own test goes last, on the built images. The build's log: .eyrie/compose-stack.log; every test's
+# time: .eyrie/pytest.xml (docs/testing.md's profile; DURATIONS=0 prints them all).
+DURATIONS ?= 30
 test: setup
 	@mkdir -p .eyrie; { $(MAKE) --no-print-directory compose-stack >.eyrie/compose-stack.log 2>&1; \
 	   echo $$? >.eyrie/compose-stack.rc; } & \
-	$(BIN)/pytest -q --durations=30 --ignore=tests/test_compose_e2e.py; rest=$$?; wait; \
+	$(BIN)/pytest -q --durations=$(DURATIONS) --junitxml=.eyrie/pytest.xml --ignore=tests/test_compose_e2e.py; \
+	rest=$$?; wait; \
 	if [ "$$(cat .eyrie/compose-stack.rc)" != 0 ]; then tail -40 .eyrie/compose-stack.log; exit 1; fi; \
-	$(BIN)/pytest -q tests/test_compose_e2e.py && exit $$rest
+	$(BIN)/pytest -q --junitxml=.eyrie/pytest-stack.xml tests/test_compose_e2e.py && exit $$rest
+
+# The inner loop: the unit tier alone (no process, no server; tests/tiers.py), a few minutes
+check: $(VENV)/.installed
+	$(BIN)/pytest -q -m unit --durations=10
 
 # The fault suite alone (it is also part of `make test`): writes docs/faults.md
 faults: setup
@@ -59,10 +66,14 @@ faults: setup
 # The embedded default: Redis on 127.0.0.1:6379 (started here if none answers), a local
 # file store in .eyrie/store, transformers serve on the tiny target, one worker per queue, and
 # `eyrie run` on examples/run.tiny.yaml (run `demo`).
-demo: setup
+# the Redis of the embedded default: the one at EYRIE_REDIS_URL, else one started on 127.0.0.1:6379
+# with AOF in .eyrie/redis (README's real-model commands and `make demo` use it)
+redis-up: setup
 	@$(BIN)/python -c "import redis; redis.Redis.from_url('$${EYRIE_REDIS_URL:-redis://127.0.0.1:6379/0}').ping()" 2>/dev/null \
 	  || { mkdir -p .eyrie/redis && redis-server --daemonize yes --port 6379 --bind 127.0.0.1 \
 	       --dir $$PWD/.eyrie/redis --appendonly yes --logfile $$PWD/.eyrie/redis/redis.log && sleep 1; }
+
+demo: setup redis-up
 	EYRIE_VLLM_COMMAND=$${EYRIE_VLLM_COMMAND:-$(VLLM_COMMAND)} $(BIN)/eyrie demo
 
 # The control API and dashboard on http://127.0.0.1:8080/ (EYRIE_API_TOKEN for mutating calls)

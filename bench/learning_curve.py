@@ -3,11 +3,13 @@
   .venv/bin/python bench/learning_curve.py --run RUN --sizes 1000,2000,4000,8000     (--help: every option)
 On a run the pipeline has generated and extracted (EYRIE_* as for every eyrie command; no worker on the GPU). Held
 out: the pipeline's own samples; slice n: the first n of the others sorted by sample id (a hash), so slices nest.
-Each slice: trained by eyrie's engine with the train stage's options (timed), its last epoch's checkpoint judged by
-eyrie (evaluate.simulate, held out) and written as a drafter vLLM loads. The anchor: speculators' own entry point and
+Each slice: trained by eyrie's engine with the train stage's options and the recipe its own training tokens choose
+(timed), its last epoch's checkpoint judged by eyrie (evaluate.simulate, held out) and written as a drafter vLLM loads. The anchor: speculators' own entry point and
 defaults on the largest slice, given only what it requires and what the machine needs. vLLM, as `eyrie verify`: the
 target alone once, then each drafter (eagle3, K), on the held-out prompts and the benchmarks. Generation and
 extraction times: the run's shard manifests. Writes --out (JSON), an SVG plot beside it, a section of --results.
+A rerun continues (EYRIE_CACHE_DIR/bench/RUN/): a slice judged in an earlier sitting is reused, an interrupted training
+resumes from its checkpoints, vLLM measures only what no sitting has (bench/real_model.py runs it across sittings).
 """
 
 import argparse, datetime as dt, gc, json, math, os, platform, re, shlex, shutil, subprocess, sys, time
@@ -16,6 +18,7 @@ from xml.sax.saxutils import escape
 
 import torch
 
+from eyrie.core import recipe as recipes
 from eyrie.core.config import load_settings
 from eyrie.data.manifest import Layout, load_run_manifest
 from eyrie.data.store import open_store
@@ -25,6 +28,7 @@ from eyrie_trainer import engine
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
 from eyrie_trainer.evaluate import simulate
 from eyrie_trainer.export import _served_config, _transfer, load_drafter
+from eyrie_trainer.runner import speculators_options
 from eyrie_trainer.verify import (HELDOUT, Served, answer_limits, benchmark_prompts, benchmark_result, heldout_prompts,
                                   max_model_len, serve_flags)
 
@@ -35,7 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SERIAL = 4  # prompts answered one at a time, for tokens/s at 1 in flight
 NOTABLE = ("epochs", "lr", "optimizer", "scheduler_type", "total_seq_len", "draft_vocab_size", "num_layers",
            "ttt_steps", "loss_fn", "train_data_ratio", "seed", "draft_attn_impl", "loss_implementation", "num_workers")
-GIVEN = {"verifier_name_or_path", "data_path", "save_path", "target_layer_ids", "log_dir", "num_workers", "epochs"}
+GIVEN = {"verifier_name_or_path", "data_path", "save_path", "target_layer_ids", "log_dir", "num_workers", "epochs",
+         "train_data_ratio", "hidden_states_dtype"}  # the training split is the slice, the validation split the held-out
+# samples (train_data_ratio); fp32 where the CPU has no native bf16 (hidden_states_dtype: 60x faster here)
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
 
@@ -72,7 +78,7 @@ def section(r: dict, svg: str | None = None) -> list[str]:
            f"- Machine: {m['cpus']} CPUs ({m['cpu']}), {m['memory_gib']} GiB RAM{gpu}; {r['date']}; commit "
            f"`{r['commit']}`.", f"- Command: `{r['command']}`",
            f"- Run `{r['run']}` ({r['target']}): {r['heldout_samples']} held-out samples, a pool of {r['pool']}; "
-           f"{r['epochs']} epochs on {r['device']}; vLLM at K={r['k']}, greedy, at most {r['max_tokens']} tokens; "
+           f"epochs: {r['epochs']}, on {r['device']}; vLLM at K={r['k']}, greedy, at most {r['max_tokens']} tokens; "
            + ", ".join(f"{n} {c} prompts" for n, c in r["sets"].items()) + ".", "",
            _row("training prompts", "eyrie τ held-out", *(f"vLLM acceptance {s}" for s in sets),
                 *(f"speedup @1 {s}" for s in sets), "train min / 1k prompts"), "|" + "---|" * (3 + 2 * len(sets))]
@@ -144,27 +150,56 @@ def machine() -> dict:
             "commit": git("rev-parse", "--short", "HEAD") + ("+uncommitted" if git("status", "--porcelain") else "")}
 
 
-def train_options(manifest, data: Path, work: Path, workers: int, epochs: int) -> dict:
-    """What the train stage gives speculators (eyrie_trainer.runner.TrainRunner._options), for this slice."""
-    p, extract = manifest.train, manifest.extract
-    options = {"verifier_name_or_path": manifest.target.model, "data_path": str(data),
-               "save_path": str(work / "checkpoints"), "epochs": epochs, "ttt_steps": p.ttt_steps, "lr": p.lr,
-               "total_seq_len": p.total_seq_len, "num_workers": workers, "target_layer_ids": list(extract.aux_layers),
-               "log_dir": str(work / "logs"), "logger": "", "checkpoint_freq": 1, "log_freq": 1,
-               "hidden_states_backend": "fp8" if extract.dtype == "fp8" else "file",
-               "draft_vocab_size": p.draft_vocab, "num_layers": p.num_layers}
-    return options | ({"max_steps": p.max_steps} if p.max_steps else {})
+def slice_params(manifest, samples: list[dict], device: str, epochs: int | None):
+    """The run's train plan for a slice: its recipe chosen from the slice's own training tokens, as the train stage
+    plans a run of that size (epochs given: those); returns the plan and its recipe."""
+    p = manifest.train
+    pack = recipes.pack_length(p.total_seq_len, device)
+    recipe = recipes.choose(sum(min(s["seq_len"], pack) for s in samples), device, lr=p.lr, warmup=p.warmup,
+                            schedule=p.schedule, seq_len=p.total_seq_len, epochs=epochs)
+    return p.model_copy(update={"epochs": recipe.epochs, "train_samples": len(samples)}), recipe
+
+
+def kept_point(folder: Path, options: dict) -> dict | None:
+    """A slice's point from an earlier sitting trained with the same options (None: not yet judged). Options
+    that differ from the last sitting's clear its checkpoints, point and train time: nothing is resumed from them."""
+    marker, point = folder / "options.json", folder / "point.json"
+    wanted = json.loads(json.dumps(options, default=str))
+    if marker.exists() and json.loads(marker.read_text()) == wanted:
+        return json.loads(point.read_text()) if point.exists() else None
+    shutil.rmtree(folder / "checkpoints", ignore_errors=True)
+    point.unlink(missing_ok=True)
+    (folder / "train_s").unlink(missing_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(wanted, indent=1))
+    return None
+
+
+def keep_point(folder: Path, point: dict) -> dict:
+    (folder / "point.json").write_text(json.dumps(point, indent=1, default=str))
+    return point
+
+
+def epoch_checkpoints(save: Path) -> list[Path]:
+    return [f.parent for f in save.glob("*/model.safetensors") if f.parent.name.isdigit()]  # speculators' layout
 
 
 def train(options: dict, device: str, fast_path: bool) -> tuple[dict, float, Path]:
-    """Train from scratch; the path taken, the wall seconds and the last epoch's checkpoint."""
+    """Train, resuming from the checkpoints an earlier sitting left in save_path (kept_point cleared any of
+    other options); the path taken, the wall seconds of every sitting and the last epoch's checkpoint."""
     save = Path(options["save_path"])
-    shutil.rmtree(save, ignore_errors=True)  # speculators would resume from a checkpoint left there
+    spent = save.parent / "train_s"
+    before = float(spent.read_text()) if spent.exists() else 0.0
     hooks, started = engine.Hooks(), time.monotonic()
-    path, wall = engine.train_with_fallback(options, device, fast_path, hooks, print), time.monotonic() - started
-    epochs = [f.parent for f in save.glob("*/model.safetensors") if f.parent.name.isdigit()]  # speculators' layout
+    try:
+        path = engine.train_with_fallback(options, device, fast_path, hooks, print)
+    finally:
+        wall = before + time.monotonic() - started
+        spent.write_text(str(wall))
+    epochs = epoch_checkpoints(save)
     if hooks.state.get("interrupted") or not epochs:
-        raise SystemExit(f"training was interrupted, or speculators saved no epoch checkpoint in {save}.")
+        raise SystemExit(f"training was interrupted (rerun the command: it resumes from {save}), or speculators "
+                         f"saved no epoch checkpoint in {save}.")
     return path, wall, max(epochs, key=lambda d: int(d.name))
 
 
@@ -181,24 +216,55 @@ def judge(checkpoint: Path, manifest, eval_dir: Path, out: Path, k: int, device:
             "eyrie": {key: tau[key] for key in ("per_position_acceptance", "drafts", "samples")}}
 
 
+def measured(cache: Path, key: dict, label: str, measure):
+    """`measure()`'s figures under `label`, kept in `cache` between sittings while `key` (what was asked) is the
+    same: a rerun serves only what no sitting has measured yet."""
+    key = json.loads(json.dumps(key, default=str))
+    kept = json.loads(cache.read_text()) if cache.exists() else {}
+    kept = kept if kept.get("key") == key else {"key": key, "measured": {}}
+    if label in kept["measured"]:
+        print(f"vLLM: {label}: reused (measured in an earlier sitting)", flush=True)
+        return kept["measured"][label]
+    kept["measured"][label] = json.loads(json.dumps(measure(), default=str))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(kept, indent=1))
+    return kept["measured"][label]
+
+
+def forget_measured(cache: Path, label: str) -> None:
+    """A drafter trained anew: its figures from an earlier sitting no longer hold."""
+    if cache.exists():
+        kept = json.loads(cache.read_text())
+        if kept.get("measured", {}).pop(label, None) is not None:
+            cache.write_text(json.dumps(kept, indent=1))
+
+
 def verify_all(settings, store, a, manifest, drafters: dict[str, Path], logs: Path) -> tuple[dict, dict, dict]:
-    """vLLM: the target alone once, then each drafter; per drafter its wall seconds and figures per set."""
+    """vLLM: the target alone once, then each drafter; per drafter its wall seconds and figures per set (each kept
+    in logs/measured.json: a rerun measures only what is missing)."""
     target, flags = manifest.target.model, serve_flags(settings, stored_config(store, a.run))
     sets = {HELDOUT: heldout_prompts(store, a.run, Path(settings.cache_dir))[:a.prompts],
             **benchmark_prompts(target, [b for b in a.bench.split(",") if b], a.prompts)}
     limits = answer_limits(sets, a.max_tokens, max_model_len(flags))
     logs.mkdir(parents=True, exist_ok=True)
-    with Served(settings, target, flags, logs / "target.log") as server:
-        alone = server.measure(sets, limits, SERIAL)
-    results = {}
+    cache, key = logs / "measured.json", {"sets": sets, "limits": limits, "flags": flags, "k": a.k}
+
+    def alone_measure():
+        with Served(settings, target, flags, logs / "target.log") as server:
+            return server.measure(sets, limits, SERIAL)
+
+    alone, results = measured(cache, key, "target alone", alone_measure), {}
     for label, folder in drafters.items():
-        spec = json.dumps({"method": "eagle3", "model": str(folder), "num_speculative_tokens": a.k})
-        print(f"vLLM: {target} with drafter {label} (eagle3, K={a.k})", flush=True)
-        started = time.monotonic()
-        with Served(settings, target, [*flags, "--speculative-config", spec], logs / f"{label}.log") as server:
-            drafted = server.measure(sets, limits, SERIAL)
-        results[label] = {"verify_s": time.monotonic() - started, "sets": {
-            name: benchmark_result(alone[name], {a.k: drafted[name]}, len(sets[name]))["k"][str(a.k)] for name in sets}}
+        def drafted_measure(label=label, folder=folder):
+            spec = json.dumps({"method": "eagle3", "model": str(folder), "num_speculative_tokens": a.k})
+            print(f"vLLM: {target} with drafter {label} (eagle3, K={a.k})", flush=True)
+            started = time.monotonic()
+            with Served(settings, target, [*flags, "--speculative-config", spec], logs / f"{label}.log") as server:
+                drafted = server.measure(sets, limits, SERIAL)
+            return {"verify_s": time.monotonic() - started, "sets": {
+                name: benchmark_result(alone[name], {a.k: drafted[name]}, len(sets[name]))["k"][str(a.k)]
+                for name in sets}}
+        results[label] = measured(cache, key, label, drafted_measure)
     return {n: len(p) for n, p in sets.items()}, {n: alone[n]["tokens_per_s"] for n in sets}, results
 
 
@@ -219,7 +285,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--prompts", type=int, default=40, help="prompts per benchmark")
     p.add_argument("--max-tokens", type=int, default=256, help="answer length in vLLM")
     p.add_argument("--k", type=int, help="draft length K (default: the run's ttt_steps)")
-    p.add_argument("--epochs", type=int, help="eyrie's epochs (default: the run's train.epochs)")
+    p.add_argument("--epochs", type=int, help="eyrie's epochs for every slice (default: each slice's recipe, chosen "
+                                                 "from its training tokens as the train stage plans a run that size)")
     p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=True, help="speculators' defaults too")
     p.add_argument("--anchor-epochs", type=int, help="the anchor's epochs (default: eyrie's; speculators' own: 20)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learning_curve.json")
@@ -237,35 +304,47 @@ def main(argv: list[str] | None = None) -> None:
     if manifest.train is None or manifest.extract is None or manifest.train.base:
         raise SystemExit(f"run {a.run} has no train plan yet (run the pipeline until training starts), or finetunes "
                          "a base drafter (the learning curve trains from scratch).")
-    a.k, a.epochs = a.k or manifest.train.ttt_steps, a.epochs or manifest.train.epochs
+    a.k = a.k or manifest.train.ttt_steps
     held = heldout_ids(samples := done_samples(store, a.run), manifest.train.heldout_samples)
     (pool, chosen), work = slices(samples, held, a.sizes), Path(settings.cache_dir) / "bench" / a.run
     eval_dir = Path(settings.cache_dir) / "runs" / a.run / "data" / "heldout"  # where eyrie verify reads it too
-    materialize(store, a.run, eval_dir, lambda s: s["sample_id"] in held)
+    n_eval = materialize(store, a.run, eval_dir, lambda s: s["sample_id"] in held)
     fast = {"on": True, "off": False}.get(settings.train_fast_path, device.startswith("cuda"))  # as the train stage
     workers = settings.train_loader_workers if settings.train_loader_workers is not None else 2 * (device != "cpu")
-    points, largest = [], max(chosen)
+    by_id, points, largest, measured_at = {s["sample_id"]: s for s in samples}, [], max(chosen), work / "vllm"
     for n, ids in chosen.items():
-        wanted, data = set(ids), work / str(n) / "data"
-        print(f"{n} training prompts: materializing, then training ({a.epochs} epochs, {device})", flush=True)
-        materialize(store, a.run, data, lambda s: s["sample_id"] in wanted)
-        path, wall, ckpt = train(train_options(manifest, data, work / str(n), workers, a.epochs), device, fast)
-        points.append({"label": str(n), "prompts": n, "epochs": a.epochs, "train_s": wall, "path": path,
-                       **judge(ckpt, manifest, eval_dir, work / str(n) / "drafter", a.k, device)})
+        params, recipe = slice_params(manifest, [by_id[i] for i in ids], device, a.epochs)
+        wanted, folder = set(ids), work / str(n)
+        options = speculators_options(params, manifest, folder / "data", folder, workers, (n, n_eval), device)
+        if (point := kept_point(folder, options)) is not None:
+            print(f"{n} training prompts: reused (trained and judged in an earlier sitting)", flush=True)
+            points.append(point)
+            continue
+        forget_measured(measured_at / "measured.json", str(n))
+        resumed = epoch_checkpoints(folder / "checkpoints")
+        print(f"{n} training prompts: materializing, then training ({recipe.statement()}; {device})"
+              + (f"; resuming from its checkpoint of epoch {max(int(d.name) for d in resumed)}" if resumed else ""),
+              flush=True)
+        materialize(store, a.run, folder / "data", lambda s: s["sample_id"] in wanted,
+                    validation=lambda s: s["sample_id"] in held, linked_from=eval_dir)
+        path, wall, ckpt = train(options, device, fast)
+        points.append(keep_point(folder, {"label": str(n), "prompts": n, "epochs": params.epochs, "train_s": wall,
+                                          "recipe": recipe.statement(), "path": path,
+                                          **judge(ckpt, manifest, eval_dir, folder / "drafter", a.k, device)}))
         if n != largest:
-            shutil.rmtree(data)  # each slice is a copy of its hidden states: the largest is kept for the anchor
-    anchor = anchor_run(manifest, work, largest, device, workers, a.anchor_epochs or a.epochs, a.epochs, a.k,
-                        eval_dir) if a.anchor else None
+            shutil.rmtree(folder / "data")  # each slice is a copy of its hidden states: the largest is kept for the anchor
+    anchor = anchor_run(store, a.run, manifest, work, largest, [by_id[i] for i in chosen[largest]], held, eval_dir,
+                        device, workers, a) if a.anchor else None
     drafted = points + ([anchor] if anchor else [])
     sets, alone, verified = verify_all(settings, store, a, manifest, {p["label"]: p["drafter"] for p in drafted},
-                                       work / "vllm")
+                                       measured_at)
     for point in drafted:
         point.update(verified[point["label"]])
     result = {"run": a.run, "target": manifest.target.model, "target_name": Path(manifest.target.model).name,
               "command": a.command, **machine(), "device": device, "heldout_samples": len(held), "pool": len(pool),
-              "sizes": list(chosen), "epochs": a.epochs, "k": a.k, "max_tokens": a.max_tokens, "sets": sets,
-              "target_tokens_per_s": alone, "stage_times": recorded_stage_times(store, manifest),
-              "points": points, "anchor": anchor}
+              "sizes": list(chosen), "epochs": "each slice's recipe" if a.epochs is None else a.epochs, "k": a.k,
+              "max_tokens": a.max_tokens, "sets": sets, "target_tokens_per_s": alone,
+              "stage_times": recorded_stage_times(store, manifest), "points": points, "anchor": anchor}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2, default=str))
     svg = a.out.with_suffix(".svg")
@@ -275,25 +354,42 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(section(result)))
 
 
-def anchor_run(manifest, work: Path, n: int, device: str, workers: int, epochs: int, eyrie_epochs: int, k: int,
-               eval_dir: Path) -> dict:
+def anchor_run(store, run: str, manifest, work: Path, n: int, samples: list[dict], held: set[str], eval_dir: Path,
+               device: str, workers: int, a) -> dict:
     """speculators' defaults on the largest slice: of eyrie's options only what speculators requires and what this
     machine needs (GIVEN; sdpa + eager loss off a GPU). Which defaults it took is recorded."""
     from speculators.train.config import TrainConfig  # heavy: only for the anchor
 
-    eyrie = train_options(manifest, work / str(n) / "data", work / "anchor", workers, epochs)
+    params, _ = slice_params(manifest, samples, device, a.anchor_epochs or a.epochs)
+    data, folder, n_eval = work / str(n) / "data", work / "anchor", len(held)
+    eyrie = speculators_options(params, manifest, data, folder, workers, (n, n_eval), device)
     options = {key: v for key, v in eyrie.items() if key in GIVEN or (key, v) == ("hidden_states_backend", "fp8")}
-    print(f"anchor: speculators' defaults on the {n} training prompts ({epochs} epochs)", flush=True)
+    if (point := kept_point(folder, options)) is not None:
+        print(f"anchor: reused (trained and judged in an earlier sitting)", flush=True)
+        return point
+    forget_measured(work / "vllm" / "measured.json", "anchor")
+    wanted = {s["sample_id"] for s in samples}
+    materialize(store, run, data, lambda s: s["sample_id"] in wanted, validation=lambda s: s["sample_id"] in held,
+                linked_from=eval_dir)
+    print(f"anchor: speculators' defaults on the {n} training prompts ({params.epochs} epochs)", flush=True)
     path, wall, ckpt = train(options, device, device.startswith("cuda"))  # its fast path is its default
     given = options | ({key: path[key] for key in engine.SAFE_PATH} if path["path"] != "fast" else {})
     flat, own = engine.speculators_config(given).flatten(), TrainConfig().flatten()
     note = ("draft_vocab_size None: the verifier's full vocabulary. " if flat["draft_vocab_size"] is None else "") + (
-        f"Epochs {epochs} where speculators' default is {own['epochs']} (--anchor-epochs; default: eyrie's "
-        f"{eyrie_epochs}, so both train as long)." if epochs != own["epochs"] else "")
-    return {"label": "anchor", "prompts": n, "epochs": epochs, "train_s": wall, "path": path, "note": note,
-            "given": given, "defaults": {key: flat[key] for key in NOTABLE if key not in given},
-            **judge(ckpt, manifest, eval_dir, work / "anchor" / "drafter", k, device)}
+        f"Epochs {params.epochs} where speculators' default is {own['epochs']} (--anchor-epochs; default: eyrie's "
+        f"for this slice, so both train as long)." if params.epochs != own["epochs"] else "")
+    return keep_point(folder, {"label": "anchor", "prompts": n, "epochs": params.epochs, "train_s": wall,
+                               "path": path, "note": note, "given": given,
+                               "defaults": {key: flat[key] for key in NOTABLE if key not in given},
+                               **judge(ckpt, manifest, eval_dir, folder / "drafter", a.k, device)})
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # a SIGTERM stops vLLM as Ctrl-C does; a rerun continues
 
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGTERM, _interrupt)
     main()

@@ -51,7 +51,8 @@ def build(work: Path, a) -> None:
                                      ShardManifest, ShardPlan, TargetRef, code_version, now_iso)
     from eyrie_extractor.shard import sample_tensors
     from eyrie.core.stage_settings import TrainSettings
-    from eyrie_trainer.plan import _require_extract_done, plan
+    from eyrie.stages.start_checks import extract_done
+    from eyrie_trainer.plan import plan
 
     target, g = work / "target", torch.Generator().manual_seed(0)
     heads = a.hidden // 128 if a.hidden >= 2048 else a.hidden // 64
@@ -93,7 +94,7 @@ def build(work: Path, a) -> None:
             run=RUN, stage="extract", shard=index, bytes=counts.bytes, counts=counts, skip_reasons={},
             failure_errors={}, started_at=started, finished_at=now_iso(), worker=socket.gethostname(),
             samples=entries).model_dump())
-    _require_extract_done(store, manifest, layout)
+    extract_done(store, manifest)
     request = TrainSettings(epochs=a.epochs, max_steps=a.max_steps or None, heldout=a.heldout, draft_vocab=a.draft_vocab,
                             seq_len=a.total_seq_len)
     manifest.train = plan(store, manifest, request, work / "cache")
@@ -220,11 +221,10 @@ def main() -> None:
         build(work, a)
         from eyrie.core.config import load_settings
         from eyrie_trainer import engine
-        from eyrie.tasks.executor import Context
-        from eyrie_trainer.plan import TrainTask
+        from eyrie.tasks.executor import Context, RunTask
         from eyrie_trainer.runner import TrainRunner
         runner = TrainRunner(Context(load_settings(), redis.Redis(port=port), FileStore(work / "store")),
-                             TrainTask(run=RUN))
+                             RunTask(run=RUN))
         runner.load_plan()
         train_dir, _ = runner._prepare_data()
         argv = runner._argv(train_dir, a.device) + engine.path_flags(engine.SAFE_PATH)

@@ -30,6 +30,9 @@ TRAIN_PROMPTS = ROOT / "tests" / "data" / "tiny_train_prompts.jsonl"  # the tiny
 SMOLLM2 = ROOT / "assets" / "smollm2-135m-instruct"  # what `make smollm2` writes
 WHEELS = ROOT / ".eyrie" / "wheels"  # PyPI wheels a conversion starts from, as `eyrie convert-gguf`
 
+pytest_plugins = ["tiers"]  # unit / integration / e2e markers (tests/tiers.py)
+os.environ.update(OFFLINE)  # no test reaches a hub: `pytest` run by hand behaves as under make
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -61,6 +61,16 @@ def make_app(latency: float, shape: str, tokens: int, faults: dict[str, list] | 
             return web.Response(status=int(outcome), text=json.dumps({"error": f"stub {outcome}"}))
         return web.Response(body=answer(prompt, body), content_type="application/json")
 
+    async def completion(request: web.Request) -> web.Response:
+        """/v1/completions as verify asks it (token-id prompts, return_token_ids), after `latency`."""
+        body = await request.json()
+        n = min(tokens, body.get("max_tokens") or tokens)
+        await asyncio.sleep(latency)
+        choice = {"index": 0, "text": " ".join(["answer"] * n), "token_ids": list(range(100, 100 + n)),
+                  "finish_reason": "length"}
+        return web.json_response({"id": "cmpl-stub", "object": "text_completion", "model": body.get("model"),
+                                  "choices": [choice], "usage": {"completion_tokens": n}})
+
     async def stats(_: web.Request) -> web.Response:
         return web.json_response({"requests": dict(counts), "total": sum(counts.values()),
                                   "max_in_flight": flight["max"]})
@@ -70,6 +80,7 @@ def make_app(latency: float, shape: str, tokens: int, faults: dict[str, list] | 
 
     app = web.Application(client_max_size=64 << 20)
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completion)
     app.router.add_get("/stats", stats)
     app.router.add_get("/health", ok)
     app.router.add_get("/v1/models", ok)

@@ -14,9 +14,11 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from prometheus_client.parser import text_string_to_metric_families
+from rq.serializers import JSONSerializer
 from schemathesis.checks import not_a_server_error
 
 from eyrie.work import keys
+from eyrie.work.queue import EyrieJob
 
 from conftest import BIN, OFFLINE, ROOT, TINY, eyrie, free_port, start_worker, stop, wait_for, wait_http
 
@@ -257,3 +259,17 @@ def test_one_stage_only(env, api, stub_server, tmp_path):
     status = requests.get(f"{url}/runs/single", headers=AUTH).json()
     assert status["stages"]["generate"]["state"] == "done" and status["pipeline"] is None
     assert "extract" not in status["stages"]  # nothing followed by itself
+
+    extract = requests.post(f"{url}/runs?stage=extract", json={**body, "extract": {"layers": [2, 4, 5]}}, headers=AUTH)
+    assert extract.status_code == 202 and extract.json() == {"run": "single", "stage": "extract", "enqueued": 0,
+                                                             "planning": "plan-extract-single-00000"}
+    conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])  # not planned by the API: its task, with the settings sent
+    task = EyrieJob.fetch("plan-extract-single-00000", connection=conn, serializer=JSONSerializer)
+    assert list(task.args) == [{"run": "single", "request": {"layers": [2, 4, 5]}}] and task.origin == "eyrie-extract"
+    assert "extract" not in requests.get(f"{url}/runs/single", headers=AUTH).json()["stages"]
+    worker = eyrie("worker", "extract", "--burst", env=env, timeout=600)
+    assert "plan-extract-single-00000" in worker.stdout + worker.stderr  # planned by the extractor's worker
+    extracted = requests.get(f"{url}/runs/single", headers=AUTH).json()["stages"]["extract"]
+    assert extracted["state"] == "done" and extracted["done"] == 5
+    manifest = requests.get(f"{url}/runs/single/manifest", headers=AUTH).json()
+    assert manifest["extract"]["aux_layers"] == [2, 4, 5]

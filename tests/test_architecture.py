@@ -7,6 +7,7 @@ eyrie/ names as text (the stage registry, the CLI's `entry` calls) exists."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,41 @@ def test_no_service_imports_another():
                                          f"cut (drop them from KNOWN_SERVICE_EDGES): {sorted(KNOWN_SERVICE_EDGES - edges)}"
 
 
+def images() -> dict[str, tuple[set[str], set[str]]]:
+    """Each service image (services/*/Dockerfile) -> (the service packages it copies, the queues its
+    workers work: its CMD's `worker QUEUE`, or a Compose service's command run on it)."""
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    found = {}
+    for dockerfile in sorted((ROOT / "services").glob("*/Dockerfile")):
+        text = dockerfile.read_text()
+        ships = {pkg for pkg in SERVICES if f"COPY services/{SERVICES[pkg]}/{pkg}/" in text}
+        commands = [m.group(1).replace('"', "").split(", ") for m in re.finditer(r"^CMD \[(.*)\]$", text, re.M)]
+        commands += [[*(s.get("entrypoint") or []), *(s.get("command") or [])] for s in compose.values()
+                     if isinstance(s.get("build"), dict) and s["build"].get("dockerfile") == rel(dockerfile)]
+        queues = {c[c.index("worker") + 1] for c in commands if "worker" in c}
+        found[SERVICES.get(f"eyrie_{dockerfile.parent.name}", dockerfile.parent.name)] = (ships, queues)
+    return found
+
+
+def test_each_image_ships_what_its_workers_call_and_nothing_else():
+    """The edges from the stage declarations to the services, per image: every task function of a
+    queue an image's workers work is in a package the image copies, and every service package it
+    copies is one its workers or its own packages reach (tests/test_compose_e2e.py checks the
+    built images hold exactly that)."""
+    found = images()
+    assert found["api"] == (set(), set()), found["api"]  # the control plane runs no service code
+    for image, (ships, queues) in found.items():
+        called = {kind.func.split(".")[0] for kind in task_kinds().values() if kind.queue in queues}
+        reached = called | {other for pkg in ships for path in modules(f"services/{SERVICES[pkg]}")
+                            for other in imported_packages(path) & SERVICES.keys() if other != pkg}
+        if image == "inference":  # `eyrie serve`, `eyrie serve-extract`: the CLI names its package
+            reached.add("eyrie_inference")
+        assert called <= ships, f"{image}: its workers call {sorted(called - ships)}, which it does not copy"
+        assert ships <= reached, f"{image}: copies {sorted(ships - reached)}, which nothing in it calls"
+
+
 def test_project_imports_stand_at_the_top_of_their_module():
     """A reader sees a module's dependencies in its first lines; an import cycle is cut by moving
     a function where it belongs, not hidden in a function."""
@@ -108,9 +144,8 @@ def named_entries() -> set[str]:
             and node.args and isinstance(node.args[0], ast.Constant)}
 
 
-@pytest.mark.parametrize("dotted", sorted({k.func for k in task_kinds().values()} | {s.starter for s in PIPELINE
-                                                                                   if s.starter}
-                                          | {s.checker for s in PIPELINE if getattr(s, "checker", None)} | CALLBACKS
+@pytest.mark.parametrize("dotted", sorted({k.func for k in task_kinds().values()}
+                                          | CALLBACKS
                                           | named_entries()))
 def test_every_name_eyrie_uses_for_a_service_function_is_defined(dotted):
     assert _defined(dotted), f"{dotted} is named in eyrie/ but not defined"
@@ -216,7 +251,7 @@ def test_eyrie_imports_form_no_circle():
 # eyrie/'s rooms, lowest first (docs/architecture.md, "Rooms"): a module imports only from its own
 # room and the rooms before it, in functions too (the CLI's lazy imports count); eyrie/__init__.py
 # (the version) stands below them all and imports none. Every other module stands in a room.
-ROOMS = ["core", "benchmarks", "data", "work", "stages", "tasks", "runs", "api", "commands"]
+ROOMS = ["core", "data", "work", "stages", "tasks", "runs", "api", "commands"]
 
 
 def room_of(module: str) -> str | None:

@@ -96,7 +96,7 @@ CASES = [
     ("utf16_file", "d.jsonl", jsonl(GOOD, GOOD).decode().encode("utf-16"), ("refused", "usable prompt")),
     ("not_a_regular_file", "/dev/null", None, ("refused", "not a regular file")),
     ("name_too_long", "x" * 300 + ".jsonl", None, ("refused", "File name too long")),
-    ("missing_file", "missing.jsonl", None, ("refused", "does not exist")),
+    ("missing_file", "missing.jsonl", None, ("refused", "no such file", "missing.jsonl")),
     # parquet: typed columns, so a bad shape is a whole column, and nulls are per row
     ("parquet_missing_column", "d.parquet", parquet([{"text": "hi"}] * 3), ("refused", "no_conversation_field x3")),
     ("parquet_wrong_type", "d.parquet", parquet([{"conversations": 1}, {"conversations": 2}]),

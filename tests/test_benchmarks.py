@@ -1,16 +1,16 @@
-"""Benchmark prompt sets (eyrie.benchmarks) and the committed training mix (assets/prompts)."""
+"""Benchmark prompt sets (eyrie_trainer.benchmarks) and the committed training mix (assets/prompts)."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from eyrie.benchmarks import BENCHMARKS, load_benchmark
+from eyrie_trainer.benchmarks import BENCHMARKS, load_benchmark
 from eyrie.commands.cli_options import checked
 from eyrie.core.errors import EyrieError
 from eyrie.data import dataset
 from eyrie.runs.pipeline import VerifySection
-from eyrie_generator.prompts import Skip, to_prompt
+from eyrie.data.prompts import Skip, to_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_MIX = ROOT / "assets" / "prompts" / "train-mix.jsonl"
@@ -24,9 +24,9 @@ def test_named_sets_load_every_row_as_one_user_message(name, rows):
 
 
 def test_named_sets_and_their_licenses_ship_in_the_package():
-    data = ROOT / "eyrie" / "benchmarks" / "data"
+    data = ROOT / "services" / "trainer" / "eyrie_trainer" / "benchmarks" / "data"
     assert all((data / name / "LICENSE").is_file() for name in BENCHMARKS)
-    assert '"eyrie.benchmarks" = ["data/*/*"]' in (ROOT / "pyproject.toml").read_text()
+    assert '"eyrie_trainer.benchmarks" = ["data/*/*"]' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_prompts_are_what_each_set_asks():

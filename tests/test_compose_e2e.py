@@ -2,9 +2,10 @@
 them first), brought up from docker-compose.yml + compose.ci.yml (the CPU stand-ins, see that file)
 on a Docker engine of this machine; `make run CONFIG=examples/run.tiny.vllm.yaml` through it the way
 a GPU host runs it (vLLM, its CPU build, serves, extracts and verifies) to an exported drafter with
-vLLM's acceptance in the manifest, a generator SIGKILLed mid-run then scaled to 2, `down` then `up`
-again, an online run trained from the extraction service, and the stack's network checked from inside (Redis needs its password; only api and inference
-are published)."""
+vLLM's acceptance in the manifest, a generator SIGKILLed mid-run then scaled to 2, a second run right
+after it (online, trained from the extraction service) on the same inference service, `down` then
+`up` again, and the stack's network checked from inside (Redis needs its password; only api and
+inference are published)."""
 
 import json
 import os
@@ -147,6 +148,97 @@ def test_make_run_through_the_stack_survives_a_killed_generator_and_scales(stack
         print(f"\n[compose-e2e] {', '.join(f'{k}: {v:.0f} s' for k, v in TIMINGS.items())}")
 
 
+def test_an_online_run_trains_from_the_extraction_service_in_the_stack(stack, tmp_path):
+    """extract.storage online (issue 23) through the stack: the bucket gets token ids alone, and the
+    trainer container asks the extract-server container's vLLM for every sample's hidden states in
+    each epoch (over the stack's network, the states through the shared volume); the server serves
+    the run until its drafter is trained, then stops. No sample is dropped. Second, right after the
+    first run, in the same stack: the inference service serves run after run (issue 29 item 1),
+    without Compose restarting it, and the second run ends verified by vLLM as the first does."""
+    body = yaml.safe_load((ROOT / CONFIG).read_text())
+    body.update(run=ONLINE, dataset={**body["dataset"], "limit": 40})  # verified, as the first run is
+    body["generate"]["shard_size"] = 20
+    body["extract"]["storage"] = "online"
+    body["train"]["epochs"] = 2
+    config = tmp_path / "online.yaml"
+    config.write_text(yaml.safe_dump(body))
+    started = time.monotonic()
+    result = stack.make_run(str(config))
+    assert result.returncode == 0 and f"run {ONLINE}:" in result.stdout, result.stdout + result.stderr
+    try:
+        final = wait_for(lambda: (r := stack.run_state(ONLINE)).get("state") in ("done", "failed", "cancelled") and r,
+                         "the online run to end", timeout=1200, every=3)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{stack.diagnosis()}") from None
+    TIMINGS["online run trained"] = time.monotonic() - started
+    assert final["state"] == "done", json.dumps(final, indent=1) + stack.diagnosis()
+    full = stack.api(f"/runs/{ONLINE}")  # the whole status: the list's summary has counts alone
+    train, extract = full["stages"]["train"], full["stages"]["extract"]
+    assert train["dropped"] == 0 and not train["errors"], train
+    manifest = stack.api(f"/runs/{ONLINE}/manifest")
+    assert manifest["drafter"] and manifest["extract"]["storage"] == "online", manifest["extract"]
+    assert extract["on_demand"] == extract["done"] > 0, extract  # every sample stored as its token ids alone
+    # it stops once the run is trained (a run that ends is also no longer active: either word), seen at its
+    # next look at the run, seconds after the run is done
+    stops = [f"run {ONLINE} is {why}: stopping vLLM" for why in ("trained", "cancelled or no longer active")]
+
+    def logs() -> str:
+        return stack.compose("logs", "--no-color", "extract-server").stdout
+
+    try:
+        wait_for(lambda: any(stop in logs() for stop in stops), "the extract-server to stop vLLM", timeout=120, every=3)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{logs()[-4000:]}") from None
+    inference = stack.compose("ps", "-q", "inference").stdout.split()
+    restarts = subprocess.run(["docker", "inspect", "-f", "{{.State.Status}} {{.RestartCount}}", *inference],
+                              capture_output=True, text=True).stdout.split()
+    assert restarts == ["running", "0"], restarts  # the same process waits for the next run
+    verify = wait_for(lambda: stack.api(f"/runs/{ONLINE}/manifest")["verify"], "the second run's vLLM verify",
+                      timeout=900, every=5)
+    TIMINGS["online run verified"] = time.monotonic() - started
+    assert verify.get("vllm_acceptance_length") and verify["vllm_drafts"] > 0, verify
+    assert verify["identical_outputs"] is True, verify
+
+
+SERVICES = ("eyrie_generator", "eyrie_extractor", "eyrie_trainer", "eyrie_inference")
+# the inference image runs vLLM for the services on the GPU box: the extraction server (the
+# extractor's vLLM command and connector) and the verify Job (the trainer's verify)
+SHIPS = {"eyrie-api:local": [], "eyrie-generator:local": ["eyrie_generator"],
+         "eyrie-extractor:local": ["eyrie_extractor"], "eyrie-trainer:local": ["eyrie_trainer"],
+         "eyrie-inference:local": ["eyrie_extractor", "eyrie_trainer", "eyrie_inference"]}
+
+
+@pytest.mark.parametrize("image", sorted(SHIPS))
+def test_each_image_ships_only_its_own_service_package(image):
+    probe = f"import importlib.util as u; print(' '.join(m for m in {SERVICES!r} if u.find_spec(m)))"
+    found = subprocess.run(["docker", "run", "--rm", "--entrypoint", "python3", image, "-c", probe],
+                           capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert sorted(found.stdout.split()) == sorted(SHIPS[image]), found.stdout
+
+
+def test_extract_started_through_the_apis_image_is_planned_on_the_extract_queue(stack):
+    """POST /runs?stage=extract on the finished run, to the API's own image (no service package in
+    it): checked there at once, then planned by the stack's extractor worker (its plan checked
+    against, nothing missing, nothing enqueued)."""
+    body = yaml.safe_load((ROOT / CONFIG).read_text())
+    reply = requests.post(f"http://127.0.0.1:{stack.api_port}/runs?stage=extract", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {stack.token}"})
+    task = f"plan-extract-{RUN}-00000"
+    assert reply.status_code == 202 and reply.json() == {"run": RUN, "stage": "extract", "enqueued": 0,
+                                                         "planning": task}, reply.text
+    probe = ("import json, os, redis\n"
+             "from eyrie.work.queue import EyrieJob, JSONSerializer, task_result\n"
+             "conn = redis.Redis.from_url(os.environ['EYRIE_REDIS_URL'])\n"
+             f"job = EyrieJob.fetch('{task}', connection=conn, serializer=JSONSerializer)\n"
+             f"print(json.dumps([job.origin, job.get_status().value, task_result(conn, '{task}')]))")
+    origin, state, result = wait_for(
+        lambda: (out := json.loads(stack.compose("exec", "-T", "api", "python", "-c", probe).stdout))[1] == "finished"
+        and out, "the extractor's worker to plan it", timeout=120, every=2)
+    assert origin == "eyrie-extract" and result["status"] == "planned" and result["enqueued"] == 0, result
+    assert stack.run_state()["state"] == "done"
+
+
 def test_the_run_and_its_objects_survive_down_and_up(stack):
     before = stack.api(f"/runs/{RUN}/audit"), stack.api(f"/runs/{RUN}/manifest")["drafter"]
     stack.compose("down")  # the containers go; the Redis AOF volume and the bucket's /data stay
@@ -222,45 +314,3 @@ def test_behind_the_tls_proxy_the_base_builds_only_with_the_ca_secret_and_keeps_
         assert "BEGIN CERTIFICATE" not in history and ca_line not in history and str(ca) not in history
     finally:
         subprocess.run(["docker", "image", "rm", "-f", *tags], capture_output=True)
-
-
-def test_an_online_run_trains_from_the_extraction_service_in_the_stack(stack, tmp_path):
-    """extract.storage online (issue 23) through the stack: the bucket gets token ids alone, and the
-    trainer container asks the extract-server container's vLLM for every sample's hidden states in
-    each epoch (over the stack's network, the states through the shared volume); the server serves
-    the run until its drafter is trained, then stops. No sample is dropped. Last: the stack's other
-tests see it as the first run left it."""
-    body = yaml.safe_load((ROOT / CONFIG).read_text())
-    body.update(run=ONLINE, dataset={**body["dataset"], "limit": 40}, verify={"enabled": False})
-    body["generate"]["shard_size"] = 20
-    body["extract"]["storage"] = "online"
-    body["train"]["epochs"] = 2
-    config = tmp_path / "online.yaml"
-    config.write_text(yaml.safe_dump(body))
-    started = time.monotonic()
-    result = stack.make_run(str(config))
-    assert result.returncode == 0 and f"run {ONLINE}:" in result.stdout, result.stdout + result.stderr
-    try:
-        final = wait_for(lambda: (r := stack.run_state(ONLINE)).get("state") in ("done", "failed", "cancelled") and r,
-                         "the online run to end", timeout=1200, every=3)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{stack.diagnosis()}") from None
-    TIMINGS["online run trained"] = time.monotonic() - started
-    assert final["state"] == "done", json.dumps(final, indent=1) + stack.diagnosis()
-    full = stack.api(f"/runs/{ONLINE}")  # the whole status: the list's summary has counts alone
-    train, extract = full["stages"]["train"], full["stages"]["extract"]
-    assert train["dropped"] == 0 and not train["errors"], train
-    manifest = stack.api(f"/runs/{ONLINE}/manifest")
-    assert manifest["drafter"] and manifest["extract"]["storage"] == "online", manifest["extract"]
-    assert extract["on_demand"] == extract["done"] > 0, extract  # every sample stored as its token ids alone
-    # it stops once the run is trained (a run that ends is also no longer active: either word), seen at its
-    # next look at the run, seconds after the run is done
-    stops = [f"run {ONLINE} is {why}: stopping vLLM" for why in ("trained", "cancelled or no longer active")]
-
-    def logs() -> str:
-        return stack.compose("logs", "--no-color", "extract-server").stdout
-
-    try:
-        wait_for(lambda: any(stop in logs() for stop in stops), "the extract-server to stop vLLM", timeout=120, every=3)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{logs()[-4000:]}") from None

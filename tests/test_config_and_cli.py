@@ -115,7 +115,7 @@ def test_unknown_run(env):
 def test_bad_dataset_path(env, tmp_path):
     result = eyrie("generate", "--dataset", str(tmp_path / "missing.jsonl"), "--run", "r", env=env,
                    check=False)
-    one_line_error(result, "missing.jsonl does not exist")
+    one_line_error(result, f"no such file {tmp_path / 'missing.jsonl'}.")
 
 
 def test_bad_run_name(env, tmp_path):

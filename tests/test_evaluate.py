@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
+from builders import make_manifest
 from conftest import OFFLINE, eyrie
 from eyrie.core.errors import EyrieError
-from eyrie.data.manifest import Counts, Layout, RunManifest, ShardManifest
+from eyrie.data.manifest import Counts, Layout, ShardManifest
 from eyrie.data.store import FileStore
 from eyrie_extractor.shard import ids_tensors
 from eyrie_trainer.evaluate import accepted_lengths, simulate, summarize_walk, untrained_like, walk
@@ -246,19 +247,10 @@ def _ids_only_run(store_dir, run: str, rows: int, heldout: int) -> None:
         info = store.put_bytes(layout.extract_sample(0, f"s{row}"), save(ids_tensors(ids)))
         records.append({"sample_id": f"s{row}", "row": row, "status": "done", "key": info.key, "sha256": info.sha256,
                         "bytes": info.size, "seq_len": len(ids), "prompt_len": 2, "states": False})
-    store.put_json(layout.manifest, RunManifest.model_validate({
-        "run": run, "created_at": "now", "code_version": "test",
-        "target": {"model": str(TINY), "revision": "r", "chat_template_sha256": None, "server": "vllm"},
-        "dataset": {"source": "d", "kind": "jsonl", "revision": "r", "row_end": rows},
-        "generate": {"sampling": {"max_tokens": 8}, "concurrency": 1, "request_timeout_s": 60, "max_retries": 1,
-                     "shard_size": rows},
-        "generate_shards": [{"index": 0, "row_start": 0, "row_end": rows, "input_key": "in", "input_sha256": "0"}],
-        "extract": {"backend": "vllm", "aux_layers": list(AUX), "dtype": "bf16", "max_length": 64, "num_layers": 8,
-                    "hidden_size": 64, "samples": rows, "tokens": 4 * rows, "truncated": 0, "projected_bytes": 1,
-                    "budget_bytes": None, "storage": "online"},
-        "train": {"epochs": 1, "draft_vocab": DRAFT_VOCAB, "vocab_mapping": "frequency", "lr": 1e-3,
-                  "total_seq_len": 64, "train_samples": rows - heldout, "heldout_samples": heldout,
-                  "speculators_version": "test"}}).model_dump())
+    store.put_json(layout.manifest, make_manifest(
+        run, rows, extract={"aux_layers": list(AUX), "max_length": 64, "tokens": 4 * rows, "storage": "online"},
+        train={"draft_vocab": DRAFT_VOCAB, "total_seq_len": 64, "train_samples": rows - heldout,
+               "heldout_samples": heldout}).model_dump())
     store.put_json(layout.extract_shard_manifest(0), ShardManifest(
         run=run, stage="extract", shard=0, bytes=0, counts=Counts(), skip_reasons={}, failure_errors={},
         started_at="now", finished_at="now", worker="test", samples=records).model_dump())
@@ -287,3 +279,53 @@ def test_evaluate_fetches_ids_only_heldout_states_from_the_extraction_service(re
                   str(heldout / "hidden_states" / f"hs_{index}.safetensors"))
     again = eyrie("evaluate", "--run", "m", env=env, check=False)
     assert "fetching them" not in again.stdout and "run m has no finished epoch checkpoint" in again.stderr
+
+
+def test_the_targets_greedy_tokens_are_computed_once_and_kept_beside_the_samples(drafter, hs_dir, tmp_path,
+                                                                                   monkeypatch):
+    """Issue 28 item 3: evaluation computed the target's greedy continuations again for every
+    checkpoint; `target_greedy` computes them once (the same tokens as the per-sample head) and keeps
+    them for a retried task, for these samples and this target only."""
+    import eyrie_trainer.evaluate as evaluate
+
+    data = tmp_path / "heldout"
+    shutil.copytree(hs_dir, data)
+    greedy = evaluate.target_greedy(data, str(TINY))
+    assert (data / "greedy.safetensors").exists()
+    head = evaluate.TargetHead(None, str(TINY))
+    from speculators.train.data import ArrowDataset
+
+    dataset = ArrowDataset(evaluate.UNBOUNDED_LEN, str(data), on_missing="raise")
+    assert len(greedy) == len(dataset)
+    assert all(torch.equal(g, head.greedy(dataset[i]["verifier_last_hidden_states"])) for i, g in enumerate(greedy))
+    assert simulate(drafter, data, None, K, greedy=greedy)["tau"] == simulate(drafter, data, None, K)["tau"]
+
+    built = []
+    original = evaluate.TargetHead.__init__
+    monkeypatch.setattr(evaluate.TargetHead, "__init__",
+                        lambda self, *a, **kw: built.append(1) or original(self, *a, **kw))
+    again = evaluate.target_greedy(data, str(TINY))  # kept: no head built
+    assert not built and all(torch.equal(a, b) for a, b in zip(again, greedy))
+    with pytest.raises(EyrieError):  # another target: looked up anew (a name that is none here), not the kept ones
+        evaluate.target_greedy(data, str(data / "other-target-name"))
+    assert built == [1]
+
+
+def test_the_targets_head_is_read_from_a_remote_code_targets_files_without_its_code(tmp_path):
+    """A target whose architecture needs trust_remote_code (a model_type transformers does not know,
+    its auto_map naming code that is not there): its final norm and lm_head are read as data, with
+    no code run, and give the same greedy tokens as the plain target's."""
+    import json
+
+    import eyrie_trainer.evaluate as evaluate
+
+    custom = tmp_path / "custom-target"
+    shutil.copytree(TINY, custom)
+    config = json.loads((custom / "config.json").read_text())
+    config.update(model_type="eyrie_custom_lm", architectures=["EyrieCustomForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_custom.CustomConfig"})
+    config = {"model_type": "eyrie_custom_vlm", "auto_map": config["auto_map"], "text_config": config}
+    (custom / "config.json").write_text(json.dumps(config))
+    hidden = torch.randn(5, json.loads((TINY / "config.json").read_text())["hidden_size"])
+    assert torch.equal(evaluate.TargetHead(None, str(custom)).greedy(hidden),
+                       evaluate.TargetHead(None, str(TINY)).greedy(hidden))

@@ -11,11 +11,12 @@ import time
 import pytest
 import redis
 
+from builders import make_manifest
 from conftest import BIN, ROOT, TINY, TRAIN_PROMPTS, free_port, stop
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.vllm import CPU_KV_CACHE_GIB, SERVER_MODULE, serve_env
-from eyrie.data.manifest import ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams, ShardPlan, TargetRef
+from eyrie.data.manifest import Layout, RunManifest
 from eyrie.data.store import open_store
 from eyrie.runs.pipeline import RunConfig, config_key
 from eyrie.work import inference, keys
@@ -34,18 +35,8 @@ def _config(**serve) -> RunConfig:
 
 
 def _manifest() -> RunManifest:
-    shards = [ShardPlan(index=i, row_start=10 * i, row_end=10 * i + 10, input_key=f"in-{i}", input_sha256="0")
-              for i in range(2)]
-    return RunManifest.model_validate({
-        "run": RUN, "created_at": "now", "code_version": "test",
-        "target": TargetRef(model=str(TINY), revision="r", chat_template_sha256=None, server="vllm"),
-        "dataset": {"source": str(TRAIN_PROMPTS), "kind": "jsonl", "revision": "r", "row_end": 20},
-        "generate": GenerateParams(sampling=SamplingParams(max_tokens=64), concurrency=8, request_timeout_s=60,
-                                   max_retries=1, shard_size=10),
-        "generate_shards": shards,
-        "extract": ExtractParams(backend="vllm", aux_layers=[2, 4, 5], dtype="bf16", max_length=512, num_layers=8,
-                                 hidden_size=64, samples=20, tokens=2000, truncated=0, projected_bytes=1,
-                                 budget_bytes=None)})
+    return make_manifest(RUN, 20, shard_size=10, source=str(TRAIN_PROMPTS), max_tokens=64, concurrency=8,
+                         extract={"max_length": 512, "tokens": 2000})
 
 
 def test_the_extraction_servers_command_comes_from_the_run(tmp_path):

@@ -19,11 +19,10 @@ from eyrie.data.store import open_store
 from eyrie.runs.pipeline import config_key
 from eyrie.work import inference, keys
 from eyrie.runs.projection import project
-from eyrie.tasks.executor import Context, StageTask, execute
+from eyrie.tasks.executor import Context, RunTask, StageTask, execute
 from eyrie.work.gpu import holder, leases
 from eyrie_inference import extract_server
 from eyrie_inference.extract_server import ExtractServer, extraction_run
-from eyrie_trainer.plan import TrainTask
 from eyrie_trainer.runner import TrainRunner
 from test_extract_server import RUN, _config, _manifest, extract_server_ready
 
@@ -111,6 +110,7 @@ def test_a_run_training_on_demand_gets_a_sharing_lease_and_the_planned_utilizati
     def command(run: str, extra_args: list[str]) -> list[str]:
         config = _config().model_copy(update={"run": run})  # a GPU of 10 GB: the tiny target and its trainer
         config.plan.gpu_memory, config.serve.extra_args = "10GB", extra_args  # need 4.0 and 4.2 GB of it
+        config.train.seq_len = 8192  # a GPU's pack (this host plans a CPU's 1,024 where none is given)
         store.put_json(config_key(run), config.model_dump())
         server = ExtractServer(_settings(redis_url, tmp_path), conn, store, run)
         planned = project(server.config, server.settings, measure=False)["storage"]["gpu_sharing"]
@@ -140,8 +140,8 @@ def test_the_trainer_of_a_run_training_on_demand_leases_its_gpu_beside_the_serve
     ctx = Context(settings, conn, store)
     _plant(conn, store, RUN, "online")
     _plant(conn, store, OFFLINE_RUN, "offline")
-    assert TrainRunner(ctx, TrainTask(run=RUN)).gpu_mode() == "beside"
-    assert TrainRunner(ctx, TrainTask(run=OFFLINE_RUN)).gpu_mode() == "own"
+    assert TrainRunner(ctx, RunTask(run=RUN)).gpu_mode() == "beside"
+    assert TrainRunner(ctx, RunTask(run=OFFLINE_RUN)).gpu_mode() == "own"
 
     class Beside(StageTask):
         stage, gpu_owner = TrainRunner.stage, "trainer"

@@ -18,6 +18,7 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from builders import publish_endpoint
 from conftest import TINY, eyrie, free_port, wait_for
 from eyrie.core.errors import EyrieError
 from eyrie.work import inference, keys
@@ -43,8 +44,7 @@ def planned(env, stub_server, tmp_path):
 
 
 def _publish(conn, url: str, state: str = "ready", age_s: float = 0.0) -> None:
-    endpoint = inference.Endpoint(name="extract", url=url, model=str(TINY), server="vllm", state=state)
-    inference.publish_extract(conn, endpoint)
+    endpoint = publish_endpoint(conn, str(TINY), url, name="extract", state=state, extract=True)
     if age_s:  # last published `age_s` ago: its `eyrie serve-extract` stopped republishing it
         endpoint.updated_at -= age_s
         conn.set(keys.EXTRACT_ENDPOINT, orjson.dumps(endpoint.model_dump()))
@@ -152,16 +152,17 @@ def test_a_cancel_ends_the_wait(env, planned, workers):
 
 
 @FILE_STORE
-def test_sigterm_ends_the_wait_so_the_worker_stops_and_the_task_is_retried(env, planned, workers):
+def test_sigterm_ends_the_wait_so_the_worker_stops_and_hands_the_task_back(env, planned, workers):
     worker = _start(workers, env, 600)
     _waiting(env)
     worker.send_signal(signal.SIGTERM)  # what `docker stop` sends
     assert worker.wait(30) == 0  # warm shutdown: the wait ended, the worker stopped
     workers.procs["extract"].remove(worker)
-    assert "the worker is stopping (SIGTERM)" in workers.log_text("extract")
+    log = workers.log_text("extract")
+    assert f"handed back {TASK}" in log and "internal error" not in log, log[-3000:]
     job = _job(planned)
-    assert job.get_status() == "scheduled" and job.retries_left == 2  # RQ's retry, 10 s later
-    _start(workers, env, 600)  # the next worker takes it up again (its scheduler requeues it)
+    assert job.get_status() == "queued" and job.retries_left == 3  # back in the queue at once, no failure counted
+    _start(workers, env, 600)  # the next worker takes it up again
     _waiting_for(env, "the vLLM extraction server (state: never published)")
 
 

@@ -22,9 +22,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from conftest import BIN, ROOT, S3_KEYS, TRAIN_PROMPTS, Workers, eyrie, free_port, stop, tiny_run_config, wait_for, wait_http
+from conftest import (BIN, ROOT, S3_KEYS, TINY, TRAIN_PROMPTS, Workers, eyrie, eyrie_in_process, free_port,
+                      start_worker, stop, tiny_run_config, wait_for, wait_http)
+from eyrie.core.vllm import serve_argv, with_cpu_dtype
 from eyrie.data.manifest import Layout, ShardManifest
 from eyrie.work import progress
+from vllm_real import SMALL, VLLM_PYTHON, start_vllm, stop_vllm, vllm_env
 
 DOCS = ROOT / "docs"
 ROWS = 48
@@ -353,11 +356,15 @@ def test_a_run_started_twice_does_its_work_once(env, counting_inference, tmp_pat
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
 def test_over_its_storage_budget_a_pipeline_stops_before_any_forward_pass(env, tiny_server, tmp_path, workers):
     workers.start("generate", "extract")
-    path = run_config(tmp_path, "budget", dataset={"limit": 12}, extract={"budget": "10kB"})
+    # an estimate that fits (plan.mean_tokens far too low): eyrie run's own check at the start passes,
+    # and the extract stage's plan, counting the generated tokens, is what refuses
+    path = run_config(tmp_path, "budget", dataset={"limit": 12}, extract={"budget": "10kB"}, plan={"mean_tokens": 1})
     result = eyrie("run", "--config", path, "--wait", env=env, check=False, timeout=900)
     assert result.returncode == 3
     report = status("budget", env)
-    assert report["stages"]["generate"]["state"] == "done" and "extract" not in report["stages"]
+    assert report["stages"]["generate"]["state"] == "done"
+    refused = report["stages"]["extract"]  # failed with its planner's refusal, nothing planned
+    assert refused["state"] == "failed" and refused["total"] == 0 and "10.00 kB" in refused["errors"][0], refused
     blocked = report["pipeline"]["blocked"]
     assert "10.00 kB" in blocked and "--dtype fp8" in blocked  # refused, with the numbers and the options
     assert not list((store_root(env) / "runs" / "budget").glob("extract/**/*.safetensors"))
@@ -365,7 +372,119 @@ def test_over_its_storage_budget_a_pipeline_stops_before_any_forward_pass(env, t
     record("storage budget exceeded", figures, "refused when extract was planned, before any forward pass; "
            "0 hidden-state bytes written")
     # the fix: a bigger budget; extract was not planned, so its section may change on a rerun
-    fixed = run_config(tmp_path, "budget", dataset={"limit": 12}, extract={"budget": "1GB"})
+    fixed = run_config(tmp_path, "budget", dataset={"limit": 12}, extract={"budget": "1GB"}, plan={"mean_tokens": 1})
     assert "extract started" in eyrie("run", "--config", fixed, env=env).stdout
     wait_for(lambda: stage_done("budget", env, "extract"), "extract after the fix", timeout=600)
     assert status("budget", env)["pipeline"]["blocked"] is None
+
+
+@pytest.fixture(params=["stub", "vllm"])
+def restartable_server(request, tmp_path):
+    """An inference server on a port of its own, not started: the test starts it, SIGKILLs it
+    (requests in flight reset, new ones refused) and starts it again. `stub`: the vLLM stand-in
+    (tests/stub_openai.py, 0.5 s an answer), which times the restart exactly; `vllm`: real vLLM
+    (its CPU build) serving the tiny target, the server users restart."""
+    port = free_port()
+    server = {"url": f"http://127.0.0.1:{port}", "proc": None, "kind": request.param, "max_tokens": 8}
+
+    def start() -> None:
+        if request.param == "vllm":
+            cmd = with_cpu_dtype([*serve_argv(str(VLLM_PYTHON), str(TINY)), "--port", str(port), *SMALL])
+            server["proc"] = start_vllm(cmd, tmp_path / "vllm.log", vllm_env(tmp_path / "vllm-cache"), port)
+            return
+        server["proc"] = subprocess.Popen([sys.executable, str(ROOT / "tests" / "stub_openai.py"), "--port", str(port),
+                                           "--latency", "0.5", "--tokens", "8"],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_http(f"{server['url']}/health", proc=server["proc"])
+
+    def kill() -> None:
+        if request.param == "vllm":  # the API server and its engine core: the whole group, at once
+            os.killpg(server["proc"].pid, signal.SIGKILL)
+        else:
+            server["proc"].kill()
+        server["proc"].wait()
+
+    if request.param == "vllm":
+        server["max_tokens"] = 96  # the tiny target answers in milliseconds: long answers keep the kill mid-run
+    server.update(start=start, kill=kill)
+    yield server
+    if server["proc"] is not None and server["proc"].poll() is None:
+        stop_vllm(server["proc"]) if request.param == "vllm" else stop(server["proc"])
+
+
+def generate_status(run: str, env: dict) -> dict:
+    return json.loads(eyrie_in_process("status", run, "--json", env=env).stdout)["stages"]["generate"]
+
+
+def waits_for_the_server(run: str, env: dict) -> bool:
+    """The generate stage says it waits for its server, and has failed nothing for it."""
+    status = generate_status(run, env)
+    assert status["failed"] == 0 and status["state"] != "done", f"samples failed while the server was away: {status}"
+    return any("not answering" in w for w in status["waiting_for"])
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_an_inference_server_not_up_yet_then_restarted_mid_generation(env, restartable_server, tmp_path, workers):
+    """EYRIE_INFERENCE_URL names a server that is not up yet when generation starts, and that
+    restarts in the middle of it: the lanes wait for it (status says so) and fail no sample."""
+    server = restartable_server
+    start_s = 900 if server["kind"] == "vllm" else 120  # vLLM loads in 40-100 s on 2 idle cores, more beside tests
+    env = workers.env = {**env, "EYRIE_INFERENCE_URL": server["url"], "EYRIE_MODEL": str(TINY),
+                         "EYRIE_SERVE_DEADLINE_S": str(start_s), "EYRIE_MAX_RETRIES": "1"}
+    eyrie_in_process("generate", "--dataset", str(TRAIN_PROMPTS), "--limit", str(ROWS), "--run", "away",
+                     "--shard-size", "16", "--max-tokens", str(server["max_tokens"]), "--concurrency", "4", env=env)
+    workers.start("generate")
+    wait_for(lambda: waits_for_the_server("away", env), "generate waiting for a server not up yet", timeout=120)
+    server["start"]()
+    wait_for(lambda: generate_status("away", env)["done"] >= 4, "the first prompts answered", every=0.1)
+    server["kill"]()
+    assert generate_status("away", env)["state"] != "done", "generated before the restart: proves nothing"
+    wait_for(lambda: waits_for_the_server("away", env), "generate waiting for the restarted server", every=0.2)
+    server["start"]()
+    wait_for(lambda: generate_status("away", env)["state"] == "done", "generation after the restart", timeout=start_s)
+    figures = audit("away", env)
+    assert (figures[0]["done"], figures[0]["failed"], figures[0]["duplicated"]) == (ROWS, 0, 0), figures
+    record(f"the inference server ({server['kind']}) not up at the start, then restarted mid-generation", figures,
+           "EYRIE_INFERENCE_URL set; the lanes waited for the server each time (status said so); no sample failed")
+
+
+@pytest.mark.parametrize("restartable_server", ["stub"], indirect=True)  # its timing needs the stub's
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_a_generator_sigtermed_while_its_server_is_away_hands_its_shards_back(env, restartable_server, tmp_path):
+    """SIGTERM to a burst generator (as Compose and Kubernetes send it to a container's process)
+    whose lanes wait for a server that went away: within seconds its shards are back in the queue,
+    what was answered is stored, and the worker exits saying what it handed back; a new worker
+    finishes the run."""
+    server = restartable_server
+    env = {**env, "EYRIE_INFERENCE_URL": server["url"], "EYRIE_MODEL": str(TINY), "EYRIE_SERVE_DEADLINE_S": "300"}
+    eyrie_in_process("generate", "--dataset", str(TRAIN_PROMPTS), "--limit", str(ROWS), "--run", "term",
+                     "--shard-size", str(ROWS), "--max-tokens", "8", "--concurrency", "4", env=env)
+    server["start"]()
+    worker = start_worker(env)
+    try:
+        answered = wait_for(lambda: generate_status("term", env)["done"] >= 8 and generate_status("term", env)["done"],
+                            "some prompts answered", every=0.1)
+        server["kill"]()
+        wait_for(lambda: waits_for_the_server("term", env), "generate waiting for the server", every=0.2)
+        asked = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the worker still ran 30 s after SIGTERM") from None
+        took, output = time.monotonic() - asked, worker.stdout.read()
+    finally:
+        stop(worker)
+    assert worker.returncode == 0 and took < 10, (worker.returncode, took, output[-3000:])
+    assert "internal error" not in output and "handed back generate-term-00000" in output, output[-3000:]
+    status = generate_status("term", env)
+    assert set(status["jobs"]) == {"queued"} and status["failed"] == 0, status
+    stored = sum(len(part.read_bytes().splitlines()) for part in stored_parts(env, "term", "generate"))
+    assert stored >= answered, f"{answered} answered before the stop, {stored} stored"
+    server["start"]()
+    again = start_worker(env)
+    assert again.wait(120) == 0, again.stdout.read()[-3000:]
+    figures = audit("term", env)
+    assert (figures[0]["done"], figures[0]["failed"]) == (ROWS, 0), figures
+    record("a generator SIGTERMed while its server was away", figures,
+           f"handed its shards back {took:.1f} s after SIGTERM and exited; a new worker finished them")

@@ -50,9 +50,10 @@ def test_dashboard_reads_only_metrics_that_exist(redis_url):
 
 def test_acceptance_is_exported_per_run_and_source():
     family = metrics._run_families()["acceptance"]
-    for run, drafter in (("r1", {"tau": 2.78, "vllm_acceptance_length": 3.07}), ("r2", None)):
+    # eyrie's from the exported drafter, vLLM's from the run's verify (its manifest's `verify`)
+    for run, drafter, verify in (("r1", {"tau": 2.78}, {"vllm_acceptance_length": 3.07}), ("r2", None, None)):
         status = RunStatus(run=run, created_at="2026-12-01T00:00:00Z", target={"model": "t"}, dataset={},
-                           stages={"train": TrainStatus(state="done", drafter=drafter)})
+                           stages={"train": TrainStatus(state="done", drafter=drafter, verify=verify)})
         metrics._acceptance(family, run, status)
     assert [(s.labels, s.value) for s in family.samples] == [
         ({"run": "r1", "source": "eyrie"}, 2.78), ({"run": "r1", "source": "vllm"}, 3.07)]

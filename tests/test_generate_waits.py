@@ -9,18 +9,12 @@ import pytest
 import redis
 import requests
 
+from builders import publish_endpoint
 from conftest import TINY, TRAIN_PROMPTS, eyrie, wait_for
 from eyrie.core.target import describe
 from eyrie.work import inference
 
 DB = 12  # our own database: the endpoints published here reach no other test
-
-
-def _publish(conn, name: str, model, url: str) -> None:
-    info = describe(str(model))
-    inference.publish(conn, inference.Endpoint(
-        name=name, url=url, model=info.model, server="vllm", state="ready", revision=info.revision,
-        chat_template_sha256=info.chat_template_sha256))
 
 
 def _other_target(tmp_path):
@@ -43,7 +37,7 @@ def test_a_run_waits_for_a_server_of_its_target_and_says_so(env, stub_server, wo
     eyrie("generate", "--dataset", str(TRAIN_PROMPTS), "--run", "mine", "--limit", "6", "--max-tokens", "8",
           env=env)  # planned while nothing is served
     other_url, mine_url = stub_server(tokens=4), stub_server(tokens=4)
-    _publish(conn, "other", _other_target(tmp_path), other_url)  # another run's target, ready
+    publish_endpoint(conn, str(_other_target(tmp_path)), other_url, name="other")  # another run's target, ready
     workers.start("generate")
 
     def waiting():
@@ -57,7 +51,7 @@ def test_a_run_waits_for_a_server_of_its_target_and_says_so(env, stub_server, wo
     assert status["state"] == "in_progress" and status["jobs"] == {"started": 1}
     assert any(str(TINY) in w for w in status["waiting_for"]), status["waiting_for"]
 
-    _publish(conn, "mine", TINY, mine_url)  # its server comes up
+    publish_endpoint(conn, str(TINY), mine_url, name="mine")  # its server comes up
     wait_for(lambda: _generate_state("mine", env)["state"] == "done", "the run generated", timeout=60)
     status = _generate_state("mine", env)
     assert (status["done"], status["failed"], status["waiting_for"]) == (6, 0, [])
@@ -74,11 +68,32 @@ def test_the_wait_is_bounded_and_names_the_target_and_what_is_served(redis_serve
     conn = redis.Redis.from_url(redis_server.rsplit("/", 1)[0] + f"/{DB}")
     conn.flushdb()
     other = _other_target(tmp_path)
-    _publish(conn, "other", other, "http://127.0.0.1:9")
+    publish_endpoint(conn, str(other), "http://127.0.0.1:9", name="other")
     target = describe(str(TINY))
     with pytest.raises(EyrieError) as err:
         inference.wait_serving(conn, 1.5, lambda e: same_target(target, e), target.model)
     assert f"serves the run's target {TINY} after 1.5 s" in str(err.value)
     assert f"other: {other} (ready)" in str(err.value)
-    _publish(conn, "mine", TINY, "http://127.0.0.1:10")
+    publish_endpoint(conn, str(TINY), "http://127.0.0.1:10", name="mine")
     assert [e.name for e in inference.wait_serving(conn, 1, lambda e: same_target(target, e), target.model)] == ["mine"]
+
+
+def test_a_server_away_past_the_serve_deadline_fails_the_task_not_its_samples():
+    """A server that never answers (nothing listens on its port): the request waits at the gate
+    for EYRIE_SERVE_DEADLINE_S, then the task fails (retried later) instead of recording a failed
+    sample."""
+    import asyncio
+
+    import aiohttp
+
+    from conftest import free_port
+    from eyrie_generator.client import ChatClient, ServerAway, ServerGate
+
+    async def ask():
+        async with aiohttp.ClientSession() as session:
+            gate = ServerGate(session, f"http://127.0.0.1:{free_port()}", deadline_s=1.0, probe_every_s=0.2)
+            client = ChatClient(session, gate.url, "m", "transformers", {}, 5, 3, ("<think>", "</think>"), 0.01, gate)
+            return await client.complete([{"role": "user", "content": "q"}], 4)
+
+    with pytest.raises(ServerAway, match="did not answer for 1 s"):
+        asyncio.run(ask())

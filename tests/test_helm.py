@@ -5,11 +5,14 @@ the renders compared with tests/golden/helm/ (EYRIE_UPDATE_GOLDEN=1 rewrites the
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+from functools import cache
 from pathlib import Path
 
 import helm_python as helm
+import jsonschema
 import kubernetes_validate
 import pytest
 import redis
@@ -98,6 +101,80 @@ def test_core_objects_meet_the_kubernetes_schemas(rendered):
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(f"{name}: {doc['kind']} {doc['metadata'].get('name') or doc['metadata'].get('generateName')}: "
                         f"{'.'.join(map(str, exc.path))}: {exc.message}")
+
+
+CRDS = ROOT / "tests" / "data" / "crds"  # as their projects publish them (tests/data/crds/README.md)
+
+
+@cache
+def crd_schemas() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> the openAPIV3Schema its CRD serves, strict (see `_strict`)."""
+    schemas = {}
+    for path in sorted(CRDS.glob("*.yaml*")):
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        crd = yaml.safe_load(text)["spec"]
+        for version in crd["versions"]:
+            if version["served"]:
+                schemas[(f"{crd['group']}/{version['name']}", crd["names"]["kind"])] = \
+                    _strict(version["schema"]["openAPIV3Schema"])
+    return schemas
+
+
+def _strict(schema):
+    """OpenAPI v3 as JSON Schema, the way an API server applies it under strict field validation:
+    `nullable` admits null, an object's fields are the listed ones (unless it preserves unknown
+    fields or maps names to values)."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items()}
+    if out.pop("nullable", False) and "type" in out:
+        out["type"] = [out["type"], "null"]
+    if "properties" in out and "additionalProperties" not in out and \
+            not out.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_problems(doc: dict) -> list[str]:
+    schema = crd_schemas().get((doc["apiVersion"], doc["kind"]))
+    if schema is None:
+        return [f"no CRD in {CRDS} serves {doc['apiVersion']} {doc['kind']}"]
+    return [f"{doc['kind']} {doc['metadata'].get('name')}: {'.'.join(map(str, e.absolute_path)) or '(top)'}: "
+            f"{e.message}" for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+
+
+def test_custom_resources_meet_their_crds(rendered):
+    """What a Kubernetes API server with KEDA's, Kueue's and the Prometheus Operator's CRDs accepts
+    (server-side apply, Helm 4's default, rejects a `spec:` left null)."""
+    name, _, _, docs = rendered
+    custom = [d for d in docs if (d["apiVersion"], d["kind"]) in CUSTOM]
+    assert "LocalQueue" in {d["kind"] for d in custom}, name
+    problems = [p for doc in custom for p in crd_problems(doc)]
+    assert not problems, f"{name}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("api", ["kueue.x-k8s.io/v1beta1", "kueue.x-k8s.io/v1beta2"])
+def test_every_kueue_object_of_either_api_meets_its_crd(api):
+    """The queues and the flavor created, a cohort named, with and without the flavor's node labels."""
+    for flavor in ({}, {"nodeLabels": {"nvidia.com/gpu.product": "H200"},
+                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}):
+        values = {**value_set("compose"),
+                  "kueue": {"apiVersion": api, "clusterQueue": {"create": True, "cohort": "shared"},
+                            "resourceFlavor": {"create": True, **flavor}}}
+        docs = [d for d in yaml.safe_load_all(render_text(values)) if d and d["apiVersion"] == api]
+        assert {d["kind"] for d in docs} == {"LocalQueue", "ClusterQueue", "ResourceFlavor"}
+        assert [p for doc in docs for p in crd_problems(doc)] == [], (api, flavor)
+
+
+def test_every_custom_resource_eyrie_targets_has_its_crd():
+    assert CUSTOM <= crd_schemas().keys(), CUSTOM - crd_schemas().keys()
+
+
+def test_the_leaderworkerset_meets_its_crd():
+    lws = next(yaml.safe_load_all((ROOT / "deploy" / "lws" / "kimi-k2.5-multinode.yaml").read_text()))
+    assert crd_problems(lws) == []
 
 
 def test_custom_resources_are_the_ones_eyrie_targets(rendered):

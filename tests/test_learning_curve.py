@@ -12,7 +12,7 @@ from conftest import ROOT
 from eyrie.data.manifest import Layout, TrainParams
 from eyrie.data.store import FileStore
 from eyrie_trainer.data import heldout_ids
-from eyrie_trainer.runner import TrainRunner
+from eyrie_trainer.runner import TrainRunner, speculators_options
 
 sys.path.insert(0, str(ROOT / "bench"))
 import learning_curve as lc  # noqa: E402
@@ -111,15 +111,53 @@ def test_stage_time_spans_the_first_start_to_the_last_finish():
 
 
 @pytest.mark.parametrize("max_steps", [None, 40])
-def test_the_slices_train_with_the_train_stages_own_options(tmp_path, max_steps):
-    params = TrainParams(epochs=4, max_steps=max_steps, draft_vocab=8192, vocab_mapping="frequency", lr=3e-4,
-                         total_seq_len=4096, train_samples=600, heldout_samples=8, speculators_version="0.9.0")
+def test_each_slice_trains_with_the_run_plan_and_the_recipe_its_own_tokens_choose(tmp_path, max_steps):
+    params = TrainParams(epochs=2, max_steps=max_steps, draft_vocab=8192, vocab_mapping="frequency", lr=1e-3,
+                         warmup=0.03, total_seq_len=1024, train_samples=7000, heldout_samples=8,
+                         speculators_version="0.9.0")
     manifest = SimpleNamespace(train=params, target=SimpleNamespace(model="assets/smollm2-135m-instruct"),
                                extract=SimpleNamespace(aux_layers=[1, 15, 27], dtype="bf16"))
-    runner = SimpleNamespace(params=params, manifest=manifest, work=tmp_path, _loader_workers=lambda device: 0)
-    data = tmp_path / "data" / "train"
-    assert lc.train_options(manifest, data, tmp_path, 0, 4) == TrainRunner._options(runner, data, "cpu")
-    assert lc.GIVEN <= set(lc.train_options(manifest, data, tmp_path, 0, 4))  # the anchor is given a subset
+    small, recipe = lc.slice_params(manifest, [{"seq_len": 300}] * 250, "cpu", None)
+    large, _ = lc.slice_params(manifest, [{"seq_len": 300}] * 4000, "cpu", None)
+    assert small.epochs > large.epochs >= 2 and small.train_samples == 250  # steps, not epochs, a small set lacks
+    assert (small.lr, small.warmup, small.total_seq_len, small.max_steps) == (1e-3, 0.03, 1024, max_steps)
+    assert "training tokens" in recipe.statement()
+    assert lc.slice_params(manifest, [{"seq_len": 300}] * 250, "cpu", 3)[0].epochs == 3  # --epochs: those
+    runner = SimpleNamespace(params=small, manifest=manifest, work=tmp_path, rows=(250, 8),
+                             _loader_workers=lambda device: 0)
+    data = tmp_path / "data"
+    options = speculators_options(small, manifest, data, tmp_path, 0, (250, 8), "cpu")
+    assert options == TrainRunner._options(runner, data, "cpu") and options["epochs"] == small.epochs
+    assert lc.GIVEN <= set(options)  # the anchor is given a subset
+
+
+def test_a_slice_judged_in_an_earlier_sitting_is_reused_and_other_options_start_it_afresh(tmp_path):
+    folder, options = tmp_path / "250", {"epochs": 8, "save_path": tmp_path / "250" / "checkpoints"}
+    assert lc.kept_point(folder, options) is None
+    (folder / "checkpoints" / "3").mkdir(parents=True)  # an interrupted sitting's epoch
+    (folder / "train_s").write_text("120.5")
+    assert lc.kept_point(folder, options) is None and (folder / "checkpoints" / "3").is_dir()  # resumed from
+    lc.keep_point(folder, {"label": "250", "train_s": 300.0, "drafter": folder / "drafter"})
+    assert lc.kept_point(folder, dict(options))["drafter"] == str(folder / "drafter")
+    assert lc.kept_point(folder, {**options, "epochs": 9}) is None  # another recipe: nothing of the old one kept
+    assert not (folder / "checkpoints").exists() and not (folder / "train_s").exists()
+    assert lc.kept_point(folder, {**options, "epochs": 9}) is None
+
+
+def test_vllm_measures_only_what_no_sitting_has_measured(tmp_path):
+    cache, calls = tmp_path / "measured.json", []
+
+    def measure(label):
+        return lambda: calls.append(label) or {"label": label, "sets": {"gsm8k": (1, 2)}}
+
+    key = {"sets": {"gsm8k": [["q"]]}, "k": 3}
+    assert lc.measured(cache, key, "target alone", measure("alone"))["sets"]["gsm8k"] == [1, 2]
+    lc.measured(cache, key, "250", measure("250"))
+    assert lc.measured(cache, dict(key), "250", measure("again"))["label"] == "250" and calls == ["alone", "250"]
+    lc.forget_measured(cache, "250")  # the slice was trained anew
+    lc.measured(cache, key, "250", measure("retrained"))
+    lc.measured(cache, {**key, "k": 5}, "target alone", measure("other k"))  # other questions: measured anew
+    assert calls == ["alone", "250", "retrained", "other k"]
 
 
 def test_stage_times_come_from_the_stores_shard_manifests_or_say_why_not(tmp_path):

@@ -15,7 +15,9 @@ import yaml
 
 from eyrie.work import keys
 
-from conftest import BIN, OFFLINE, ROOT, TRAIN_PROMPTS, eyrie, tiny_run_config, wait_for
+from conftest import BIN, OFFLINE, ROOT, TRAIN_PROMPTS, eyrie, stop, tiny_run_config, wait_for
+from test_api import start_api
+from test_dashboard import CHART_FACTS, browser, chart, screenshot, stages  # noqa: F401 (browser: a fixture)
 from vllm_real import SMALL, vllm_env
 
 SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
@@ -39,9 +41,12 @@ def test_a_bad_config_names_the_field(tmp_path):
     assert "extract.dtype" in result.stderr
 
 
+STAGES = ("generate", "extract", "train", "verify")
+
+
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
-def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, tmp_path, workers):
+def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, tmp_path, workers, browser):
     """generate -> extract -> train (evaluate, export) -> verify: the exported drafter served by
     real vLLM (CPU build) with EAGLE-3, greedy outputs identical to the target's alone, and vLLM's
     own acceptance length close to eyrie's (the same bookkeeping)."""
@@ -54,7 +59,7 @@ def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, t
     out = eyrie("run", "--config", path, "--wait", env=env, timeout=900).stdout
     assert "4 generate tasks enqueued now" in out
     status = json.loads(eyrie("status", "chain", "--json", env=env).stdout)
-    assert [s["state"] for s in status["stages"].values()] == ["done", "done", "done"]
+    assert {name: s["state"] for name, s in status["stages"].items()} == dict.fromkeys(STAGES, "done")
     train = status["stages"]["train"]
     assert train["evaluation"]["checkpoints"][-1]["tau"] > train["evaluation"]["baseline"]["tau"] + 0.2
     assert status["pipeline"]["blocked"] is None
@@ -68,6 +73,7 @@ def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, t
     assert verify["relative_difference"] <= 0.05, verify
     assert verify["tokens_per_s_target"] > 0 and verify["speedup"] > 0
     check_the_charts_eyrie_show_draws(env, train, verify)
+    check_the_dashboard_draws_vllms_figures(env, browser, tmp_path)
 
     again = eyrie("run", "--config", path, env=env).stdout
     assert "0 generate tasks enqueued now" in again and "stages follow by themselves" in again
@@ -98,6 +104,23 @@ def check_the_charts_eyrie_show_draws(env: dict, train: dict, verify: dict) -> N
     assert re.search(rf"^ +vLLM +█+[▏▎▍▌▋▊▉]? +{verify['vllm_acceptance_length']:.3f}$", shown, re.M)
     for p, rate in enumerate(verify["vllm_per_position_acceptance"]):
         assert f"{rate:.3f}" in shown and f"  +{p + 1}   eyrie " in shown
+
+
+def check_the_dashboard_draws_vllms_figures(env: dict, browser, tmp_path) -> None:
+    """The dashboard (headless Chromium) on the verified run: vLLM's measured acceptance beside eyrie's
+    τ and per draft position, in uPlot's charts, and verify listed as a stage, done."""
+    api, url = start_api(env, EYRIE_API_OPEN_READS="true")
+    try:
+        browser.get(f"{url}/?refresh=60000#chain")
+        wait_for(lambda: browser.execute_script(CHART_FACTS, "position-chart"), "the charts on the page", timeout=60)
+        vllm = [s for s in chart(browser, "tau-chart")["series"] if s["label"].startswith("vLLM ")]
+        assert vllm and all(s["points"] == 1 for s in vllm), vllm  # one measured point per benchmark
+        positions = chart(browser, "position-chart")["series"]
+        assert [s["points"] for s in positions] == [3] * (1 + len(vllm)), positions  # eyrie's, then vLLM's
+        assert stages(browser)["verify"][0] == "done"
+        screenshot(browser, tmp_path, "dashboard-verified.png")
+    finally:
+        stop(api)
 
 
 @pytest.mark.parametrize("store_env", ["s3"], indirect=True)

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from conftest import OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, eyrie_in_process, tiny_run_config
@@ -20,6 +21,7 @@ def _env(tmp_path) -> dict:
             "EYRIE_CACHE_DIR": str(tmp_path / "cache")}
 
 
+@pytest.mark.integration  # the real console script, once
 def test_the_seed_plans_hours_bytes_and_support_with_no_gpu(tmp_path):
     out = eyrie("run", "--config", str(SEED), "--plan", env=_env(tmp_path)).stdout
     assert "expected 2.94 TB in fp8" in out  # 25,000 x 4,096 x (4 states x 7,168 x 1 byte + scale + id)
@@ -70,6 +72,7 @@ def _unsupported_config(tmp_path, backend: str) -> str:
     return str(path)
 
 
+@pytest.mark.integration  # the real console script, once
 def test_an_architecture_without_eagle3_in_vllm_is_refused_before_any_gpu_work(tmp_path):
     result = eyrie_in_process("run", "--config", _unsupported_config(tmp_path, "vllm"), "--plan", env=_env(tmp_path), check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
@@ -91,6 +94,7 @@ def test_the_table_is_vllm_0_33_and_says_what_the_docs_say():
     assert check(str(TINY and "LlamaForCausalLM"), "hf")["refusal"] is None
 
 
+@pytest.mark.integration  # runs scripts/vllm_eagle3_table.py as a process
 def test_the_table_script_reads_classes_and_their_bases(tmp_path):
     """scripts/vllm_eagle3_table.py on a source tree shaped like vLLM's (real files, two models)."""
     models = tmp_path / "vllm" / "model_executor" / "models"

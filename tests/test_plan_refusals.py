@@ -109,9 +109,9 @@ def test_expected_bytes_over_the_budget_are_refused_with_each_way_out(tmp_path):
             "bf16) but extract.budget is 2.80 TB: extract would refuse them after 4.98 h of generation.") in err
     assert "extract.dtype: fp8 (2.94 TB, still too big) with dataset.limit: 23,831 or extract.max_length: 3,904" in err
     assert "; or dataset.limit: 11,919; or extract.max_length: 1,952; or extract.budget: 5.88TB" in err
-    assert ("; or extract.storage: hybrid (2.80 TB in the bucket, 2.05 extraction passes, 160.0 service GPU-h, "
+    assert ("; or extract.storage: hybrid (2.80 TB in the bucket, 2.05 extraction passes, 314.2 service GPU-h held, "
             "9 GPUs at once; auto picks it); or extract.storage: online (825.60 MB in the bucket, 3.00 extraction "
-            "passes, 234.5 service GPU-h, 9 GPUs at once)") in err
+            "passes, 277.0 service GPU-h held, 9 GPUs at once)") in err
     assert "expected 5.87 TB at 4,096 tokens a sample: does NOT fit (refused below)" in result.stdout
     offline = {"storage": "offline"}
     ways = {"fp8-limit": {"dataset": {"limit": 23831}, "extract": {"dtype": "fp8", **offline}},

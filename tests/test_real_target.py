@@ -88,7 +88,7 @@ def test_describe_and_run_manifest_carry_the_conversion(smollm2_target, record):
     info = describe(str(smollm2_target))
     assert info.conversion == record and info.max_model_len == 8192
     settings = load_settings(model=str(smollm2_target), inference_url="http://127.0.0.1:9")
-    assert _target(settings, conn=None).model_dump()["conversion"] == record  # the manifest's target
+    assert _target(settings, conn=None, trust_remote_code=False).model_dump()["conversion"] == record  # the manifest's target
 
 
 def test_missing_gguf_names_the_fix(tmp_path):

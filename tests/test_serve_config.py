@@ -6,6 +6,7 @@ import shutil
 import pytest
 import redis
 
+from builders import publish_endpoint
 from conftest import ROOT, TINY, TRAIN_PROMPTS, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
@@ -28,13 +29,6 @@ def conn(redis_server):
     c.flushdb()
 
 
-def _publish(conn, model: str, served_as: str | None = None) -> None:
-    info = describe(model)
-    inference.publish(conn, inference.Endpoint(
-        url="http://127.0.0.1:9", model=served_as or info.model, server="transformers", state="ready",
-        revision=info.revision, chat_template_sha256=info.chat_template_sha256))
-
-
 def _start(conn, tmp_path, model: str, run: str = "r1"):
     settings = load_settings(model=model, store_url=f"file://{tmp_path / 'store'}")
     return start_generate(settings, conn, open_store(settings), run, DatasetSection(source=str(TRAIN_PROMPTS), limit=4),
@@ -45,7 +39,7 @@ def test_the_run_keeps_its_own_target_when_the_server_published_a_relative_name(
     """The issue's repro: `eyrie serve` from the repo root published `assets/tiny-target`; the run
     names the absolute path from elsewhere. The run records its own target, not the served name."""
     monkeypatch.chdir(ROOT)
-    _publish(conn, "assets/tiny-target", served_as="assets/tiny-target")
+    publish_endpoint(conn, "assets/tiny-target", server="transformers", served_as="assets/tiny-target")
     monkeypatch.chdir(tmp_path)
     manifest, enqueued = _start(conn, tmp_path, str(TINY))
     assert manifest.target.model == str(TINY) and enqueued == 1
@@ -56,7 +50,7 @@ def test_a_served_model_that_is_not_the_target_is_refused_naming_both(conn, tmp_
     other = tmp_path / "other-target"
     shutil.copytree(TINY, other)
     (other / "config.json").write_text((other / "config.json").read_text().replace("}", ', "eyrie_note": 1}', 1))
-    _publish(conn, str(other))
+    publish_endpoint(conn, str(other), server="transformers")
     with pytest.raises(EyrieError) as err:
         _start(conn, tmp_path, str(TINY))
     assert str(other) in str(err.value) and str(TINY) in str(err.value) and "not the run's target" in str(err.value)
@@ -66,7 +60,7 @@ def test_a_served_model_that_is_not_the_target_is_refused_naming_both(conn, tmp_
 def test_the_same_content_elsewhere_is_the_same_target(conn, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(TINY, copy)
-    _publish(conn, str(copy))
+    publish_endpoint(conn, str(copy), server="transformers")
     manifest, _ = _start(conn, tmp_path, str(TINY))
     assert manifest.target.model == str(TINY)
 
@@ -169,6 +163,23 @@ def test_serve_extraction_and_verify_start_vllm_with_the_runs_one_serve_section(
     assert served[:3] == extracting[:3] == verifying[:3]  # the same vLLM, found the same way
 
 
+def test_without_a_run_config_serve_and_verify_read_the_hosts_settings_one_way(tmp_path, monkeypatch):
+    """The one fallback (ServeSection.of_host): `eyrie serve` alone and `eyrie verify` of a run with no
+    stored config serve with the same EYRIE_* flags; verify once dropped tensor parallelism there."""
+    from eyrie_trainer.verify import Served, serve_flags
+
+    for name, value in {"EYRIE_TENSOR_PARALLEL_SIZE": "8", "EYRIE_REASONING_PARSER": "kimi_k2",
+                        "EYRIE_MAX_MODEL_LEN": "16384", "EYRIE_VLLM_ARGS": "--trust-remote-code"}.items():
+        monkeypatch.setenv(name, value)
+    settings = load_settings(server="vllm", vllm_command="vllm", port=8000, host="0.0.0.0")
+    served = command(settings, "/models/kimi")
+    verifying = Served(settings, "/models/kimi", serve_flags(settings, None), tmp_path / "log").cmd
+    flags = ["--tensor-parallel-size", "8", "--reasoning-parser", "kimi_k2", "--max-model-len", "16384",
+             "--trust-remote-code"]
+    assert served[-len(flags):] == flags and all(f in verifying for f in flags), (served, verifying)
+    assert verifying[verifying.index("--tensor-parallel-size") + 1] == "8"
+
+
 def test_relative_target_and_dataset_paths_are_stored_absolute(tmp_path, monkeypatch):
     """The generator workers plan the run (its dataset read) and the servers load its target,
     each in its own working directory: the stored config names both absolutely."""
@@ -181,3 +192,18 @@ def test_relative_target_and_dataset_paths_are_stored_absolute(tmp_path, monkeyp
     hub = tmp_path / "hub.yaml"
     hub.write_text("run: h\ntarget: {model: org/model}\ndataset: {source: org/prompts}\n")
     assert (load_config(hub).target.model, load_config(hub).dataset.source) == ("org/model", "org/prompts")
+
+
+def test_vllm_serves_in_float32_on_a_cpu_without_native_bf16_unless_told_otherwise(monkeypatch):
+    from eyrie.core import vllm
+
+    monkeypatch.setattr(vllm, "on_cpu", lambda: True)
+    avx2 = "processor : 0\nflags : fpu sse avx avx2 fma\n"
+    assert not vllm.cpu_native_bf16(avx2) and vllm.cpu_native_bf16(avx2.replace("avx2", "avx2 avx512_bf16"))
+    cmd = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
+    assert vllm.with_cpu_dtype(cmd, native_bf16=False) == [*cmd, "--dtype", "float32"]
+    assert vllm.with_cpu_dtype(cmd, native_bf16=True) == cmd
+    assert vllm.with_cpu_dtype([*cmd, "--dtype", "bfloat16"], native_bf16=False) == [*cmd, "--dtype", "bfloat16"]
+    assert vllm.with_cpu_dtype([*cmd, "--dtype=half"], native_bf16=False) == [*cmd, "--dtype=half"]
+    monkeypatch.setattr(vllm, "on_cpu", lambda: False)  # a GPU host: vLLM's own choice
+    assert vllm.with_cpu_dtype(cmd, native_bf16=False) == cmd

@@ -15,6 +15,7 @@ import psutil
 import pytest
 import redis
 
+from builders import make_manifest
 from conftest import BIN, OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, eyrie_in_process, free_port, stop, wait_for
 from eyrie.work import inference, keys
 from eyrie.work.gpu import GpuLease, holder
@@ -144,3 +145,98 @@ def test_the_projection_counts_the_trainers_local_copy():
     stored = plan["storage"]["modes"][plan["storage"]["chosen"]]["trainer_cache_bytes"]  # hybrid: part of them
     assert plan["space"]["trainer_copy_bytes"] == stored > 0
     assert "the trainer's local copy" in out and "EYRIE_TRAINER_CACHE_DIR" in out, out
+
+
+def _run_manifest(run: str) -> dict:
+    """A planned run of one generate shard (what drained_run and generating_run read)."""
+    return make_manifest(run, 1, max_retries=0).model_dump()
+
+
+def test_the_stacks_inference_serves_run_after_run(redis_url, tmp_path):
+    """`eyrie serve --run active` (the Compose inference service) stays up between runs: the first
+    run's server stops once its generation drains and hands the GPUs over; a second run started
+    while the first one's later stages hold them (a trainer's lease here) is served once they are
+    given back, its server saying meanwhile that it waits for them. tests/fake_vllm stands in for
+    `vllm` (the supervision is under test, not vLLM)."""
+    from eyrie.core.config import load_settings
+    from eyrie.data.manifest import Layout
+    from eyrie.data.store import open_store
+    from eyrie.runs.pipeline import config_key, load_config
+    from eyrie.stages import PIPELINE
+    from eyrie.tasks.gpu_admission import gpu_lease
+    from eyrie.work.queue import enqueue
+
+    from conftest import tiny_run_config
+
+    conn = own_db(redis_url, 10)
+    env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_url.rsplit("/", 1)[0] + "/10",
+           "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}",
+           "PATH": f"{ROOT / 'tests' / 'fake_vllm'}:{BIN}:{os.environ['PATH']}"}
+    settings = load_settings(store_url=env["EYRIE_STORE_URL"], redis_url=env["EYRIE_REDIS_URL"])
+    store = open_store(settings)
+
+    def start(run: str) -> None:  # what `eyrie run` leaves for the inference service to see
+        store.put_json(config_key(run), load_config(tiny_run_config(tmp_path, run)).model_dump())
+        conn.sadd(keys.ACTIVE_PIPELINES, run)
+
+    def state(wanted: str):
+        return lambda: (e := inference.read(conn)) is not None and e.state == wanted
+
+    log = tmp_path / "serve.log"
+    server = subprocess.Popen([str(BIN / "eyrie"), "serve", "--server", "vllm", "--run", "active",
+                               "--port", str(free_port())], env=env, stdout=log.open("w"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        start("one")
+        wait_for(state("ready"), "run one served", timeout=60)
+        store.put_json(Layout("one").manifest, _run_manifest("one"))
+        store.put_json(Layout("one").generate_shard_manifest(0), {})  # generated: extract and train wait
+        wait_for(lambda: state("stopped")() and holder(conn) is None, "the GPUs handed over", timeout=60)
+        assert server.poll() is None, log.read_text()
+
+        trainer = gpu_lease(settings, conn, "trainer@test")  # run one trains
+        assert trainer.acquire(wait_s=5)
+        start("two")
+        enqueue(conn, PIPELINE[0].planner, {"run": "two"})  # its planning, queued (no worker here)
+        wait_for(state("waiting"), "run two's server waiting for the GPUs", timeout=60)
+        assert "trainer@test" in inference.read(conn).progress
+        trainer.release()
+        wait_for(state("ready"), "run two served", timeout=60)
+        assert "serving run two's target" in log.read_text() and server.poll() is None
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0, log.read_text()
+        assert state("stopped")() and holder(conn) is None
+    finally:
+        stop(server)
+
+
+def test_generate_waits_for_a_server_that_waits_for_the_gpus(redis_url):
+    """A run started while another trains: its server is published `waiting` (for the GPUs) and
+    republished while it lives; its generate tasks wait for it past EYRIE_SERVE_DEADLINE_S, and
+    not for a `waiting` server that stopped republishing (gone)."""
+    from eyrie.core.errors import EyrieError
+    from eyrie.core.target import describe, same_target
+
+    conn = own_db(redis_url, 11)
+    target = describe(str(TINY))
+    endpoint = inference.Endpoint(url="http://127.0.0.1:9", model=target.model, server="vllm", state="waiting",
+                                  revision=target.revision, chat_template_sha256=target.chat_template_sha256)
+    done = threading.Event()
+
+    def the_server():  # waits for the GPUs for 3 s (twice the deadline), then is ready
+        started = time.monotonic()
+        while not done.is_set():
+            endpoint.state = "waiting" if time.monotonic() - started < 3 else "ready"
+            inference.publish(conn, endpoint)
+            done.wait(0.5)
+
+    threading.Thread(target=the_server, daemon=True).start()
+    try:
+        (served,) = inference.wait_serving(conn, 1.5, lambda e: same_target(target, e), target.model)
+        assert served.state == "ready"
+    finally:
+        done.set()
+    endpoint.state, endpoint.updated_at = "waiting", time.time() - inference.WAITING_FRESH_S - 1
+    conn.set(keys.inference_endpoint("default"), endpoint.model_dump_json())  # its last word, long ago
+    with pytest.raises(EyrieError, match="waiting"):
+        inference.wait_serving(conn, 1.5, lambda e: same_target(target, e), target.model)

@@ -13,22 +13,27 @@ from eyrie.core.errors import EyrieError
 from eyrie.data.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
                                  ShardManifest, ShardPlan, TargetRef, code_version, load_run_manifest, now_iso)
 from eyrie.data.store import open_store
+from eyrie.stages import TRAIN, task_kinds
 from eyrie.tasks.executor import Context, execute
+from eyrie.work import keys
+from eyrie.work.queue import job_state
 from eyrie_extractor.plan import PlanExtract
 from eyrie_extractor.shard import ExtractRunner
+from eyrie_generator.plan import PlanGenerate
 from eyrie_generator.shard import ShardRunner
-from eyrie_trainer.plan import FetchBase
+from eyrie_trainer.plan import FetchBase, PlanTrain
 from eyrie_trainer.runner import TrainRunner
 from eyrie_trainer.verify import VerifyRunner
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
 
 RUN = "ctor"
-STAGE_TASKS = {  # every stage class with a payload of hers
+STAGE_TASKS = {  # every task kind's stage class with a payload of hers
+    "plan-generate": (PlanGenerate, {"run": RUN}),
     "generate": (ShardRunner, {"run": RUN, "shard": 0}),
     "extract": (ExtractRunner, {"run": RUN, "shard": 1}),
     "train": (TrainRunner, {"run": RUN}),
-    "train-planned-by-the-trainer": (TrainRunner, {"run": RUN, "request": {"base": "{missing}", "epochs": 1}}),
+    "plan-train": (PlanTrain, {"run": RUN, "request": {"base": "{missing}", "epochs": 1}}),
     "verify": (VerifyRunner, {"run": RUN}),
     "plan-extract": (PlanExtract, {"run": RUN}),
     "fetch": (FetchBase, {"run": RUN}),
@@ -50,13 +55,13 @@ def payload_of(name: str, tmp_path) -> dict:
     return payload
 
 
-def extracted_run(store) -> None:
+def extracted_run(store, run: str = RUN) -> None:
     """A run whose extract is finished and whose train is not planned yet: planning it now would
     fetch its base drafter."""
-    layout = Layout(RUN)
+    layout = Layout(run)
     plans = [ShardPlan(index=0, row_start=0, row_end=3, input_key=layout.generate_input(0), input_sha256="0" * 64)]
     manifest = RunManifest(
-        run=RUN, created_at=now_iso(), code_version=code_version(), generate_shards=plans,
+        run=run, created_at=now_iso(), code_version=code_version(), generate_shards=plans,
         target=TargetRef(model=str(TINY), revision="r", chat_template_sha256=None, server="transformers"),
         dataset=DatasetRef(source="synthetic", kind="jsonl", revision="0" * 64, row_end=3),
         generate=GenerateParams(sampling=SamplingParams(max_tokens=16), concurrency=1, request_timeout_s=60.0,
@@ -69,8 +74,15 @@ def extracted_run(store) -> None:
                 "mismatch": False, "truncated": False} for row in range(3)]
     counts = Counts(total=3, done=3, tokens=48, bytes=3)
     store.put_json(layout.extract_shard_manifest(0), ShardManifest(
-        run=RUN, stage="extract", shard=0, bytes=3, counts=counts, skip_reasons={}, failure_errors={},
+        run=run, stage="extract", shard=0, bytes=3, counts=counts, skip_reasons={}, failure_errors={},
         started_at=now_iso(), finished_at=now_iso(), worker=socket.gethostname(), samples=samples).model_dump())
+
+
+def test_every_task_kind_is_constructed_here(store_env):  # (store_env: the module's parametrization)
+    """STAGE_TASKS names every task kind of the pipeline, each with a stage class of that kind."""
+    assert sorted(STAGE_TASKS) == sorted(task_kinds())
+    for name, (stage_class, _) in STAGE_TASKS.items():
+        assert stage_class.stage == task_kinds()[name], f"{name}: {stage_class.__name__} is another kind's"
 
 
 @pytest.mark.parametrize("name", sorted(STAGE_TASKS))
@@ -96,21 +108,30 @@ def test_a_done_shard_returns_at_once_without_reading_the_run(ctx, tmp_path, nam
     assert ctx.store.list("") == [task.done_key()]
 
 
-@pytest.mark.parametrize("name", ["train", "train-planned-by-the-trainer"])
-def test_a_trained_run_returns_at_once_without_planning_or_fetching(ctx, tmp_path, name):
-    """The drafter's manifest is stored: `already_done`, though the train plan is still to make
-    and its base drafter cannot be had (planning or fetching first would fail the task)."""
-    stage_class, payload = STAGE_TASKS[name][0], payload_of(name, tmp_path)
+def test_a_trained_run_returns_at_once_without_reading_its_plan(ctx, tmp_path):
+    """The drafter's manifest is stored: `already_done`, though the run has no train plan (reading
+    it first would fail the task)."""
+    stage_class, payload = STAGE_TASKS["train"]
     extracted_run(ctx.store)
     ctx.store.put_json(Layout(RUN).drafter_manifest, {"done": True})
     assert execute(stage_class, payload, ctx) == {"status": "already_done"}
-    assert load_run_manifest(ctx.store, RUN).train is None  # no plan made
+    assert load_run_manifest(ctx.store, RUN).train is None
     assert not (tmp_path / "cache").exists()
 
 
-def test_the_trainer_plans_under_the_task_lease_and_a_missing_base_fails_it_there(ctx, tmp_path):
-    """Not done: the plan is made in `run`, where fetching the missing base drafter is refused."""
+def test_plan_train_plans_under_the_task_lease_and_a_missing_base_is_refused_there(ctx, tmp_path):
+    """The plan is made in `run` (plan-train), where fetching the missing base drafter is refused:
+    the run blocked, nothing planned, no training task enqueued."""
     extracted_run(ctx.store)
-    with pytest.raises(EyrieError, match="no such directory"):
-        execute(TrainRunner, payload_of("train-planned-by-the-trainer", tmp_path), ctx)
+    result = execute(PlanTrain, payload_of("plan-train", tmp_path), ctx)
+    assert result["status"] == "refused" and "no such directory" in result["error"], result
     assert load_run_manifest(ctx.store, RUN).train is None
+    assert "no such directory" in ctx.conn.get(keys.blocked(RUN)).decode()
+    assert job_state(ctx.conn, TRAIN.task_id(RUN)) is None
+
+
+def test_the_trainer_without_a_plan_says_how_to_make_one(ctx):
+    """A train task of a run that plan-train has not planned: refused, naming `eyrie train`."""
+    extracted_run(ctx.store)
+    with pytest.raises(EyrieError, match="has no train plan"):
+        execute(TrainRunner, {"run": RUN}, ctx)

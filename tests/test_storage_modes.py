@@ -27,15 +27,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save, save_file
 
+from builders import make_manifest
 from conftest import BIN, OFFLINE, TINY, TRAIN_PROMPTS, clone_run, eyrie, free_port, wait_for, wait_http
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.stage_settings import ExtractSettings
-from eyrie.data.manifest import (Counts, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
-                                 ShardManifest, ShardPlan, TargetRef)
+from eyrie.data.manifest import Counts, ExtractParams, Layout, RunManifest, ShardManifest
 from eyrie.data.store import FileStore, open_store
+from eyrie.stages.start_checks import same_extract
 from eyrie.work import inference, progress
-from eyrie_extractor.plan import _check_same, check_storage_mode
+from eyrie_extractor.plan import check_storage_mode
 from eyrie_extractor.shard import ExtractRunner, ids_tensors, sample_tensors
 from eyrie_extractor.storage_split import ids_object_bound, split, states_file_bound
 from eyrie_extractor.vllm_backend import clear_orphans, connector_env, extract_command
@@ -138,9 +139,9 @@ def test_hybrid_and_online_need_the_vllm_backend_and_its_layer_order():
 def test_a_rerun_asking_another_mode_is_refused():
     planned = _params("hybrid", 500).model_copy(update={"projected_bytes": 2000, "budget_bytes": 1000})
     with pytest.raises(EyrieError, match="planned with other settings: storage online vs hybrid"):
-        _check_same(planned, ExtractSettings(storage="online"))
-    _check_same(planned, ExtractSettings(storage="auto"))  # auto chooses hybrid again: the same plan
-    _check_same(planned, ExtractSettings())  # not asked: the plan's
+        same_extract(planned, ExtractSettings(storage="online"))
+    same_extract(planned, ExtractSettings(storage="auto"))  # auto chooses hybrid again: the same plan
+    same_extract(planned, ExtractSettings())  # not asked: the plan's
 
 
 # --- a materialized directory with samples stored as ids alone, without processes ---------------
@@ -160,14 +161,7 @@ def _stored_run(store: FileStore, samples: list[tuple[list[int], bool]]) -> None
 
 
 def _manifest(run: str) -> RunManifest:
-    return RunManifest.model_validate({
-        "run": run, "created_at": "now", "code_version": "test",
-        "target": TargetRef(model=str(TINY), revision="r", chat_template_sha256=None, server="vllm"),
-        "dataset": {"source": "d", "kind": "jsonl", "revision": "r", "row_end": 4},
-        "generate": GenerateParams(sampling=SamplingParams(max_tokens=8), concurrency=1, request_timeout_s=60,
-                                   max_retries=1, shard_size=4),
-        "generate_shards": [ShardPlan(index=0, row_start=0, row_end=4, input_key="in", input_sha256="0")],
-        "extract": _params("online")})
+    return make_manifest(run, 4, extract=_params("online").model_dump())
 
 
 def test_samples_stored_as_ids_alone_are_rows_without_a_states_file(tmp_path):
@@ -310,11 +304,16 @@ class HighWater:
 
 
 def _bytes_in(folder: Path) -> int:
-    """Its tensor files' bytes (not the shard manifests beside them)."""
+    """Its tensor files' bytes (not the shard manifests beside them, nor the target's greedy tokens
+    the trainer keeps for evaluation: greedy.safetensors, token ids, no hidden state)."""
     total = 0
     for path in folder.rglob("*") if folder.exists() else ():
         with contextlib.suppress(FileNotFoundError):  # read and deleted in between
-            total += path.stat().st_size if path.is_file() and path.suffix != ".json" else 0
+            # a held-out sample's states are hard-linked into the training folder for speculators'
+            # validation split (fetched once, for evaluation): they are no training sample's states
+            stat = path.stat()
+            counted = path.is_file() and path.suffix != ".json" and path.name != "greedy.safetensors"
+            total += stat.st_size if counted and stat.st_nlink == 1 else 0
     return total
 
 

@@ -68,9 +68,13 @@ def test_the_seeds_modes_follow_the_formulas(settings):
     assert onl["trainer_cache_bytes"] == ids + batch
     assert hyb["bucket_bytes"] == hyb["stored_bytes"] + 25_000 * 8192 * 4  # + the generated records
     extract_h, train_h = 9.77, 34.62  # 102.4 M tokens at 2,912 tok/s; x 3 epochs at 2,465 tok/s
-    assert off["service_gpu_hours"] == round(extract_h * 8, 2) == 78.16
-    assert hyb["service_gpu_hours"] == round(extract_h * 8 * (f + (1 - f) * 3), 2)
-    assert onl["service_gpu_hours"] == round(extract_h * 8 * 3, 2) == 234.48
+    # busy: extracting; held: offline stops the service once extracted, hybrid and online keep its 8 GPUs
+    # until training ends (issue 29)
+    assert off["service_gpu_hours_busy"] == off["service_gpu_hours"] == round(extract_h * 8, 2) == 78.16
+    assert hyb["service_gpu_hours_busy"] == round(extract_h * 8 * (f + (1 - f) * 3), 2)
+    assert onl["service_gpu_hours_busy"] == round(extract_h * 8 * 3, 2) == 234.48
+    assert hyb["service_gpu_hours"] == pytest.approx(8 * hyb["wall_hours"], abs=0.05) == 351.47
+    assert onl["service_gpu_hours"] == pytest.approx(8 * train_h, abs=0.05)
     assert {m["trainer_gpu_hours"] for m in modes.values()} == {train_h}
     assert off["wall_hours"] == round(extract_h + train_h, 2) == 44.39
     assert hyb["wall_hours"] == round(f * extract_h + train_h, 2)  # the service outpaces the trainer
@@ -110,9 +114,9 @@ def test_an_explicit_offline_over_budget_is_refused_with_the_storage_modes_as_wa
     problem, fix = over_budget(p)
     assert "expected to need 2.94 TB (25,000 samples x 4,096 tokens x 4 states x 7168 x fp8)" in problem
     assert "extract.budget: 2.94TB on a disk that holds it" in fix
-    assert ("extract.storage: hybrid (2.80 TB in the bucket, 1.09 extraction passes, 85.5 service GPU-h, "
+    assert ("extract.storage: hybrid (2.80 TB in the bucket, 1.09 extraction passes, 351.5 service GPU-h held, "
             "9 GPUs at once; auto picks it)") in fix
-    assert "extract.storage: online (825.60 MB in the bucket, 3.00 extraction passes, 234.5 service GPU-h" in fix
+    assert "extract.storage: online (825.60 MB in the bucket, 3.00 extraction passes, 277.0 service GPU-h held" in fix
     with pytest.raises(EyrieError):
         refuse(p)
     assert over_budget(project(_seed(storage="hybrid"), settings(), measure=False)) is None
@@ -139,7 +143,7 @@ def test_the_seed_with_25000_samples_fits_its_budget_through_hybrid(settings):
     p = project(config, settings(), measure=False)
     s = p["storage"]
     assert s["chosen"] == "hybrid" and s["modes"]["hybrid"]["stored_bytes"] <= 2.8e12 and p["refusals"] == []
-    assert "online would end sooner (34.6 h) at 234.5 service GPU-h and 9 GPUs at once" in s["why"]
+    assert "online would end sooner (34.6 h) at 277.0 service GPU-h held and 9 GPUs at once" in s["why"]
 
 
 def test_the_extract_shards_fill_the_budget_by_the_plans_rule(settings):
@@ -204,11 +208,11 @@ def test_plan_prints_each_modes_bytes_and_hours(tmp_path):
     env = {**clean, **OFFLINE, "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}",
            "EYRIE_CACHE_DIR": str(tmp_path / "cache")}
     out = eyrie_in_process("run", "--config", str(SEED), "--plan", env=env).stdout
-    assert ("mode    |    bucket | trainer cache | extraction passes | service GPU-h | trainer GPU-h |  wall h | fits"
-            in out)
-    rows = {"offline": "  2.94 TB |       2.94 TB |              1.00 |          78.2 |          34.6 |    44.4 | no",
-            "hybrid ": "  2.80 TB |       2.80 TB |              1.09 |          85.5 |          34.6 |    43.9 | yes",
-            "online ": "825.60 MB |       1.06 GB |              3.00 |         234.5 |          34.6 |    34.6 | yes"}
+    assert ("mode    |    bucket | trainer cache | extraction passes | service GPU-h held (busy) | trainer GPU-h "
+            "|  wall h | fits" in out)
+    rows = {"offline": "  2.94 TB |       2.94 TB |              1.00 |               78.2 (78.2) |          34.6 |    44.4 | no",
+            "hybrid ": "  2.80 TB |       2.80 TB |              1.09 |              351.5 (85.5) |          34.6 |    43.9 | yes",
+            "online ": "825.60 MB |       1.06 GB |              3.00 |             277.0 (234.5) |          34.6 |    34.6 | yes"}
     for mode, row in rows.items():
         assert f"{mode} | {row}" in out, mode
     assert "chosen: hybrid (auto: offline's 2.94 TB exceed extract.budget 2.80 TB; hybrid stores 95.3%" in out

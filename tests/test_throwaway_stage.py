@@ -16,7 +16,8 @@ from eyrie.runs.pipeline import advance, load_config, run_job_ids
 from eyrie.runs.status import run_status
 from eyrie.stages import PipelineStage, RunView, TaskKind
 from eyrie.tasks.executor import StageTask, execute
-from eyrie.work.queue import EyrieJob, InProcessWorker, job_state, queue
+from eyrie.work.queue import EyrieJob, job_state, queue
+from eyrie.work.worker_loop import InProcessWorker
 from eyrie.work.status_models import StageStatus
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)

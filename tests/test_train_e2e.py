@@ -15,10 +15,11 @@ import pytest
 import redis
 from safetensors import safe_open
 
-from conftest import BIN, OFFLINE, S3_KEYS, TINY, TRAIN_PROMPTS, clone_run, eyrie
+from conftest import BIN, OFFLINE, S3_KEYS, TINY, TRAIN_PROMPTS, clone_run, eyrie, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.data.manifest import Layout, RunManifest
 from eyrie.data.store import open_store
+from eyrie.stages import PLAN_TRAIN
 from eyrie.work import keys
 from legacy_drafter import build_legacy_drafter
 from test_security import assert_no_pickles
@@ -270,3 +271,37 @@ def test_a_cancelled_training_stops_with_a_checkpoint_and_a_retry_resumes_it(pip
     train = status("stopme", env)["stages"]["train"]
     resumed = f"resuming from checkpoint {interrupted[-1]['label']} (step {interrupted[-1]['local_step']} of epoch"
     assert train["state"] == "done" and any(resumed in n for n in train["notes"]), train["notes"]
+
+
+@pytest.mark.timeout(1500)  # run alone, it pays for `pipeline`
+def test_a_run_that_differs_only_in_train_trains_on_the_earlier_runs_states(pipeline, tmp_path):
+    """`eyrie run --config B.yaml`, B = p's settings with another `train:` (issue 28 item 2): no
+    generate or extract task anywhere, training reads p's stored states (none copied), B's drafter."""
+    from eyrie.data.shared_states import StatesInUse
+    from eyrie.runs.pipeline import config_key, load_config, run_view
+    from eyrie.runs.reuse import record_states
+
+    env, _ = pipeline
+    store, conn = store_of(env), redis.Redis.from_url(env["EYRIE_REDIS_URL"])
+    # p as `eyrie run` keeps it (the settings of the fixture's commands), its states recorded as advance does
+    store.put_json(config_key("p"), load_config(tiny_run_config(tmp_path, "p")).model_dump())
+    record_states(run_view(conn, store, "p"))
+    p_objects = set(store.list("runs/p/"))
+
+    sweep = tiny_run_config(tmp_path, "sweep", train={"epochs": 1, "lr": 1e-3, "heldout": 5})
+    out = eyrie("run", "--config", sweep, env=env).stdout
+    assert "run sweep: trains on run p's generated answers and hidden states (306 rows" in out, out
+    assert "nothing is generated or extracted again; train started" in out
+    # every task the run has, on any queue and in any registry, has a job hash: only its train stage's planning
+    tasks = {k.decode().removeprefix("rq:job:") for k in conn.scan_iter("rq:job:*sweep*")}
+    assert tasks == {PLAN_TRAIN.task_id("sweep")}, tasks
+    eyrie("worker", "train", "--burst", env=env, timeout=900)
+
+    train = status("sweep", env)["stages"]["train"]
+    assert train["state"] == "done" and (train["params"]["lr"], train["params"]["heldout_samples"]) == (1e-3, 5)
+    manifest = RunManifest.model_validate(store.get_json(Layout("sweep").manifest))
+    assert manifest.states_from == "p" and manifest.drafter and manifest.drafter["checkpoint"] == "0"
+    assert not [k for k in store.list("runs/sweep/") if k.endswith(".safetensors") and "/train/" not in k]
+    assert set(store.list("runs/p/")) - p_objects == {"runs/p/used-by/sweep.json"}  # p's own objects as they were
+    with pytest.raises(StatesInUse):
+        store.delete(next(k for k in p_objects if k.endswith(".safetensors") and "/extract/" in k))

@@ -290,3 +290,159 @@ def test_speculators_words_for_a_sample_it_gave_up_on_become_the_reason():
     assert result.counts_as_failure
     assert reasons == ["Hidden-state round trip failed for dataset index 3, file index 3 (attempt 2/2, "
                        "consecutive failures=1/20): ConnectionError: Connection refused"]
+
+
+def runner_on(data_dir, work, train_rows: int, heldout_rows: int, **plan):
+    """A TrainRunner's speculators settings for a materialized directory (its counting and options
+    alone: no task, no store): `train_rows` training samples, then `heldout_rows` held-out ones."""
+    from types import SimpleNamespace
+
+    from eyrie.data.manifest import TrainParams
+    from eyrie_trainer.runner import TrainRunner
+
+    runner = TrainRunner.__new__(TrainRunner)
+    runner.params = TrainParams(**{"epochs": 1, "draft_vocab": 300, "vocab_mapping": "frequency", "lr": 1e-3,
+                                   "total_seq_len": 256, "train_samples": train_rows,
+                                   "heldout_samples": heldout_rows, "speculators_version": "0.9.0", **plan})
+    runner.manifest = SimpleNamespace(target=SimpleNamespace(model=str(TINY)),
+                                      extract=SimpleNamespace(aux_layers=[2, 4, 5], dtype="bf16"))
+    runner.work, runner.settings, runner.live = work, SimpleNamespace(train_loader_workers=0), {}
+    runner.rows, runner.on_demand, runner.service_url = (train_rows, heldout_rows), 0, None
+    return runner
+
+
+@pytest.mark.integration  # speculators' TrainConfig from settings runs `git rev-parse` (its provenance)
+def test_every_training_sample_is_trained_on_and_the_held_out_ones_validate(hs_dir, tmp_path, monkeypatch):
+    """Issue 29, defect 4: speculators' train_data_ratio (0.9 unless set) made the last tenth of the
+    training samples a second validation set, never trained on. The trainer's directory holds the
+    training samples, then eyrie's held-out ones: speculators trains on exactly the first and
+    validates on the second, and the trainer counts what it read."""
+    from speculators.train.data import ArrowDataset
+
+    read: dict[str, set] = {"train": set(), "val": set()}
+    getitem = ArrowDataset.__getitem__
+
+    def seen(self, index):  # speculators' own dataset, its reads recorded
+        read["train" if self.start_file_idx == 0 else "val"].add(self.start_file_idx + index)
+        return getitem(self, index)
+
+    monkeypatch.setattr(ArrowDataset, "__getitem__", seen)
+    runner = runner_on(hs_dir, tmp_path, 32, 8)
+    hooks, _ = recording_hooks()
+    engine.train_with_fallback(runner._options(hs_dir, "cpu"), "cpu", False, hooks, print)
+    assert read["train"] == set(range(32))  # every training sample, no held-out one
+    assert read["val"] == set(range(32, 40))  # validation: eyrie's held-out samples
+    assert hooks.state["read"] == set(range(32)) and hooks.state["dropped_rows"] == {}
+
+
+@pytest.mark.integration  # speculators' TrainConfig from settings runs `git rev-parse` (its provenance)
+def test_a_left_out_sample_is_recorded_with_its_reason_survives_a_retry_and_the_audit_counts_it(hs_dir, tmp_path):
+    """Issue 29, defect 4: what speculators left out is in the store's record (not only in this
+    attempt's live status), a retried task continues that record, and `eyrie audit`'s train figure
+    is what the trainer read, not the plan."""
+    import shutil
+    from types import SimpleNamespace
+
+    from eyrie.data.manifest import Layout
+    from eyrie.data.store import FileStore
+    from eyrie.runs.audit import _train
+    from eyrie_trainer.ledger import TrainedSamples
+
+    data = tmp_path / "data"
+    shutil.copytree(hs_dir, data)
+    shutil.copy(data / "hidden_states" / "hs_1.safetensors", data / "hidden_states" / "hs_0.safetensors")
+    runner = runner_on(data, tmp_path, 32, 8)
+    hooks, _ = recording_hooks()
+    engine.train_with_fallback(runner._options(data, "cpu"), "cpu", False, hooks, print)
+    why = "the generated hidden states' token ids do not match the sample's"
+    assert hooks.state["dropped_rows"] == {0: why} and hooks.state["read"] == set(range(1, 32))
+
+    store, layout = FileStore(tmp_path / "store"), Layout("r")
+    samples = [{"sample_id": f"s{i}", "seq_len": 300 if i == 5 else 100} for i in range(32)]
+    ledger = TrainedSamples.start(store, layout, samples, 8, 256)
+    ledger.update(hooks.state["read"], hooks.state["dropped_rows"])
+    ledger.save()
+    retried = TrainedSamples.start(store, layout, samples, 8, 256)  # the next attempt reads none of it again
+    retried.update(set(), {})
+    assert retried.summary() == {"train_samples": 32, "trained": 31, "dropped": {"s0": why}, "heldout_samples": 8,
+                                 "truncated": 1, "truncated_to": 256}
+
+    manifest = SimpleNamespace(drafter={"tau": 2.0}, train=SimpleNamespace(train_samples=32, heldout_samples=8))
+    extracted = [f"s{i}" for i in range(40)]
+    figure = _train(manifest, extracted, retried.record)
+    assert (figure.done, figure.failed, figure.lost) == (39, 1, 0)
+    retried.update({0}, {})  # a later attempt read it after all
+    assert retried.summary()["dropped"] == {} and _train(manifest, extracted, retried.record).done == 40
+    short = {**retried.record, "read_rows": list(range(20))}  # a trainer that read 20 of the 32
+    assert _train(manifest, extracted, short).lost == 12
+
+
+def test_muon_orthogonalizes_in_fp32_where_the_cpu_would_emulate_bf16():
+    """Issue 28 item 3: torch.optim.Muon runs its Newton-Schulz iteration in bf16, which an AVX2 CPU
+    emulates (~30x the CPU time of fp32 at the SmolLM2 drafter's shapes): there eyrie's shim runs the
+    same iteration in fp32 while it trains, and puts torch's back after."""
+    import torch
+    import torch.optim._muon as muon
+
+    grad = torch.randn(96, 40, generator=torch.Generator().manual_seed(0))
+    theirs = muon._zeropower_via_newtonschulz(grad, (3.4445, -4.775, 2.0315), 5, 1e-7)
+    ours = engine._newton_schulz_fp32(grad, (3.4445, -4.775, 2.0315), 5, 1e-7)
+    assert ours.dtype == torch.float32 and ours.shape == theirs.shape
+    assert torch.allclose(ours, theirs.float(), atol=0.03)  # the same iteration, bf16's rounding apart
+    original = muon._zeropower_via_newtonschulz
+    with engine.speculators_patched("cpu", engine.Hooks()):
+        patched = muon._zeropower_via_newtonschulz
+    assert muon._zeropower_via_newtonschulz is original
+    assert (patched is engine._newton_schulz_fp32) == (not engine.native_bf16("cpu"))
+    assert engine.autocast_dtype("cpu") == ("bfloat16" if engine.native_bf16("cpu") else "float32")
+    assert engine.autocast_dtype("cuda") == "bfloat16"
+
+
+@pytest.mark.integration  # speculators' TrainConfig from settings runs `git rev-parse` (its provenance)
+def test_tensorboard_event_files_go_to_the_runs_store_prefix(hs_dir, tmp_path):
+    """Issue 28 item 7: train.loggers [tensorboard] has speculators write its event files, and the
+    trainer puts them under the run's train/tensorboard/ in the store, readable by TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from eyrie.data.manifest import Layout
+    from eyrie.data.store import FileStore
+    from eyrie_trainer.events import EventUploads
+
+    runner = runner_on(hs_dir, tmp_path, 32, 8, loggers=["tensorboard"], max_steps=3)
+    options = runner._options(hs_dir, "cpu")
+    assert options["logger"] == "tensorboard"
+    hooks, _ = recording_hooks()
+    engine.train_with_fallback(options, "cpu", False, hooks, print)
+    store = FileStore(tmp_path / "store")
+    uploads = EventUploads(store, Layout("r"), tmp_path / "logs")
+    assert uploads.push() >= 1 and uploads.push() == 0  # nothing new: nothing sent again
+    losses = []
+    for key in store.list("runs/r/train/tensorboard/"):
+        events = EventAccumulator(str(store._path(key)))
+        events.Reload()
+        if "train/loss" in events.Tags()["scalars"]:
+            losses += events.Scalars("train/loss")
+    assert len(losses) == 3  # one a step
+
+
+@pytest.mark.integration  # speculators' TrainConfig from settings runs `git rev-parse` (its provenance)
+def test_a_mid_epoch_resume_counts_the_rows_of_the_batches_it_trains_on(hs_dir, tmp_path):
+    """Found by bench/real_model.py's second sitting: resumed mid-epoch, speculators' fast-skip leaves only the
+    epoch's remaining batches in the sampler's cache, and the trainer's row count indexed that slice as the whole
+    epoch (the wrong rows, then an IndexError at the epoch's last steps: every mid-epoch resume failed)."""
+    options = runner_on(hs_dir, tmp_path, 32, 8)._options(hs_dir, "cpu")
+
+    def train() -> list[set[int]]:
+        """The rows read so far, after each step."""
+        hooks, reads = engine.Hooks(), []
+        hooks.on_step = lambda step: reads.append(set(hooks.state["read"]))
+        engine.train_with_fallback(options, "cpu", False, hooks, print)
+        return reads
+
+    whole, skip = train(), 2  # epoch 0, whole
+    assert len(whole) > skip and whole[-1] == set(range(32))
+    state = tmp_path / "checkpoints" / "0" / "training_state.json"
+    state.write_text(json.dumps({"epoch": 0, "local_step": skip, "global_step": skip}))  # as a stop there leaves it
+    resumed = train()  # epoch 0 again, after its first `skip` batches
+    assert len(resumed) == len(whole) - skip
+    assert resumed[-1] == whole[-1] - whole[skip - 1]  # the rows of the batches trained on, each once

@@ -4,13 +4,17 @@ comes from the run's plan. Real Redis, real `eyrie worker` processes."""
 
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
+import pytest
 import redis
+import requests
 
 from conftest import BIN, eyrie, stop, tiny_run_config, wait_for
 from eyrie.runs.pipeline import load_config
 from eyrie.stages import VERIFY, queues
-from eyrie.stages.verify import MIN_VERIFY_TOK_S, verify_skipped, verify_timeout_s
+from eyrie.stages.verify import verify_skipped, verify_timeout_s
 from eyrie.work import progress
 from eyrie.work.queue import workers_on
 
@@ -48,33 +52,59 @@ def test_verify_runs_where_a_verify_worker_is_up_and_says_why_it_does_not_elsewh
         stop(worker)
 
 
-def test_verifys_time_budget_grows_with_its_plan(env, tmp_path, monkeypatch):
-    """Per pass (the target alone, then each K): the serve deadline and 3x the greedy tokens at the
-    measured rate (nothing generated here: the floor)."""
-    for name, value in {**env, "EYRIE_SERVE_DEADLINE_S": "100"}.items():
-        monkeypatch.setenv(name, value)
+def _planned(run: str, concurrency: int, max_tokens: int, heldout: int = 30):
+    """The fields verify_timeout_s reads of a planned run's manifest."""
+    return SimpleNamespace(run=run, target=SimpleNamespace(model=f"/models/{run}"),
+                           train=SimpleNamespace(heldout_samples=heldout),
+                           generate=SimpleNamespace(concurrency=concurrency,
+                                                    sampling=SimpleNamespace(max_tokens=max_tokens)))
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_verifys_time_limit_covers_its_passes_on_a_slow_server(env, tmp_path, monkeypatch, stub_server):
+    """A server whose every answer takes 0.3 s: generation at 32 in flight reports 32 answers a
+    0.3 s, but verify asks 8 at a time and then 1: its limit comes from those rates (generation's
+    per request, until a verify of the target has measured its own), never from 32 in flight."""
+    monkeypatch.setenv("EYRIE_SERVE_DEADLINE_S", "1")
     conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
+    url, tokens, concurrency = stub_server(latency=0.3, tokens=20), 20, 32
+    started = time.time()  # the generate stage at 32 in flight on the server, as its task reports it
+    progress.report(conn, "slow", "generate", "0", started=started, tokens=0)
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(lambda i: requests.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "stub", "messages": [{"role": "user", "content": str(i)}]}).raise_for_status(), range(concurrency)))
+    progress.report(conn, "slow", "generate", "0", started=started, tokens=concurrency * tokens)
 
-    class Manifest:  # the fields verify_timeout_s reads, as a planned run has them
-        class train:
-            heldout_samples = 30
+    config = load_config(tiny_run_config(tmp_path, "slow", verify={"prompts": 8, "ks": [3], "serial_prompts": 8}))
+    manifest = _planned("slow", concurrency, tokens)
+    from eyrie_trainer.verify import Client, benchmark_result, measured_paces
 
-        class generate:
-            class sampling:
-                max_tokens = 64
+    started = time.monotonic()  # verify's own pass over the held-out set (8 prompts, 8 then 1 in flight)
+    measured = Client(url, "stub").measure({"heldout": [[1, 2, 3]] * 8}, {"heldout": [tokens] * 8}, 8)["heldout"]
+    took = time.monotonic() - started  # one pass; verify makes two (the target alone, then K=3)
+    serving = 2 * 1  # a vLLM start per pass, within the serve deadline
+    limit = verify_timeout_s(conn, config, manifest)
+    assert limit - serving >= 2 * took, (limit, took)
 
-        class dataset:
-            row_start, row_end = 0, 306
+    # verify's own rates once it has measured the target: the slowest of its passes, at 8 and at 1
+    from eyrie.stages.verify import record_verify_rates
 
-    from eyrie.runs import pipeline
+    result = {"benchmarks": {"heldout": benchmark_result(measured, {3: measured}, 8)}}
+    record_verify_rates(conn, manifest.target.model, measured_paces(result))  # as the verify task does
+    own = verify_timeout_s(conn, config, manifest)
+    assert 2 * took <= own - serving <= 4 * 2 * took, (own, took)  # 3x the passes at their measured pace
+    other = _planned("slow", concurrency, tokens)
+    other.target.model = "/models/another"  # rates are the target's: another's are generation's here
+    assert verify_timeout_s(conn, config, other) == limit
 
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_verifys_time_limit_grows_with_its_plan(env, tmp_path, monkeypatch):
+    """More prompts, more sets, more Ks: a longer limit (nothing measured: the floor rate)."""
+    monkeypatch.setenv("EYRIE_SERVE_DEADLINE_S", "100")
+    conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
+    manifest = _planned("s", 8, 64)
     small = load_config(tiny_run_config(tmp_path, "s", verify={"prompts": 10, "ks": [3]}))
     large = load_config(tiny_run_config(tmp_path, "l", verify={"prompts": 10, "ks": [3, 5],
                                                                 "benchmarks": ["gsm8k", "mt-bench"]}))
-    assert verify_timeout_s(conn, small, Manifest) == int(2 * (100 + 3 * 10 * 64 / MIN_VERIFY_TOK_S))
-    assert verify_timeout_s(conn, large, Manifest) == int(3 * (100 + 3 * 30 * 64 / MIN_VERIFY_TOK_S))
-    # a measured generation rate (its progress in Redis) replaces the floor: a far shorter budget
-    progress.report(conn, "s", "generate", "0", started=time.time(), tokens=0)
-    time.sleep(0.2)
-    progress.report(conn, "s", "generate", "0", started=time.time(), tokens=100_000)
-    assert 2 * 100 <= verify_timeout_s(conn, small, Manifest) < 2 * (100 + 3 * 10 * 64 / 1000)
+    assert 2 * 100 < verify_timeout_s(conn, small, manifest) < verify_timeout_s(conn, large, manifest)

@@ -11,8 +11,9 @@ from rq.serializers import JSONSerializer
 
 from eyrie.stages import GENERATE
 from eyrie.work import keys
-from eyrie.work import queue as work_queue
-from eyrie.work.queue import EyrieJob, ForkingWorker, _enqueue, queue, worker_name
+from eyrie.work import worker_loop
+from eyrie.work.queue import EyrieJob, _enqueue, queue
+from eyrie.work.worker_loop import ForkingWorker, worker_name
 
 
 def test_the_job_keeper_starts_after_the_fork_not_before(redis_url, monkeypatch):
@@ -28,15 +29,38 @@ def test_the_job_keeper_starts_after_the_fork_not_before(redis_url, monkeypatch)
     monkeypatch.setattr(os, "fork", fork)
     worker = ForkingWorker([queue(conn, GENERATE.queue)], connection=conn, serializer=JSONSerializer,
                            job_class=EyrieJob, name=worker_name("fork-test"))
-    kept, keep_alive = [], work_queue._keep_alive
+    kept, keep_alive = [], worker_loop._keep_alive
 
     def _keep_alive(conn, job_id, stop):
         kept.append(job_id)
         keep_alive(conn, job_id, stop)
 
-    monkeypatch.setattr(work_queue, "_keep_alive", _keep_alive)
+    monkeypatch.setattr(worker_loop, "_keep_alive", _keep_alive)
     worker.work(burst=True)
     assert at_fork, "the worker never forked a work horse"
     assert not any("_keep_alive" in name for names in at_fork for name in names), at_fork
     assert kept == [job_id]  # the parent kept the job alive while the horse ran it
     assert not conn.exists(keys.job_alive(job_id))  # and let the key go after
+
+
+def test_a_burst_worker_sigtermed_as_it_quits_stops_without_an_error(redis_url):
+    """SIGTERM that finds a burst worker idle, as it quits (RQ raises StopRequested wherever its
+    handler lands, also after its loop): the worker stops, saying so, and `eyrie` reports no
+    internal error."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "EYRIE_REDIS_URL": redis_url}
+    worker = subprocess.Popen([str(Path(sys.executable).parent / "eyrie"), "worker", "generate", "--burst"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in worker.stdout:
+        lines.append(line)
+        if "done, quitting" in line:  # the queue is empty: the worker leaves its loop now
+            worker.send_signal(signal.SIGTERM)
+            break
+    output = "".join(lines) + worker.stdout.read()
+    assert worker.wait(30) in (0, -signal.SIGTERM), output
+    assert "internal error" not in output and "Traceback" not in output, output

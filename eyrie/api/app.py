@@ -1,4 +1,5 @@
-"""The API's routes: runs (start, list, status, manifest, cancel, retry), health, queues, metrics, dashboard."""
+"""The API's routes: runs (start, list, status, manifest, failures, what runs now, family, rates, cancel,
+retry), health, queues, metrics, dashboard."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pydantic import ValidationError
 import eyrie
 from eyrie import stages
 from eyrie.api.auth import can_read, need_token
+from eyrie.api.dashboard import running_now, token_rates
 from eyrie.api.datasets import check_dataset_source
 from eyrie.api.metrics import metrics_response
 from eyrie.core.config import load_settings
@@ -21,6 +23,8 @@ from eyrie.data.manifest import RUN_NAME, load_run_manifest
 from eyrie.data.store import open_store
 from eyrie.runs import control
 from eyrie.runs.audit import audit as audit_run
+from eyrie.runs.failures import Reason, failures
+from eyrie.runs.family import Family, family
 from eyrie.runs.pipeline import RunConfig
 from eyrie.runs.status import run_status
 from eyrie.stages import PIPELINE, queues, startable
@@ -106,6 +110,30 @@ def routes():
     def errors(name: RunName, request: Request) -> list[str]:
         """The run's recent errors, most recent first (what `eyrie logs NAME` prints)."""
         return control.recent_errors(request.app.state.conn, request.app.state.store, name)
+
+    @r.get("/runs/{name}/failures", dependencies=[Depends(can_read)], responses=UNKNOWN, tags=["runs"])
+    def failures_by_reason(name: RunName, request: Request) -> list[Reason]:
+        """Failed and skipped samples by reason per stage, one example each, samples training left
+        out, and failed tasks by error (`eyrie logs NAME` prints the same)."""
+        return failures(request.app.state.conn, request.app.state.store, name)
+
+    @r.get("/runs/{name}/now", dependencies=[Depends(can_read)], responses=ERRORS, tags=["runs"])
+    def now(name: RunName, request: Request) -> dict:
+        """What runs now: the workers on the run's tasks (worker, host, last heartbeat), and every
+        worker up."""
+        return running_now(request.app.state.conn, request.app.state.store, name)
+
+    @r.get("/runs/{name}/family", dependencies=[Depends(can_read)], responses=UNKNOWN, tags=["runs"])
+    def run_family(name: RunName, request: Request) -> Family:
+        """The runs that train on the same generated answers and hidden states as this one (a recipe
+        sweep): each one's train settings and acceptance, and which settings vary among them."""
+        return family(request.app.state.store, name)
+
+    @r.get("/runs/{name}/rates", dependencies=[Depends(can_read)], responses=ERRORS, tags=["runs"])
+    def rates(name: RunName, request: Request) -> dict[str, list[tuple[float, float]]]:
+        """Tokens per second per stage over time: [[epoch seconds, tok/s], ...] (from the workers'
+        progress reports, kept in Redis)."""
+        return token_rates(request.app.state.conn, name)
 
     @r.get("/runs/{name}/audit", dependencies=[Depends(can_read)], responses=UNKNOWN, tags=["runs"])
     def audit(name: RunName, request: Request) -> list[dict]:

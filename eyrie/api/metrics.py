@@ -83,10 +83,10 @@ def _run_families() -> dict[str, GaugeMetricFamily]:
 
 def _acceptance(family: GaugeMetricFamily, run: str, status: RunStatus) -> None:
     trained = [s for s in status.stages.values() if isinstance(s, TrainStatus)]
-    drafter = (trained[0].drafter if trained else None) or {}
-    for source, key in (("eyrie", "tau"), ("vllm", "vllm_acceptance_length")):
-        if isinstance(drafter.get(key), (int, float)):
-            family.add_metric([run, source], drafter[key])
+    drafter, verified = ((trained[0].drafter, trained[0].verify) if trained else (None, None))
+    for source, record, key in (("eyrie", drafter, "tau"), ("vllm", verified, "vllm_acceptance_length")):
+        if isinstance((record or {}).get(key), (int, float)):
+            family.add_metric([run, source], record[key])
 
 
 def _stage_metrics(families: dict, run: str, stage: str, s: StageStatus) -> None:

@@ -17,7 +17,7 @@ from eyrie.commands.cli_app import app, command, context
 from eyrie.commands.cli_options import checked, model_options
 from eyrie.core.errors import EyrieError
 from eyrie.core.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
-from eyrie.stages import entry  # services' code by name: eyrie/ imports none
+from eyrie.stages import VERIFY, entry  # entry: services' code by name (eyrie/ imports none)
 
 
 @app.command()
@@ -29,11 +29,14 @@ def serve(model: Optional[str] = typer.Option(None, help="Model directory or HF 
           config: Optional[Path] = typer.Option(None, "--config", help="Serve this run config's target "
                                                 "with its serve section."),
           run: Optional[str] = typer.Option(None, "--run", help="Serve the target of this stored run "
-                                            "(its config's serve section).")):
+                                            "(its config's serve section); `active`: each pipeline that is "
+                                            "to generate, one after another (the stack's inference service).")):
     """Start the target's OpenAI server, wait until it answers, publish it in Redis."""
     from eyrie.core.config import load_settings
     from eyrie.work.queue import connect
     Server, run_config = entry("eyrie_inference.server.Server"), entry("eyrie_inference.server.run_config")
+    if run == "active":
+        raise typer.Exit(entry("eyrie_inference.server.serve_active")(port=port, server=server, host=host))
     cfg = run_config(config, run)
     if cfg is not None and model is not None and model != cfg.target.model:
         raise EyrieError(f"--model {model} is not the run's target {cfg.target.model}.",
@@ -158,7 +161,9 @@ def convert_gguf(gguf: Optional[Path] = typer.Option(None, "--gguf", help="A GGU
 @model_options(TrainSettings, into="asked")
 def train(run: str = typer.Option(..., "--run", help="Run name (its extract stage must be done)."),
           asked: dict = None,  # the options TrainSettings makes, given
-          wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress.")):
+          wait: bool = typer.Option(False, "--wait", help="Wait for the stage to finish, showing progress."),
+          as_run: Optional[str] = typer.Option(None, "--as", help="A new run of this name trains on the run's "
+                                               "answers and hidden states with these settings (none copied).")):
     """Train an EAGLE-3 drafter (speculators) on the run's hidden states; evaluate; export the best."""
     def line(manifest, enqueued, store) -> str:
         p = manifest.train
@@ -169,6 +174,12 @@ def train(run: str = typer.Option(..., "--run", help="Run name (its extract stag
 
     from eyrie.stages.train import Train
 
+    if as_run:  # a new run on these states: a pipeline (verified as usual) where the run was one
+        from eyrie.runs.control import pipeline_started, train_as
+
+        settings, conn, store = context()
+        typer.echo(pipeline_started(train_as(settings, conn, store, run, as_run, checked(TrainSettings, asked))))
+        return _wait(conn, store, as_run, Train.name) if wait else None
     _start_alone(Train.name, run, (TrainSettings, asked), line, wait)
 
 
@@ -253,15 +264,19 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
     """Serve the target with the exported drafter in vLLM (EYRIE_VLLM_COMMAND; default: the project's
     .venv-vllm) on the held-out prompts and benchmark sets: vLLM's own acceptance length per set and
     K beside eyrie's, identical outputs, tokens/s with and without at 1 and 8 in flight."""
+    from eyrie.data.manifest import load_run_manifest
     from eyrie.runs.pipeline import VerifySection, stored_config
+    from eyrie.tasks.gpu_admission import held_gpu
 
-    settings, _, store = context()
+    settings, conn, store = context()
+    load_run_manifest(store, run)  # an unknown run: said before any wait for the GPUs
     config = stored_config(store, run)
     given = {"benchmarks": bench, "ks": k, "prompts": prompts, "max_tokens": max_tokens, "serial_prompts": serial_prompts}
     planned = config.verify.model_dump(exclude={"enabled"}) if config else {}
     request = checked(VerifySection, {**planned, **{n: v for n, v in given.items() if v is not None}})
     run_verify = entry("eyrie_trainer.verify.verify")
-    result = run_verify(settings, store, run, request, log=(lambda m: None) if as_json else typer.echo)
+    with held_gpu(settings, conn, VERIFY.name, "all", typer.echo):  # vLLM takes the GPUs, as the verify task's does
+        result = run_verify(settings, store, run, request, log=(lambda m: None) if as_json else typer.echo)
     if as_json:
         typer.echo(orjson.dumps(result).decode())
         return
@@ -289,7 +304,8 @@ def worker(stage: str = typer.Argument(..., help="generate | extract | train | v
     from eyrie.core.vllm import available
     from eyrie.stages import on_queue_stages, preload, queues
     from eyrie.work.disk import start_reporting
-    from eyrie.work.queue import connect, run_worker
+    from eyrie.work.queue import connect
+    from eyrie.work.worker_loop import run_worker
 
     if stage not in queues():
         raise EyrieError(f"unknown stage {stage!r} for a worker.", f"use: eyrie worker {'|'.join(queues())}")
@@ -327,9 +343,10 @@ def status(run: str = typer.Argument(..., help="Run name."),
 def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline: run.yaml (examples/)."),
                  plan: bool = typer.Option(False, "--plan", help="Print the storage projection only "
                                                                   "(no server, no GPU, no download)."),
-                 wait: bool = typer.Option(False, "--wait", help="Follow every stage until the drafter is exported."),
+                 wait: bool = typer.Option(False, "--wait", help="Follow every stage until the drafter is exported "
+                                                                 "and verified (or verify skipped, with why)."),
                  as_json: bool = typer.Option(False, "--json", help="With --plan: the plan as one JSON object.")):
-    """Start (or continue) a whole pipeline: generate -> extract -> train -> evaluate -> export,
+    """Start (or continue) a whole pipeline: generate -> extract -> train -> evaluate -> export -> verify,
     each stage starting by itself when the one before is done."""
     from eyrie.core.config import load_settings
     from eyrie.core.support import refuse_unsupported_config
@@ -352,7 +369,7 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
     settings = load_settings(model=cfg.target.model)
     conn, store = connect(settings.redis_url), open_store(settings)
     typer.echo(pipeline_started(start_and_plan(settings, conn, store, cfg)))
-    if wait:  # until its last stage with a status of its own is done (the drafter exported)
+    if wait:  # until its last stage with a status of its own is done (the drafter verified, or verify skipped)
         from eyrie.stages import PIPELINE
 
         _wait(conn, store, cfg.run, [s for s in PIPELINE if s.shown][-1].name)

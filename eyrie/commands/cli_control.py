@@ -110,17 +110,25 @@ def retry(run: str = typer.Argument(..., help="Run name.")):
 def logs(run: str = typer.Argument(..., help="Run name."),
          limit: int = typer.Option(20, min=1, help="At most this many errors."),
          as_json: bool = typer.Option(False, "--json", help="One JSON array.")):
-    """The run's recent errors, most recent first (and a block, if the run is blocked)."""
+    """The run's recent errors, most recent first (and a block, if the run is blocked); then its
+    samples failed, skipped or left out of training, by reason per stage, with one example each."""
     from eyrie.runs.control import recent_errors
+    from eyrie.runs.failures import failures
 
     _, conn, store = context()
     errors = recent_errors(conn, store, run, limit)
     if as_json:
         _print_json(errors)
-    elif not errors:
+        return
+    if not errors:
         typer.echo(f"run {run}: no errors")
-    for line in [] if as_json else errors:
+    for line in errors:
         typer.echo(line)
+    for reason in failures(conn, store, run):
+        if reason.kind != "task":  # the task errors are the lines above
+            sample = (reason.example or {}).get("sample_id")
+            where = f" (e.g. sample {sample}, row {reason.example.get('row')})" if sample else ""
+            typer.echo(f"{reason.stage}: {reason.count} {reason.kind}: {reason.reason}{where}")
 
 
 @app.command()

@@ -74,7 +74,7 @@ def render_status(status: RunStatus) -> None:
     endpoint = status.inference
     if endpoint:
         console.print(f"inference: {endpoint.state} at {endpoint.url} ({endpoint.server})"
-                      + (f"  {endpoint.progress}" if endpoint.state == "starting" else ""))
+                      + (f"  {endpoint.progress}" if endpoint.state in ("waiting", "starting") else ""))
     for name, s in status.stages.items():
         render_stage(name, s)
 

@@ -93,7 +93,7 @@ def demo_config(config: Path, run: str, dataset: str | None):
 
 def follow(conn, store, cfg) -> int:
     """Each stage live as the pipeline starts it; then the drafter exported, and vLLM's verdict."""
-    for stage in [s for s in PIPELINE if s.shown]:
+    for stage in [s for s in PIPELINE if s.shown and not isinstance(s, Verify)]:  # verify: wait_verified
         code = follow_stage(conn, store, cfg.run, stage.name)
         if stage is PIPELINE[0]:
             report(conn, store, cfg.run)
@@ -132,7 +132,7 @@ def cli(args: list[str], env: dict) -> int:
 
 def report(conn, store, run: str) -> None:
     layout = Layout(run)
-    keys = [k for k in store.list(f"{layout.root}/generate/shards/") if k.endswith(".jsonl")]
+    keys = [k for k in store.list(layout.generate_shards) if k.endswith(".jsonl")]
     if keys:
         first = next((r for r in map(orjson.loads, store.get_bytes(keys[0]).splitlines())
                       if r["status"] == "done"), None)
@@ -140,5 +140,5 @@ def report(conn, store, run: str) -> None:
             console.print(f"example: [dim]{first['messages'][-1]['content']!r}[/]\n"
                           f"  reasoning ({first['reasoning_source']}): {first['reasoning']!r}\n"
                           f"  answer: {first['content']!r}")
-    console.print(f"shards: {len(keys)} in {store.url}/{layout.root}/generate/shards/  ·  "
+    console.print(f"shards: {len(keys)} in {store.url}/{layout.generate_shards}  ·  "
                   f"again any time: eyrie status {run}")

@@ -54,6 +54,11 @@ class Settings(BaseSettings):
     endpoint_weight: int = Field(1, ge=1, description="This replica's share of the requests in flight.")
     serve_deadline_s: float = Field(3600.0, gt=0, description="How long a server may take to answer: `eyrie serve` "
                                     "for its own, generate and extract tasks for theirs; verify budgets it per vLLM start.")
+    gpu_wait_s: float = Field(12 * 3600.0, gt=0, description="How long a GPU task (or `eyrie verify`) waits for the "
+                              "GPU lease before it fails naming the holder (a task is retried later); a cancel or a "
+                              "SIGTERM ends a task's wait at once.")
+    plan_wait_s: float = Field(3600.0, gt=0, description="How long `eyrie run` (and `eyrie generate|extract|train`) "
+                               "waits for a stage's planning task a worker took before it stops waiting, saying so.")
     serve_stop_when_drained: bool | None = Field(
         None, description="Stop the server once a pipeline's generation has drained and its later stages "
                           "wait (handing over the GPU lease); unset: yes for vLLM, which holds the GPUs.")

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_serializer, model_validator
 
+from eyrie.core import recipe as recipes
 from eyrie.core.budget import parse_size
 from eyrie.core.errors import EyrieError
 from eyrie.core.section import Section
@@ -85,7 +86,8 @@ class ExtractSettings(StageSettings):
         "offline", description="Where training's hidden states come from (docs/storage-modes.md): offline (all "
                                "in the bucket first), hybrid (the bucket up to extract.budget, the rest from the "
                                "vLLM extraction service during training), online (all from the service, every "
-                               "epoch), auto (the fastest that fits extract.budget).")
+                               "epoch), auto (offline where every state fits extract.budget, else hybrid; never "
+                               "online, which --plan shows where it would end sooner).")
 
     @field_validator("layers", mode="before")
     @classmethod
@@ -115,15 +117,43 @@ class TrainSettings(StageSettings):
     base: str | None = Field(None, description="Finetune from this drafter: HF repo id or directory "
                                                "(legacy EAGLE-3 format is converted).")
     base_revision: str | None = Field(None, description="Revision of --base on the hub.")
-    epochs: int = Field(10, ge=1, description="Epochs.")
+    epochs: int | None = Field(None, ge=1, description="Epochs (unset: chosen from the training tokens for about "
+                                                       f"{recipes.TARGET_STEPS:,} optimizer steps, {recipes.MIN_EPOCHS}-"
+                                                       f"{recipes.MAX_EPOCHS} epochs; speculators always runs 20: "
+                                                       "steps, not epochs, are what a small set lacks).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps in total.")
-    draft_vocab: int = Field(32000, ge=2, description="Draft vocabulary, capped at the target's.")
-    lr: float = Field(1e-4, gt=0, description="Learning rate.")
-    seq_len: int = Field(8192, ge=16, description="Tokens per packed batch; longer samples are cut there "
-                                                  "(speculators' --total-seq-len).")
+    draft_vocab: int = Field(32000, ge=2, description="Draft vocabulary, capped at the target's (speculators' "
+                                                      "default is the target's whole vocabulary; 32k as SpecForge "
+                                                      "and EAGLE-3 use: the draft lm_head's rows are its cost).")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (speculators' default; 3e-4 learnt nothing in "
+                                              "the SmolLM2 runs of issue 28).")
+    warmup: float = Field(0.03, ge=0, lt=1, description="Warmup, as a share of all optimizer steps (speculators: "
+                                                        "1%, which is 0-10 steps in a small run's few hundred; "
+                                                        "SpecForge 1.5%; its optimizer moments settle first).")
+    schedule: Literal["linear", "cosine"] = Field("linear", description="Learning-rate decay after warmup, "
+                                                                        "to 0 at the last step (speculators').")
+    seq_len: int | None = Field(None, ge=16, description="Tokens per packed batch; longer samples are cut there "
+                                                         "(speculators' --total-seq-len; unset: "
+                                                         f"{recipes.CPU_PACK:,} where training runs on a CPU, whose "
+                                                         "dense attention costs more per token the longer the pack, "
+                                                         f"{recipes.GPU_PACK:,} (speculators') on a GPU).")
     ttt_steps: int = Field(3, ge=1, le=16, description="Draft steps trained and evaluated: K.")
+    loggers: list[Literal["tensorboard"]] = Field(
+        default_factory=list, description="speculators' metric loggers, offline: tensorboard writes TensorBoard "
+                                          "event files into the run's store prefix (train/tensorboard/).")
     heldout: int | None = Field(None, ge=1, description="Samples held out for evaluation "
                                                         f"(default 10%, at most {MAX_HELDOUT}).")
 
+    @field_validator("loggers", mode="before")
+    @classmethod
+    def _logger_names(cls, value):
+        """`tensorboard` (the command line) is the list [tensorboard]."""
+        return [name for name in value.split(",") if name] if isinstance(value, str) else value
+
     def heldout_for(self, samples: int) -> int:
         return self.heldout or max(1, min(MAX_HELDOUT, samples // 10))
+
+    def recipe(self, train_tokens: int, device: str) -> recipes.Recipe:
+        """What training runs with: these settings, the unset ones chosen (eyrie.core.recipe)."""
+        return recipes.choose(train_tokens, device, lr=self.lr, warmup=self.warmup, schedule=self.schedule,
+                             seq_len=self.seq_len, epochs=self.epochs)

@@ -10,6 +10,7 @@ from functools import cache
 from pathlib import Path
 
 from eyrie.core.errors import EyrieError
+from eyrie.core.target import refuse_remote_code
 
 TABLE = Path(__file__).with_name("vllm_support.json")
 
@@ -61,5 +62,7 @@ def architecture(config) -> str | None:
 
 def refuse_unsupported_config(config) -> None:
     """`eyrie run` and POST /runs: before anything is enqueued (the architecture where it can be
-    read here: a local target's config.json, or target.shape.architecture)."""
+    read here: a local target's config.json, or target.shape.architecture; a target that needs its
+    own code where the run does not trust it)."""
+    refuse_remote_code(config.target.model, config.serve.trust_remote_code)
     refuse_unsupported(check(architecture(config), config.extract.backend))

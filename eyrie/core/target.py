@@ -76,7 +76,30 @@ def _context(path: Path) -> int | None:
     return config.get("max_position_embeddings")
 
 
-def text_config(model: str):
+class RemoteCodeRefused(EyrieError):
+    """The target ships code of its own (an `auto_map`) and the run does not trust it."""
+
+    def __init__(self, model: str, what: str):
+        super().__init__(
+            f"the target {model} needs its own code to load its {what} (an auto_map in its config.json or "
+            "tokenizer_config.json), and the run does not run it.",
+            "if you trust that repository's code, set serve.trust_remote_code: true in the run config (it then "
+            "runs in vLLM and in eyrie's workers); `eyrie generate`/`eyrie serve` without a run config: "
+            "EYRIE_VLLM_ARGS=--trust-remote-code.")
+
+
+def hf_load(load, model: str, what: str, trust_remote_code: bool):
+    """`load(model, trust_remote_code=...)` (a transformers from_pretrained), its refusal of the
+    target's own code as RemoteCodeRefused."""
+    try:
+        return load(model, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise RemoteCodeRefused(model, what) from None
+        raise
+
+
+def text_config(model: str, trust_remote_code: bool = False):
     """The target's (text) config, or one clear error when this host cannot read it. Where
     transformers is not installed (the generator and api images), its config.json as read."""
     try:
@@ -86,10 +109,62 @@ def text_config(model: str):
     try:
         if AutoConfig is None:
             return _config_json(model)
-        return AutoConfig.from_pretrained(model).get_text_config()
+        return hf_load(AutoConfig.from_pretrained, model, "config", trust_remote_code).get_text_config()
+    except RemoteCodeRefused:
+        raise
     except Exception as exc:
         raise EyrieError(f"cannot read the config of the target {model} ({type(exc).__name__}).",
                          "make the model directory (or HF cache) available to this host.") from None
+
+
+def load_tokenizer(model: str, trust_remote_code: bool = False):
+    """The target's tokenizer (transformers' AutoTokenizer), running the target's own code only
+    where the run trusts it."""
+    from transformers import AutoTokenizer
+
+    return hf_load(AutoTokenizer.from_pretrained, model, "tokenizer", trust_remote_code)
+
+
+def refuse_remote_code(model: str, trust_remote_code: bool) -> None:
+    """Before a run starts: a target whose config or tokenizer names code of its own, which this
+    host's transformers cannot load without it, is refused unless the run trusts it. Reads only
+    files already here (a local directory or the HF cache); transformers confirms where installed
+    (a model type it has classes for loads without the target's code)."""
+    if trust_remote_code:
+        return
+    for name, what in (("config.json", "config"), ("tokenizer_config.json", "tokenizer")):
+        if _auto_map(model, name) and not _loads_without_code(model, what):
+            raise RemoteCodeRefused(model, what)
+
+
+def _auto_map(model: str, name: str) -> bool:
+    path = Path(model) / name
+    if not path.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:  # a path this host lacks (a container given another's path) is no hub id: nothing to read
+            cached = try_to_load_from_cache(model, name) if "/" in model and not Path(model).exists() else None
+        except ValueError:  # huggingface_hub's HFValidationError
+            cached = None
+        path = Path(cached) if isinstance(cached, str) else None
+    try:
+        return path is not None and bool(json.loads(path.read_text()).get("auto_map"))
+    except (OSError, ValueError):
+        return False
+
+
+def _loads_without_code(model: str, what: str) -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False  # nothing here can tell: the auto_map is taken at its word
+    try:
+        (text_config if what == "config" else load_tokenizer)(model, False)
+    except RemoteCodeRefused:
+        return False
+    except Exception:  # another problem, for the stage that loads it to report
+        return True
+    return True
 
 
 def _config_json(model: str) -> SimpleNamespace:

@@ -45,6 +45,27 @@ def on_cpu() -> bool:
     return not Path("/dev/nvidiactl").exists()
 
 
+def cpu_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), read from /proc/cpuinfo's flags."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return True  # not Linux: leave vLLM's own choice
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+def with_cpu_dtype(cmd: list[str], native_bf16: bool | None = None) -> list[str]:
+    """`cmd` with `--dtype float32` on a CPU without native bf16, unless the command sets a dtype:
+    there vLLM's CPU build served SmolLM2 1.6x faster in float32 than in its bf16 (bench/RESULTS.md)
+    and torch's bf16 matmuls are emulated (8-36x slower than fp32 on an AVX2-only EPYC)."""
+    if not on_cpu() or any(a == "--dtype" or a.startswith("--dtype=") for a in cmd):
+        return cmd
+    native = cpu_native_bf16() if native_bf16 is None else native_bf16
+    return cmd if native else [*cmd, "--dtype", "float32"]
+
+
 def serve_env() -> dict[str, str]:
     """vLLM's environment; on the CPU, a KV cache size its CPU build accepts."""
     env = {**os.environ, "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
@@ -61,7 +82,9 @@ def available(command: str) -> bool:
 def start_server(cmd: list[str], **popen) -> subprocess.Popen:
     """vLLM in a process group of its own (its API server and engine core stop together), SIGTERMed
     when the process that started it dies: a SIGKILLed eyrie must not leave vLLM serving
-    (util-linux's setpriv sets PR_SET_PDEATHSIG, then execs)."""
+    (util-linux's setpriv sets PR_SET_PDEATHSIG, then execs). On a CPU without native bf16 it
+    serves in float32 (with_cpu_dtype)."""
+    cmd = with_cpu_dtype(cmd)
     setpriv = shutil.which("setpriv")
     argv = [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
     return subprocess.Popen(argv, start_new_session=True, **popen)

@@ -70,8 +70,9 @@ def resolve(source: str, split: str = "train", revision: str | None = None,
     elif path.exists():
         raise EyrieError(f"dataset {source} is not a regular file or a directory.",
                          "pass a .jsonl/.parquet file, a dataset directory or a hub id.")
-    elif looks_like_path(source):
-        raise EyrieError(f"dataset file {source} does not exist.",
+    elif looks_like_path(source):  # a hub id is `name` or `owner/name`, without a file's suffix
+        where = "" if path.is_absolute() else f" (looked in {Path.cwd()})"
+        raise EyrieError(f"no such file {source}{where}.",
                          "check the path, or give a Hugging Face dataset id such as "
                          "mlabonne/open-perfectblend.")
     else:

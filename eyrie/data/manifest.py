@@ -38,6 +38,19 @@ def code_version() -> str:
     return f"{eyrie.__version__}+{sha}" if sha else eyrie.__version__
 
 
+STATES_INDEX = "states"  # eyrie.runs.reuse's index of complete states, the one prefix outside runs/
+# what a run that trains on another's states reads of the owner's: its input rows, its generated
+# answers and its hidden states, with their shard manifests (eyrie.data.shared_states)
+_SHARED = re.compile(r"^runs/(?P<owner>[^/]+)/(?:generate/(?:input|shards)|extract/shards)/")
+
+
+def states_index(fingerprint: str, dataset_revision: str | None = None) -> str:
+    """The reuse index's entry of the states some settings made of a dataset's content; without a
+    revision, the prefix of those settings' entries (eyrie.runs.reuse)."""
+    prefix = f"{STATES_INDEX}/{fingerprint}/"
+    return prefix if dataset_revision is None else f"{prefix}{dataset_revision}.json"
+
+
 class Layout:
     """Store keys of one run. Every stage writes only under its own prefix."""
 
@@ -48,6 +61,11 @@ class Layout:
     @property
     def manifest(self) -> str:
         return f"{self.root}/manifest.json"
+
+    @property
+    def pipeline_config(self) -> str:
+        """The run config `eyrie run` keeps (eyrie.runs.pipeline.save_config)."""
+        return f"{self.root}/pipeline.json"
 
     def generate_input(self, shard: int) -> str:
         return f"{self.root}/generate/input/shard-{shard:05d}.jsonl"
@@ -60,6 +78,11 @@ class Layout:
 
     def generate_shard_manifest(self, shard: int) -> str:
         return f"{self.root}/generate/shards/shard-{shard:05d}.manifest.json"
+
+    @property
+    def generate_shards(self) -> str:
+        """The prefix of the generated shards and their manifests."""
+        return f"{self.root}/generate/shards/"
 
     def extract_parts(self, shard: int) -> str:
         return f"{self.root}/extract/parts/shard-{shard:05d}/"
@@ -75,6 +98,11 @@ class Layout:
         return f"{self.root}/extract/shards/shard-{shard:05d}.manifest.json"
 
     @property
+    def extract_shards(self) -> str:
+        """The prefix of the hidden states and the extract shards' manifests."""
+        return f"{self.root}/extract/shards/"
+
+    @property
     def train(self) -> str:
         return f"{self.root}/train"
 
@@ -85,8 +113,22 @@ class Layout:
         return f"{self.root}/train/checkpoints/{label}.manifest.json"
 
     @property
+    def checkpoints(self) -> str:
+        """The prefix of the stored checkpoints and their manifests."""
+        return f"{self.root}/train/checkpoints/"
+
+    def tensorboard_file(self, name: str) -> str:
+        """speculators' TensorBoard event files (`name`: relative to its log directory)."""
+        return f"{self.root}/train/tensorboard/{name}"
+
+    @property
     def train_curve(self) -> str:
         return f"{self.root}/train/curve.json"
+
+    @property
+    def train_samples(self) -> str:
+        """What the trainer read: samples trained on, left out (with why), truncated (eyrie_trainer.ledger)."""
+        return f"{self.root}/train/samples.json"
 
     @property
     def evaluation(self) -> str:
@@ -105,6 +147,20 @@ class Layout:
     def parts(self, stage: str, shard: int) -> str:
         return getattr(self, f"{stage}_parts")(shard)
 
+    @property
+    def users(self) -> str:
+        """The prefix of the runs that train on this run's answers and states (eyrie.data.shared_states)."""
+        return f"{self.root}/used-by/"
+
+    def user(self, run: str) -> str:
+        return f"{self.users}{check_run_name(run)}.json"
+
+    @staticmethod
+    def owner_of_shared(key: str) -> str | None:
+        """The run whose input rows, answers or hidden states `key` is one of; None for another key."""
+        owned = _SHARED.match(key)
+        return owned["owner"] if owned else None
+
 
 class DatasetRef(BaseModel):
     source: str = Field(description="HF dataset id, or the local file/directory it was read from.")
@@ -121,6 +177,7 @@ class TargetRef(BaseModel):
     chat_template_sha256: str | None
     server: str
     conversion: dict | None = None  # how eyrie made the target's directory (eyrie/core/gguf_target.py)
+    trust_remote_code: bool = False  # the target's own code runs in every load of it (serve.trust_remote_code)
 
 
 class SamplingParams(BaseModel):
@@ -180,17 +237,23 @@ class TrainParams(BaseModel):
     num_layers: int = 1
     ttt_steps: int = TrainSettings.model_fields["ttt_steps"].default  # a plan from before K was planned
     lr: float
+    warmup: float | None = Field(None, description="Warmup share of all steps (None: a plan from before it was "
+                                                   "planned, speculators' 1%).")
+    schedule: str = "linear"
     total_seq_len: int
     train_samples: int
     heldout_samples: int
     base: BaseDrafter | None = None
     speculators_version: str
+    loggers: list[str] = Field(default_factory=list, description="speculators' metric loggers (tensorboard).")
+    recipe: str | None = Field(None, description="The recipe and why: eyrie.core.recipe's statement.")
 
     def settings(self) -> dict:
         """What was planned, by the names of TrainSettings (a rerun's request is checked against it)."""
         return {"base": self.base.source if self.base else None, "epochs": self.epochs, "max_steps": self.max_steps,
                 "draft_vocab": self.draft_vocab, "lr": self.lr, "seq_len": self.total_seq_len,
-                "ttt_steps": self.ttt_steps, "heldout": self.heldout_samples}
+                "ttt_steps": self.ttt_steps, "heldout": self.heldout_samples, "warmup": self.warmup,
+                "schedule": self.schedule, "loggers": self.loggers}
 
 
 class ShardPlan(BaseModel):
@@ -212,6 +275,9 @@ class RunManifest(BaseModel):
     input_skips: dict[str, int] = Field(default_factory=dict,
                                         description="rows unreadable at planning, by reason")
     extract: ExtractParams | None = None
+    states_from: str | None = Field(None, description="The run whose generated answers and hidden states this run "
+                                                      "trains on (same target, dataset, generate and extract "
+                                                      "settings): its shard manifests refer to that run's objects.")
     train: TrainParams | None = None
     drafter: dict | None = Field(None, description="The exported drafter: objects, sha256, τ, path taken.")
     verify: dict | None = Field(None, description="The drafter served by vLLM: its acceptance, identical outputs.")
@@ -242,6 +308,10 @@ class ShardManifest(BaseModel):
     counts: Counts
     skip_reasons: dict[str, int]
     failure_errors: dict[str, int]
+    examples: dict[str, dict[str, dict]] = Field(
+        default_factory=dict, description="One sample per skip reason and per failure error (the keys "
+                                          "of skip_reasons, failure_errors): {skipped|failed: {key: "
+                                          "{sample_id, row, detail}}}")
     started_at: str
     finished_at: str
     worker: str

@@ -20,6 +20,7 @@ import orjson
 
 from eyrie.core.config import safe_url
 from eyrie.core.errors import EyrieError
+from eyrie.data.shared_states import refuse_deleting_used
 
 log = logging.getLogger("eyrie.data.store")
 OUTAGE_S = 300  # how long an S3 call is retried while the endpoint is away (restart, network)
@@ -76,8 +77,14 @@ class Store(ABC):
     def list(self, prefix: str) -> list[str]:
         """Every key under `prefix` (recursive), sorted."""
 
+    def delete(self, key: str) -> None:
+        """Removes the object; refused (StatesInUse) for a run's answers or hidden states that
+        another run trains on (eyrie.data.shared_states)."""
+        refuse_deleting_used(self, key)
+        self._delete(key)
+
     @abstractmethod
-    def delete(self, key: str) -> None: ...
+    def _delete(self, key: str) -> None: ...
 
     @abstractmethod
     def free_bytes(self) -> int | None:
@@ -196,7 +203,7 @@ class FileStore(Store):
                     keys.append(key)
         return sorted(keys)
 
-    def delete(self, key: str) -> None:
+    def _delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
     def free_bytes(self) -> int | None:
@@ -325,7 +332,7 @@ class S3Store(Store):
         return sorted(o.object_name[strip:] for o in objects)
 
     @_through_outages
-    def delete(self, key: str) -> None:
+    def _delete(self, key: str) -> None:
         self.client.remove_object(self.bucket, self._name(key))
 
     def free_bytes(self) -> int | None:

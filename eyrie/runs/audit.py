@@ -44,7 +44,8 @@ def audit(store, run: str) -> list[Figure]:
         extract, extracted = _extract(store, manifest, layout, records)
         figures.append(extract)
         if manifest.train:
-            figures.append(_train(manifest, extracted))
+            read = store.get_json(layout.train_samples) if store.exists(layout.train_samples) else None
+            figures.append(_train(manifest, extracted, read))
     return figures
 
 
@@ -68,7 +69,7 @@ def _generate(store, manifest: RunManifest, layout: Layout) -> tuple[Figure, dic
 def _extract(store, manifest: RunManifest, layout: Layout,
              records: dict[int, list[dict]]) -> tuple[Figure, list[str]]:
     figure, extracted = Figure(stage=Extract.name), []
-    stored = set(store.list(f"{layout.root}/extract/shards/"))
+    stored = set(store.list(layout.extract_shards))
     for plan in manifest.generate_shards:
         ids_in = [r["sample_id"] for r in records.get(plan.index, []) if r["status"] == "done"]
         key = layout.extract_shard_manifest(plan.index)
@@ -82,14 +83,23 @@ def _extract(store, manifest: RunManifest, layout: Layout,
     return figure, extracted
 
 
-def _train(manifest: RunManifest, extracted: list[str]) -> Figure:
-    """Trained on or held out: every extracted sample, once (the plan fixes both counts)."""
-    p = manifest.train
-    used = p.train_samples + p.heldout_samples
+def _train(manifest: RunManifest, extracted: list[str], read: dict | None) -> Figure:
+    """Every extracted sample trained on or held out, once, as the trainer recorded what it read
+    (train/samples.json: eyrie_trainer.ledger): done = trained on + held out (once the drafter is
+    evaluated), failed = left out by speculators (the reasons are in the record), lost = the rest.
+    A run trained before the record existed is counted from its plan."""
     unique = len(set(extracted))
-    return Figure(stage=Train.name, samples_in=unique, done=min(used, unique) if manifest.drafter else 0,
-                  pending=0 if manifest.drafter else unique, duplicated=len(extracted) - unique,
-                  lost=max(0, unique - used))
+    if read is None:
+        p = manifest.train
+        used = p.train_samples + p.heldout_samples
+        return Figure(stage=Train.name, samples_in=unique, done=min(used, unique) if manifest.drafter else 0,
+                      pending=0 if manifest.drafter else unique, duplicated=len(extracted) - unique,
+                      lost=max(0, unique - used))
+    if not manifest.drafter:
+        return Figure(stage=Train.name, samples_in=unique, pending=unique, duplicated=len(extracted) - unique)
+    done, failed = len(read["read_rows"]) + read["heldout_samples"], len(read["dropped"])
+    return Figure(stage=Train.name, samples_in=unique, done=done, failed=failed,
+                  duplicated=len(extracted) - unique, lost=max(0, unique - done - failed))
 
 
 def clean(figures: list[Figure]) -> bool:

@@ -12,12 +12,15 @@ from rq.serializers import JSONSerializer
 
 from eyrie.core.errors import EyrieError, UnknownRun
 from eyrie.core.support import refuse_unsupported_config
-from eyrie.data.manifest import Layout, load_run_manifest, now_iso
-from eyrie.runs.pipeline import advance_or_record, config_key, run_job_ids, run_view, save_config, stored_config
+from eyrie.data.manifest import Layout, RunManifest, check_run_name, load_run_manifest, now_iso
+from eyrie.runs.pipeline import (advance_or_record, check_config, config_key, run_job_ids, run_view, save_config,
+                                 stored_config)
 from eyrie.runs.projection import refuse_before_start
+from eyrie.runs.reuse import check_train_as, owner_of, states_to_reuse, train_on_states
 from eyrie.runs.status import overall_state, run_status
 from eyrie.stages import PIPELINE, queues, stage, startable
 from eyrie.stages.base import Started
+from eyrie.stages.train import Train
 from eyrie.work import keys
 from eyrie.work.planning import await_planning
 from eyrie.work.queue import EyrieJob, enqueue_task, job_errors, job_state, queue
@@ -28,35 +31,74 @@ log = logging.getLogger("eyrie.runs.control")
 WAITING = {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value}
 
 
-def start_pipeline(settings, conn, store, cfg) -> dict:
+def start_pipeline(settings, conn, store, cfg, states: RunManifest | None = None) -> dict:
     """What `eyrie run` does (and POST /runs, and `eyrie demo`): check the config at once, keep it,
     enqueue the first stage's planning task (generate: the dataset read on its own queue) and what
     each stage starts ahead (the base drafter's fetch), then let `advance` start whatever stage is
-    next. A rerun continues. Returns at once: `start_and_plan` also waits for the planning."""
+    next. A rerun continues. Returns at once: `start_and_plan` also waits for the planning.
+    A new run whose target, dataset, generate and extract settings equal an earlier run's (or
+    `states`: the run `eyrie train --as` names) trains on that run's answers and hidden states: it
+    starts at train, with nothing generated or extracted (eyrie.runs.reuse)."""
+    first = PIPELINE[0]
+    # every refusal before anything is written: a refused rerun leaves the run as it was
     refuse_unsupported_config(cfg)  # a run the pinned vLLM cannot carry: refused before anything starts
     refuse_before_start(cfg, settings)  # what --plan refuses: expected bytes over the budget, too few GPUs
+    check_config(store, cfg)
+    planned = load_run_manifest(store, cfg.run) if store.exists(Layout(cfg.run).manifest) else None
+    reuse = None if planned else states or states_to_reuse(store, cfg)
+    if reuse is None and not (planned and planned.states_from):
+        first.check_start(store, cfg.run, first.settings_in(cfg), cfg.dataset)
     save_config(conn, store, cfg)
     conn.delete(keys.cancelled(cfg.run), keys.blocked(cfg.run))  # the user's rerun retries a refusal
-    first = PIPELINE[0]
-    try:
-        started = first.start_alone(settings, conn, store, cfg.run, None, cfg.dataset)
-    except EyrieError:
-        _forget_unstarted(conn, store, cfg.run)
-        raise
+    started = Started()
+    if reuse is not None:
+        planned = train_on_states(store, reuse, cfg.run)
+        conn.sadd(keys.RUNS, cfg.run)
+    elif not (planned and planned.states_from):
+        try:
+            started = first.start_alone(settings, conn, store, cfg.run, None, cfg.dataset)
+        except EyrieError:
+            _forget_unstarted(conn, store, cfg.run)
+            raise
     view = run_view(conn, store, cfg.run)
     for each in PIPELINE:
         each.on_pipeline_start(view)
     stage = advance_or_record(conn, store, cfg.run)
     return {"run": cfg.run, "planning": started.planning.task_id(cfg.run) if started.planning else None,
-            "started": stage}
+            "started": stage, "states_from": planned.states_from if planned else None}
 
 
 def start_and_plan(settings, conn, store, cfg) -> dict:
     """start_pipeline, then its planning task's result: the rows planned and the tasks enqueued."""
     out = start_pipeline(settings, conn, store, cfg)
-    started = await_started(conn, store, cfg.run, Started(planning=PIPELINE[0].planner))
-    rows = started.manifest.dataset.row_end - started.manifest.dataset.row_start
-    return {**out, "rows": rows, "enqueued": started.enqueued}
+    planning = PIPELINE[0].planner if out["planning"] else None  # none where it trains on another run's states
+    started = await_started(conn, store, cfg.run, Started(planning=planning))
+    manifest = started.manifest or load_run_manifest(store, cfg.run)
+    return {**out, "rows": manifest.dataset.row_end - manifest.dataset.row_start, "enqueued": started.enqueued}
+
+
+def train_as(settings, conn, store, source_run: str, run: str, request) -> dict:
+    """`eyrie train --run A --as B --lr ...`: run B trains on A's answers and hidden states, with
+    A's train settings and those given. B is a pipeline (evaluated, exported and verified as
+    usual) where A was one; else B's train stage alone, as A's was."""
+    check_run_name(run)
+    source = load_run_manifest(store, source_run)
+    check_train_as(store, source, run)
+    config = stored_config(store, source_run)
+    if config is not None:
+        section = Train().settings_in(config)
+        train = type(request).model_validate({**section.given(), **request.given()})
+        out = start_pipeline(settings, conn, store, config.model_copy(update={"run": run, Train.sections[-1]: train}),
+                             source)
+    else:
+        if not store.exists(Layout(run).manifest):
+            train_on_states(store, source, run)
+            conn.sadd(keys.RUNS, run)
+        await_started(conn, store, run, start_stage(settings, conn, store, run, Train.name, request))  # planned
+        out = {"run": run, "planning": Train.planner.task_id(run), "started": Train.name,
+               "states_from": owner_of(store, source).run}
+    manifest = load_run_manifest(store, run)
+    return {**out, "rows": manifest.dataset.row_end - manifest.dataset.row_start, "enqueued": 0}
 
 
 def await_started(conn, store, run: str, started: Started) -> Started:
@@ -69,6 +111,11 @@ def await_started(conn, store, run: str, started: Started) -> Started:
 
 def pipeline_started(out: dict) -> str:
     """The line `eyrie run` (and `eyrie demo`) prints for what start_and_plan returned."""
+    if out.get("states_from"):
+        return (f"run {out['run']}: trains on run {out['states_from']}'s generated answers and hidden states "
+                f"({out['rows']} rows; the same target, dataset, generate and extract settings): nothing is "
+                "generated or extracted again; " + (f"{out['started']} started" if out["started"] else
+                                                     "stages follow by themselves"))
     return (f"run {out['run']}: {out['rows']} rows; {out['enqueued']} {PIPELINE[0].name} tasks enqueued now; "
             + (f"{out['started']} started" if out["started"] else "stages follow by themselves"))
 
@@ -83,11 +130,14 @@ def _forget_unstarted(conn, store, run: str) -> None:
 def start_stage(settings, conn, store, run: str, name: str, section, dataset=None):
     """One stage on its own (`eyrie generate|extract|train`, POST /runs?stage=), from its section
     of a run config (generate also reads `dataset`): no pipeline is kept, so nothing starts after
-    it by itself. Returns what it started (`await_started` waits for a planning task)."""
+    it by itself. Its planning task is enqueued on its queue: `await_started` waits for it."""
     if name not in startable():
         raise EyrieError(f"no stage {name!r} to start on its own.", f"start one of: {', '.join(startable())}.")
+    chosen = stage(name)
+    chosen.check_start(store, run, section, dataset)  # its refusals known at once, before anything is written
     conn.delete(keys.cancelled(run), keys.blocked(run))  # the user's start retries a refusal
-    return stage(name).start_alone(settings, conn, store, run, section, dataset)
+    # what only planning knows (the budget, a base drafter) its planning task refuses: the run blocked
+    return chosen.start_alone(settings, conn, store, run, section, dataset)
 
 
 def run_names(conn) -> list[str]:
@@ -176,6 +226,9 @@ def retry_run(conn, store, run: str) -> dict:
         requeued += _requeue_stopped_by_cancel(conn, name, ids.get(name, []))
     started = None
     if stored_config(store, run) is not None:
+        view = run_view(conn, store, run)
+        for each in PIPELINE:
+            each.on_retry(view)  # a skipped verify decided afresh
         conn.sadd(keys.ACTIVE_PIPELINES, run)
         started = advance_or_record(conn, store, run)
     return {"run": run, "requeued": sorted(requeued), "started": started}

@@ -4,7 +4,7 @@ starts each stage by itself once the one before is done (called when any task fi
 
 from __future__ import annotations
 
-import logging
+import shlex
 from pathlib import Path
 
 import yaml
@@ -17,11 +17,11 @@ from eyrie.core.section import Section as _Section
 from eyrie.core.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
 from eyrie.data.manifest import RUN_NAME, Layout, check_run_name, load_run_manifest
 from eyrie.data.store import open_store
+from eyrie.runs.reuse import record_states
 from eyrie.stages import PIPELINE, RunView
 from eyrie.work import keys
+from eyrie.work.cancel import block
 from eyrie.work.queue import job_state, live_tasks
-
-log = logging.getLogger("eyrie.runs.pipeline")
 
 
 class TargetShape(_Section):
@@ -47,6 +47,13 @@ class ServeSection(_Section):
     trust_remote_code: bool = False
     max_model_len: int | None = Field(None, ge=16)
     extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` flags, one per item.")
+
+    @classmethod
+    def of_host(cls, settings) -> "ServeSection":
+        """Where no run config says how to serve (`eyrie serve` alone, `eyrie verify` of a run started
+        without one): the host's EYRIE_* vLLM settings, read the one way for every server eyrie starts."""
+        return cls(tensor_parallel_size=settings.tensor_parallel_size, reasoning_parser=settings.reasoning_parser,
+                   max_model_len=settings.max_model_len, extra_args=shlex.split(settings.vllm_args))
 
     def vllm_flags(self) -> list[str]:
         flags = ["--tensor-parallel-size", str(self.tensor_parallel_size)]
@@ -112,9 +119,12 @@ class PlanSection(_Section):
     trainer_cache_path: str | None = Field(None, description="Where the trainer keeps its copy (EYRIE_CACHE_DIR).")
     target_weights: str | None = Field(None, description="The target's weights in bytes, e.g. 540GB (else its local "
                                                          "safetensors, else a dense bf16 estimate from its shape).")
-    gpu_memory: str = Field("141GB", description="Memory of one GPU (default: an H200's), for what shares a GPU.")
+    gpu_memory: str | None = Field(None, description="Memory of one GPU, for what shares a GPU (else this host's GPU "
+                                                     "as nvidia-smi reports it, else an H200's 141GB).")
+    download_per_s: str | None = Field(None, description="Bytes a second from the hub to the server's host, e.g. "
+                                                         "500MB: the target's weights come down before it answers.")
 
-    @field_validator("target_weights", "gpu_memory")
+    @field_validator("target_weights", "gpu_memory", "download_per_s")
     @classmethod
     def _readable_size(cls, value):
         if value is not None:
@@ -174,12 +184,19 @@ def with_absolute_paths(config: RunConfig) -> RunConfig:
 
 
 def config_key(run: str) -> str:
-    return f"{Layout(run).root}/pipeline.json"
+    return Layout(run).pipeline_config
 
 
 def save_config(conn, store, config: RunConfig) -> None:
     """The run's config is kept; a rerun continues the run and may change only the sections of
     stages not yet planned (e.g. extract.budget after a refusal)."""
+    check_config(store, config)
+    store.put_json(config_key(config.run), config.model_dump())
+    conn.sadd(keys.ACTIVE_PIPELINES, config.run)
+
+
+def check_config(store, config: RunConfig) -> None:
+    """save_config's refusal, writing nothing: a kept config differs in a planned stage's section."""
     key = config_key(config.run)
     if store.exists(key):
         kept = RunConfig.model_validate(store.get_json(key))
@@ -189,8 +206,6 @@ def save_config(conn, store, config: RunConfig) -> None:
             raise EyrieError(f"run {config.run} was started with another config (differs in: {', '.join(frozen)}, "
                              "of stages already planned).",
                              "rerun with the original config to continue it, or give the new one another run name.")
-    store.put_json(key, config.model_dump())
-    conn.sadd(keys.ACTIVE_PIPELINES, config.run)
 
 
 def _open_sections(store, run: str) -> set[str]:
@@ -223,6 +238,8 @@ def advance(conn, store, run: str) -> str | None:
 def _next_stage(view: RunView) -> str | None:
     for stage in PIPELINE:
         if stage.done(view):
+            if stage.makes_states:
+                record_states(view)  # findable by a later run with the same settings (eyrie.runs.reuse)
             continue
         started = stage.start(view)  # idempotent: its planner, or what is missing
         if stage.done(view):  # done at its start (verify skipped, with the reason recorded)
@@ -289,11 +306,3 @@ def advance_or_record(conn, store, run: str, retry_blocked: bool = False) -> str
     except EyrieError as exc:
         block(conn, run, exc)
         return None
-
-
-def block(conn, run: str, exc: EyrieError) -> None:
-    """A refusal the user must fix (storage budget, a base drafter that does not fit): no retry,
-    shown by status until `eyrie run` is run again."""
-    log.warning("run %s: the next stage did not start: %s", run, exc)
-    conn.set(keys.blocked(run), str(exc))
-

@@ -18,6 +18,23 @@ from eyrie.stages.generate import Generate
 from eyrie.work import k8s_jobs
 
 
+def unknown_mean(p: dict) -> tuple[str, str] | None:
+    """The budget cannot be checked: the mode asked does not fit it at the upper bound, and no mean
+    sample length is known (plan.mean_tokens unset, the dataset a hub id --plan does not read)."""
+    s = p["storage"]
+    if p["budget_bytes"] is None or p["hidden_states_bytes_expected"] is not None:
+        return None
+    if s["chosen"] is not None and s["modes"][s["chosen"]]["fits"]:
+        return None
+    mode = s["chosen"] or "online"  # auto with no mode that fits: not even online's token ids
+    need = s["modes"][mode]["stored_bytes"]
+    return (f"run {p['run']}: extract.storage {mode} needs up to {human(need)} (every sample at the prompt estimate "
+            f"+ max_tokens) but extract.budget is {human(p['budget_bytes'])}, and the mean sample length that "
+            f"decides it is unknown: {p['dataset_from']}.",
+            "set plan.mean_tokens (the expected mean sample length, prompt + completion) for the expected bytes, "
+            f"or extract.budget: {_at_least(need)}, or extract.storage: hybrid (it fills the budget).")
+
+
 def over_budget(p: dict) -> tuple[str, str] | None:
     """(problem, fix) when the storage mode asked cannot hold the expected bytes in extract.budget:
     extract would refuse them only after generation, hours of GPU time later. offline: every hidden
@@ -93,8 +110,8 @@ def on_demand_overlap(p: dict, chose: str = "") -> tuple[str, str] | None:
             f"target on inference's GPUs (EYRIE_INFERENCE_GPU_IDS={inference}) until training ends, and "
             f"EYRIE_TRAINER_GPU_IDS={trainer} shares GPU {','.join(shared)} with them, where the trainer cannot "
             f"train beside the service: the service needs {human(g['service']['total'])} a GPU and the trainer "
-            f"{human(g['trainer']['total'])}, more than a GPU's {human(g['gpu_bytes'])} (plan.gpu_memory) at any "
-            "--gpu-memory-utilization, so the trainer would wait for the server forever.",
+            f"{human(g['trainer']['total'])}, more than a GPU's {human(g['gpu_bytes'])} ({g['gpu_memory_from']}) at "
+            "any --gpu-memory-utilization, so the trainer would wait for the server forever.",
             f"give the trainer a GPU of its own ({g['gpus_apart']} GPUs at once: the service's "
             f"{g['service']['gpus']} and the trainer's 1): {_apart(ids, g)} in .env; or set extract.storage: "
             f"offline with extract.budget: {_at_least(offline)} on a disk that holds it.")
@@ -144,7 +161,7 @@ def storage_way(p: dict, mode: str) -> str:
     """A storage mode as a way out, with what it costs: extract.storage: hybrid (2.80 TB in the bucket, ...)."""
     m = p["storage"]["modes"][mode]
     gpu_h = "service GPU-h unknown (set plan.extract_tokens_per_s)" if m["service_gpu_hours"] is None else \
-        f"{m['service_gpu_hours']:,.1f} service GPU-h"
+        f"{m['service_gpu_hours']:,.1f} service GPU-h held"
     auto = "; auto picks it" if auto_choice(p["storage"]["modes"]) == mode else ""
     return (f"extract.storage: {mode} ({human(m['stored_bytes'])} in the bucket, {m['extraction_passes']:.2f} "
             f"extraction passes, {gpu_h}, {m['gpus_at_once']} GPUs at once{auto})")
@@ -240,7 +257,7 @@ def refuse(p: dict) -> None:
 
 def budget_verdict(p: dict) -> str:
     """The upper bound, then the expected bytes (at plan.mean_tokens), against extract.budget."""
-    if p["fits"]:
+    if p["all_states_fit"]:
         return "the upper bound fits"
     per_1k = p["per_1k_tokens_per_sample"][p["dtype"]]
     mean_fits = int(1000 * p["budget_bytes"] / per_1k)
@@ -249,7 +266,7 @@ def budget_verdict(p: dict) -> str:
     if expected is None:
         return verdict + " (set plan.mean_tokens for the expected bytes; extract refuses before any forward pass " \
                          "if the real ones do not fit)"
-    if p["fits_expected"]:
+    if p["all_states_fit_expected"]:
         return verdict + (f"; expected {human(expected)} at {mean:,} tokens a sample: fits (extract refuses before "
                           "any forward pass if the real samples are longer)")
     s = p["storage"]

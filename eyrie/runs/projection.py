@@ -6,6 +6,7 @@ work (eyrie/runs/plan_checks.py). docs/planning.md walks through the seed's case
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from datetime import datetime
@@ -15,20 +16,23 @@ from urllib.parse import urlparse
 from eyrie.core.budget import human, parse_size, projected_bytes
 from eyrie.core.errors import EyrieError
 from eyrie.core.layers import resolve_aux_layers
+from eyrie.core.recipe import pack_length, trainer_device
 from eyrie.core.support import architecture, check
-from eyrie.core.target import text_config
-from eyrie.data.dataset import resolve
+from eyrie.core.target import refuse_remote_code, text_config
 from eyrie.data.manifest import Layout, ShardManifest, load_run_manifest
 from eyrie.data.store import open_store
 from eyrie.runs.pipeline import RunConfig
 from eyrie.runs.plan_checks import (budget_verdict, gpu_lines, gpu_plan, on_demand_quota, over_budget, refuse,
-                                   storage_refusal)
-from eyrie.runs.storage_plan import sharing_lines, storage_lines, storage_plan
+                                   storage_refusal, unknown_mean)
+from eyrie.runs.plan_inputs import dataset_rows, estimated_mean
+from eyrie.runs.reuse import states_to_reuse
+from eyrie.runs.storage_plan import sharing_lines, storage_lines, storage_plan, target_weights
 from eyrie.stages.extract import Extract
 from eyrie.stages.generate import Generate
 from eyrie.stages.train import Train
 from eyrie.work.disk import reported
 
+DOWNLOAD = "download"  # the hours' first row: the target's weights from the hub
 RECORD_BYTES_PER_TOKEN = 4  # a generated JSONL record: text + token ids, about 4 bytes a token
 
 # Measured throughputs, keyed by the target's (hidden size, layers): used where the run config
@@ -46,8 +50,9 @@ TRAIN_FIGURES = {
 def target_shape(config: RunConfig) -> tuple[int, int, int, str, str | None]:
     """(hidden, layers, vocab, where from, architecture): the target's config if this host can
     read it (local directory or HF cache), else the shape written in the run config."""
+    refuse_remote_code(config.target.model, config.serve.trust_remote_code)
     try:
-        c = text_config(config.target.model)
+        c = text_config(config.target.model, config.serve.trust_remote_code)
         return c.hidden_size, c.num_hidden_layers, c.vocab_size, "the target's config", architecture(config)
     except EyrieError:
         shape = config.target.shape
@@ -59,67 +64,83 @@ def target_shape(config: RunConfig) -> tuple[int, int, int, str, str | None]:
                 shape.architecture)
 
 
-def samples(config: RunConfig) -> int:
-    d = config.dataset
-    if Path(d.source).exists():
-        return resolve(d.source, d.split, d.revision, d.limit).row_end
-    if d.limit is None:
-        raise EyrieError(f"--plan cannot count the rows of {d.source} without downloading it.",
-                         "set dataset.limit in the run config (the rows the run will use).")
-    return d.limit
-
-
 def project(config: RunConfig, settings, measure: bool = True) -> dict:
     """The plan; `measure` False: nothing read from the store or the disks (a run's start)."""
     hidden, num_layers, vocab, shape_from, architecture = target_shape(config)
     aux = resolve_aux_layers(config.extract.layers, num_layers)
-    n = samples(config)
+    n, dataset = dataset_rows(config, missing_ok=not measure)
     generate = config.generate.with_host_defaults(settings.generate_defaults())
     max_tokens = generate.max_tokens
     prompt = config.generate.prompt_tokens_estimate
     tokens = n * (prompt + max_tokens)
-    mean = config.plan.mean_tokens
+    mean, mean_from = config.plan.mean_tokens, "plan.mean_tokens"
+    if mean is None:  # the rows' own lengths, where the dataset is here
+        mean, mean_from = (dataset and estimated_mean(config, dataset, max_tokens)) or (None, None)
+    rows_from = f"the rows of {dataset.source}" if dataset else \
+        f"dataset.limit of the hub dataset {config.dataset.source}, which --plan does not download"
     states = len(aux) + 1
     sizes = {dtype: projected_bytes(tokens, n, states, hidden, dtype) for dtype in ("bf16", "fp8")}
     budget = parse_size(config.extract.budget) if config.extract.budget else None
-    chosen = sizes[config.extract.dtype]
+    every = sizes[config.extract.dtype]
     per_1k = {dtype: projected_bytes(1000 * n, n, states, hidden, dtype) for dtype in ("bf16", "fp8")}
-    length = lengths(config, n, prompt + max_tokens)
+    device = trainer_device(settings.device)
+    length = lengths(config, n, prompt + max_tokens, device)
     stored = None if mean is None else min(mean, length["extract_max_length"])  # extraction cuts at max_length
     expected = None if stored is None else projected_bytes(n * stored, n, states, hidden, config.extract.dtype)
     p = {"per_1k_tokens_per_sample": per_1k, "run": config.run, "target": config.target.model,
          "shape_from": shape_from, "hidden_size": hidden, "num_layers": num_layers, "vocab_size": vocab,
          "architecture": architecture, "aux_layers": aux, "samples": n, "max_tokens": max_tokens,
          "concurrency": generate.concurrency, "prompt_tokens_estimate": prompt,
-         "mean_tokens": mean, "stored_mean_tokens": stored, "tokens_upper_bound": tokens,
+         "mean_tokens": mean, "mean_tokens_from": mean_from, "stored_mean_tokens": stored,
+         "tokens_upper_bound": tokens, "dataset_from": rows_from,
          "hidden_states_bytes": sizes, "hidden_states_bytes_expected": expected,
          "records_bytes": n * max_tokens * RECORD_BYTES_PER_TOKEN, "dtype": config.extract.dtype,
-         "budget_bytes": budget, "fits": None if budget is None else chosen <= budget,
-         "fits_expected": None if budget is None or expected is None else expected <= budget}
+         "budget_bytes": budget, "all_states_fit": None if budget is None else every <= budget,
+         "all_states_fit_expected": None if budget is None or expected is None else expected <= budget}
+    weights, weights_from = target_weights(config, p)
+    p.update(target_weights_bytes=weights, target_weights_from=weights_from, serve_deadline_s=settings.serve_deadline_s,
+             target_download_bytes=0 if Path(config.target.model).is_dir() else weights)
     p["generate_measured"] = measured_generation(config, settings) if measure else None
+    p["states_from"] = reused_from(config, settings) if measure else None
     p["lengths"] = length
+    p["train_recipe"] = train_recipe(config, p, device)
     p["hours"] = hours(config, p)
     p["support"] = check(architecture, config.extract.backend)
     p["gpus"] = gpu_plan(config, settings)
     p["storage"] = storage_plan(config, p)
+    p.update(chosen_fits(p))
     p["space"] = space(config, settings, p) if measure else None
-    p["refusals"] = [r for r in (over_budget(p), storage_refusal(p), on_demand_quota(p, settings)) if r] + \
-        p["gpus"]["refusals"]
+    checks = (unknown_mean(p), over_budget(p), storage_refusal(p), on_demand_quota(p, settings))
+    p["refusals"] = [r for r in checks if r] + p["gpus"]["refusals"]
     return p
+
+
+def chosen_fits(p: dict) -> dict:
+    """The top-level answer is the mode the run takes: `fits`, its bytes within extract.budget (at
+    the expected mean where known, else the upper bound); `fits_expected`, at the expected mean."""
+    budget, s = p["budget_bytes"], p["storage"]
+    if budget is None:
+        return {"fits": None, "fits_expected": None}
+    fits = s["chosen"] is not None and s["modes"][s["chosen"]]["fits"]
+    return {"fits": fits, "fits_expected": None if p["hidden_states_bytes_expected"] is None else fits}
 
 
 def refuse_before_start(config: RunConfig, settings) -> None:
     """`eyrie run` and POST /runs, before anything is enqueued: what --plan refuses (expected bytes
     over extract.budget, a storage mode the extract stage would refuse, GPUs), as far as it can be
     known here (the target's shape and the row count: else only the GPUs are checked; extract
-    still checks the real bytes)."""
+    still checks the real bytes). A budget the plan cannot check (no mean known) is not refused here."""
     p = {"support": {"refusal": None}, "refusals": gpu_plan(config, settings)["refusals"]}
-    # else no expected bytes to hold against the budget; hybrid and online are checked anyway (backend, budget)
-    if (config.extract.budget and config.plan.mean_tokens) or config.extract.storage in ("hybrid", "online"):
+    # expected bytes need a mean (given, or estimated from a local dataset); hybrid and online are
+    # checked anyway (backend, budget)
+    mean_known = config.plan.mean_tokens or Path(config.dataset.source).exists()
+    if (config.extract.budget and mean_known) or config.extract.storage in ("hybrid", "online"):
         try:
             p = project(config, settings, measure=False)
         except EyrieError:
             pass
+        else:
+            p["refusals"] = [r for r in p["refusals"] if r != unknown_mean(p)]
     refuse(p)
 
 
@@ -142,10 +163,10 @@ def measured_generation(config: RunConfig, settings) -> tuple[float, str] | None
     return tokens / wall, f"measured: this run's {len(shards)} generated shard(s)"
 
 
-def lengths(config: RunConfig, n: int, longest: int) -> dict:
+def lengths(config: RunConfig, n: int, longest: int, device: str = "cpu") -> dict:
     """Training must see what extraction stored: the tokens past train.seq_len are stored, then cut."""
     extract_len = min(config.extract.max_length or longest, longest)
-    train_len = config.train.seq_len
+    train_len = pack_length(config.train.seq_len, device)
     unseen = n * max(0, extract_len - train_len)
     return {"extract_max_length": extract_len, "train_seq_len": train_len, "unseen_tokens_upper_bound": unseen}
 
@@ -222,7 +243,7 @@ def hours(config: RunConfig, p: dict) -> dict:
     mean = p["mean_tokens"] or p["prompt_tokens_estimate"] + p["max_tokens"]
     completion = n * max(1, mean - p["prompt_tokens_estimate"])
     stored = n * min(mean, p["lengths"]["extract_max_length"])
-    epochs = config.train.epochs
+    epochs = p["train_recipe"]["epochs"]
     trained = n * min(mean, p["lengths"]["train_seq_len"]) * epochs
     measured = p.get("generate_measured")  # once the run has generated, its own rate beats a guess
     stages = {Generate.name: _stage(completion, None if measured else config.plan.generate_tokens_per_s, measured,
@@ -232,9 +253,41 @@ def hours(config: RunConfig, p: dict) -> dict:
               Train.name: _stage(trained, config.plan.train_tokens_per_s, TRAIN_FIGURES.get(shape),
                               "plan.train_tokens_per_s")}
     stages[Train.name]["epochs"] = epochs
+    if p.get("states_from"):  # nothing generated or extracted again (eyrie.runs.reuse)
+        for name in (Generate.name, Extract.name):
+            stages[name] = {"tokens": 0, "tokens_per_s": None, "hours": 0, "source": f"run {p['states_from']}'s, reused"}
+    stages[DOWNLOAD] = download_hours(config, p["target_download_bytes"])
     known = [s["hours"] for s in stages.values()]
     return {**stages, "basis": "upper bound" if p["mean_tokens"] is None else "expected mean",
             "total": None if None in known else round(sum(known), 2)}
+
+
+def reused_from(config: RunConfig, settings) -> str | None:
+    """The earlier run whose answers and states this one would train on (same target, dataset,
+    generate and extract settings), where the store answers; None where it does not."""
+    try:
+        earlier = states_to_reuse(open_store(settings), config)
+    except Exception:  # noqa: BLE001 -- --plan runs without a store too; the run's start decides for real
+        return None
+    return earlier.run if earlier else None
+
+
+def train_recipe(config: RunConfig, p: dict, device: str) -> dict:
+    """The recipe the trainer will choose (eyrie.core.recipe), from the expected training tokens
+    (the mean where known, else the upper bound) where training runs (EYRIE_DEVICE, or this host's)."""
+    n, mean = p["samples"], p["mean_tokens"] or p["prompt_tokens_estimate"] + p["max_tokens"]
+    train = max(1, n - config.train.heldout_for(n))
+    recipe = config.train.recipe(train * min(mean, p["lengths"]["train_seq_len"]), device)
+    return {"epochs": recipe.epochs, "steps": recipe.steps, "lr": recipe.lr, "warmup": recipe.warmup,
+            "schedule": recipe.schedule, "seq_len": recipe.seq_len, "device": device, "statement": recipe.statement()}
+
+
+def download_hours(config: RunConfig, size: int) -> dict:
+    """The target's weights from the hub, before the server answers (none for a local directory)."""
+    rate = parse_size(config.plan.download_per_s) if config.plan.download_per_s else None
+    source = "given in the run config" if rate else "unknown: set plan.download_per_s"
+    return {"bytes": size, "bytes_per_s": rate, "source": "a local directory" if not size else source,
+            "hours": 0 if not size else round(size / rate / 3600, 2) if rate else None}
 
 
 def _stage(tokens: int, given: float | None, figure: tuple | None, knob: str) -> dict:
@@ -247,9 +300,10 @@ def render(p: dict) -> list[str]:
     lines = [f"run {p['run']}: plan (no server, no GPU)",
              f"  target {p['target']}: hidden {p['hidden_size']}, {p['num_layers']} layers, vocab "
              f"{p['vocab_size']:,} (from {p['shape_from']}); architecture {p['architecture'] or 'unknown'}",
-             f"  samples {p['samples']:,}; at most {p['tokens_upper_bound']:,} tokens (prompt estimate + "
-             f"max_tokens {p['max_tokens']:,} each)" + (f"; expected mean {p['mean_tokens']:,} tokens a sample"
-                                                         if p["mean_tokens"] else ""),
+             f"  samples {p['samples']:,} ({p['dataset_from']}); at most {p['tokens_upper_bound']:,} tokens (prompt "
+             f"estimate + max_tokens {p['max_tokens']:,} each)"
+             + (f"; expected mean {p['mean_tokens']:,} tokens a sample ({p['mean_tokens_from']})" if p["mean_tokens"]
+                else "; the mean sample length is unknown (a hub dataset: set plan.mean_tokens)"),
              f"  hidden states: layers {p['aux_layers']} + last; at most "
              f"{human(p['hidden_states_bytes']['bf16'])} in bf16, {human(p['hidden_states_bytes']['fp8'])} in fp8"
              + (f"; expected {human(p['hidden_states_bytes_expected'])} in {p['dtype']}"
@@ -259,7 +313,9 @@ def render(p: dict) -> list[str]:
              f"  generated records: at most {human(p['records_bytes'])}"]
     if p["budget_bytes"] is not None:
         lines.append(f"  budget {human(p['budget_bytes'])}, {p['dtype']}: {budget_verdict(p)}")
-    return (lines + _space_lines(p["space"]) + _length_lines(p["lengths"]) + _hour_lines(p) + storage_lines(p)
+    return (lines + _weights_lines(p) + _space_lines(p["space"]) + _length_lines(p["lengths"]) + _hour_lines(p)
+            + [f"  train recipe (on {p['train_recipe']['device']}): {p['train_recipe']['statement']}"]
+            + storage_lines(p)
             + _support_lines(p) + gpu_lines(p) + sharing_lines(p)
             + ["  extract checks the real projection (actual tokens) before any forward pass."])
 
@@ -297,17 +353,41 @@ def _length_lines(length: dict) -> list[str]:
 
 def _hour_lines(p: dict) -> list[str]:
     h = p["hours"]
-    lines = [f"  hours ({h['basis']}):"]
+    lines = [f"  hours ({h['basis']}):"] + _download_lines(p)
     what = {Generate.name: f"completion tokens at C={p['concurrency']}", Extract.name: "tokens stored",
             Train.name: f"tokens trained ({h[Train.name]['epochs']} epochs)"}
     for stage in what:
         s = h[stage]
         rate = f"{s['tokens_per_s']:,.0f} tok/s ({s['source']})" if s["tokens_per_s"] else s["source"]
         took = f"{s['hours']:,.2f} h" if s["hours"] is not None else "? h"
-        lines.append(f"    {stage:<8} {took:>10}: {s['tokens']:,} {what[stage]} at {rate}")
+        lines.append(f"    {stage:<8} {took:>10}: " + (f"none: {s['source']} (same settings and rows)" if p.get("states_from")
+                     and stage != Train.name else f"{s['tokens']:,} {what[stage]} at {rate}"))
     lines.append(f"    total    {h['total']:>8,.2f} h" if h["total"] is not None else
                  "    total: unknown until every rate is given")
     return lines
+
+
+def _download_lines(p: dict) -> list[str]:
+    d, deadline = p["hours"][DOWNLOAD], p["serve_deadline_s"]
+    if not d["bytes"]:
+        return []
+    rate = f"{human(d['bytes_per_s'])}/s ({d['source']})" if d["bytes_per_s"] else d["source"]
+    took = f"{d['hours']:,.2f} h" if d["hours"] is not None else "? h"
+    lines = [f"    {DOWNLOAD:<8} {took:>10}: the target's weights {human(d['bytes'])} at {rate}"]
+    if d["hours"] is not None and d["bytes"] / d["bytes_per_s"] > deadline:
+        least = math.ceil(d["bytes"] / d["bytes_per_s"] / 60) * 60
+        lines.append(f"    the download alone is longer than EYRIE_SERVE_DEADLINE_S ({deadline:g} s), within which the "
+                     f"server must answer: raise it above {least:,} s plus the load, or download the weights into "
+                     "the server's HF cache first (`hf download MODEL`)")
+    return lines
+
+
+def _weights_lines(p: dict) -> list[str]:
+    weights = f"the target's weights {human(p['target_weights_bytes'])}"
+    if not p["target_download_bytes"]:
+        return [f"  {weights} ({p['target_weights_from']}): a local directory, nothing to download"]
+    return [f"  {weights}, downloaded from the hub into the HF cache of the hosts that serve it (HF_HOME; "
+            f"{p['target_weights_from']}) before the server answers: not in the bucket"]
 
 
 def _support_lines(p: dict) -> list[str]:

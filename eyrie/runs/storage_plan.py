@@ -10,6 +10,7 @@ from pathlib import Path
 from eyrie.core.budget import bytes_per_token, human, parse_size, token_id_bytes
 from eyrie.core.errors import EyrieError
 from eyrie.core.storage import MODES
+from eyrie.runs.plan_inputs import gpu_memory
 from eyrie.stages.extract import Extract
 from eyrie.stages.train import Train
 
@@ -59,12 +60,16 @@ def mode_costs(p: dict, mode: str) -> dict:
     passes = f + (1 - f) * epochs
     extract_h, train_h, serve = p["hours"][Extract.name]["hours"], p["hours"][Train.name]["hours"], p["gpus"]["serve_gpus"]
     per_pass = None if extract_h is None else extract_h * serve
+    wall = wall_hours(f, extract_h, train_h, epochs)
+    busy = per_pass and per_pass * passes
+    # offline stops the service once extracted; hybrid and online hold its GPUs until training ends
+    held = busy if mode == "offline" else wall and wall * serve
     return {"stored_fraction": round(f, 4), "stored_bytes": stored, "bucket_bytes": stored + p["records_bytes"],
             "trainer_cache_bytes": stored + (0 if f == 1 else _one_batch_bytes(p)),
             "extraction_passes": round(passes, 3), "service_gpu_hours_per_pass": _round(per_pass),
-            "service_gpu_hours": _round(per_pass and per_pass * passes),
+            "service_gpu_hours": _round(held), "service_gpu_hours_busy": _round(busy),
             "trainer_gpu_hours": _round(train_h and train_h * TRAINER_GPUS),
-            "wall_hours": _round(wall_hours(f, extract_h, train_h, epochs)),
+            "wall_hours": _round(wall),
             "fits": p["budget_bytes"] is None or stored <= p["budget_bytes"],
             "gpus_at_once": max(serve, TRAINER_GPUS) if mode == "offline" else serve + TRAINER_GPUS}
 
@@ -118,7 +123,7 @@ def _sooner(chosen: str, modes: dict) -> str:
         return ""
     m = modes[later[0]]
     return (f"; {later[0]} would end sooner ({m['wall_hours']:,.1f} h) at {m['service_gpu_hours']:,.1f} service "
-            f"GPU-h and {m['gpus_at_once']} GPUs at once: extract.storage: {later[0]} to take it")
+            f"GPU-h held and {m['gpus_at_once']} GPUs at once: extract.storage: {later[0]} to take it")
 
 
 
@@ -131,12 +136,12 @@ RUNTIME_BYTES = 4 * 10**9  # a process's own share of a GPU (CUDA context, NCCL 
 def gpu_sharing(config, p: dict) -> dict:
     """Per GPU: the service's and the trainer's memory, whether the trainer fits beside the service
     at vLLM's utilization, and the highest utilization at which it would."""
-    gpu = parse_size(config.plan.gpu_memory)
+    gpu, gpu_from = gpu_memory(config)
     service, trainer = service_memory(config, p), trainer_memory(config, p)
     used = vllm_utilization(config.serve.extra_args)
     most = math.floor((gpu - trainer["total"]) / gpu * 100) / 100  # the highest share that leaves the trainer room
     ids = p["gpus"]["ids"]
-    return {"gpu_bytes": gpu, "service": service, "trainer": trainer, "utilization": used,
+    return {"gpu_bytes": gpu, "gpu_memory_from": gpu_from, "service": service, "trainer": trainer, "utilization": used,
             "service_fits": service["total"] <= gpu,
             "trainer_fits_beside": service["total"] <= used * gpu and trainer["total"] <= (1 - used) * gpu,
             "utilization_for_both": most if service["total"] <= most * gpu else None,
@@ -204,7 +209,7 @@ def trainer_memory(config, p: dict) -> dict:
     draft, aux = min(config.train.draft_vocab, vocab), len(p["aux_layers"])
     inter = 7 * h // 2  # the MLP width is not in the shape: Llama's 3.5 H (DeepSeek-V3's 2.6 H: an overestimate there)
     trainable = aux * h * h + 7 * h * h + 3 * h * inter + h * draft
-    seq, steps = config.train.seq_len, config.train.ttt_steps
+    seq, steps = p["lengths"]["train_seq_len"], config.train.ttt_steps  # the pack the trainer will use
     # a token: its aux states (bf16), and per TTT step the layer's saved activations (~10 H + 3 I, bf16)
     # and the draft and target logits over the draft vocabulary (fp32)
     per_token = aux * h * 2 + steps * ((10 * h + 3 * inter) * 2 + 2 * draft * 4)
@@ -220,17 +225,19 @@ def storage_lines(p: dict) -> list[str]:
     s = p["storage"]
     budget = f"extract.budget {human(p['budget_bytes'])}" if p["budget_bytes"] is not None else "no extract.budget"
     lines = [f"  storage modes (extract.storage: {s['asked']}; {s['basis']}; {budget}):",
-             "    mode    |    bucket | trainer cache | extraction passes | service GPU-h | trainer GPU-h "
-             "|  wall h | fits"]
+             "    mode    |    bucket | trainer cache | extraction passes | service GPU-h held (busy) | "
+             "trainer GPU-h |  wall h | fits"]
     for mode, m in s["modes"].items():
         lines.append(f"    {mode:<7} | {human(m['stored_bytes']):>9} | {human(m['trainer_cache_bytes']):>13} | "
-                     f"{m['extraction_passes']:>17.2f} | {_hours(m['service_gpu_hours']):>13} | "
+                     f"{m['extraction_passes']:>17.2f} | "
+                     f"{_hours(m['service_gpu_hours']) + ' (' + _hours(m['service_gpu_hours_busy']) + ')':>25} | "
                      f"{_hours(m['trainer_gpu_hours']):>13} | {_hours(m['wall_hours']):>7} | "
                      + ("yes" if m["fits"] else "no"))
     return lines + [f"    chosen: {s['chosen'] or 'none'} ({s['why']})",
                     f"    (bucket: hidden states + token ids, what extract.budget bounds; the records add "
-                    f"{human(p['records_bytes'])} in every mode. service GPU-h: {p['gpus']['serve_gpus']} GPUs x "
-                    "extraction hours x passes. wall h: extraction and training, after generation; hybrid and "
+                    f"{human(p['records_bytes'])} in every mode. service GPU-h held: its {p['gpus']['serve_gpus']} GPUs x "
+                    "the hours it holds them: offline, extraction; hybrid and online, through training (wall h); "
+                    "busy: extraction hours x passes. wall h: extraction and training, after generation; hybrid and "
                     "online train while the service makes the states not stored, at the slower of the two rates)"]
 
 
@@ -241,7 +248,7 @@ def _hours(h: float | None) -> str:
 def sharing_lines(p: dict) -> list[str]:
     g = p["storage"]["gpu_sharing"]
     svc, trn = g["service"], g["trainer"]
-    return [f"  GPU memory ({human(g['gpu_bytes'])} a GPU, plan.gpu_memory):",
+    return [f"  GPU memory ({human(g['gpu_bytes'])} a GPU, {g['gpu_memory_from']}):",
             f"    extraction service: {human(svc['total'])} a GPU on {svc['gpus']} (target "
             f"{human(svc['weights_total'])} ({svc['weights_from']}) / {svc['gpus']} = {human(svc['weights'])}, "
             f"KV floor {human(svc['kv_floor'])} for "

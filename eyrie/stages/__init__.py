@@ -19,12 +19,13 @@ PIPELINE: list[PipelineStage] = [Generate(), Extract(), Train(), Verify()]
 
 # the task kinds the services import by name
 GENERATE, PLAN_GENERATE, EXTRACT, PLAN_EXTRACT = Generate.work, Generate.planner, Extract.work, Extract.planner
-TRAIN, VERIFY = Train.work, Verify.work
+TRAIN, PLAN_TRAIN, VERIFY = Train.work, Train.planner, Verify.work
 FETCH = Train.side_tasks[0]
 
 __all__ = ["PIPELINE", "PipelineStage", "RunView", "TaskKind", "CALLBACKS", "ON_TASK_DONE", "QUEUE_PREFIX",
            "entry", "queue_name", "task_id", "stage", "queues", "gpu_queues", "task_kinds", "task_funcs",
-           "startable", "on_queue", "on_queue_stages", "preload", "GENERATE", "PLAN_GENERATE", "EXTRACT", "PLAN_EXTRACT", "TRAIN", "VERIFY", "FETCH"]
+           "startable", "on_queue", "on_queue_stages", "preload", "GENERATE", "PLAN_GENERATE", "EXTRACT",
+           "PLAN_EXTRACT", "TRAIN", "PLAN_TRAIN", "VERIFY", "FETCH"]
 
 
 def stage(name: str) -> PipelineStage:

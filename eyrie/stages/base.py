@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from eyrie.data.manifest import Layout, RunManifest
-from eyrie.work.queue import enqueue, job_errors, job_state, workers_on
+from eyrie.work.queue import enqueue, job_errors, job_state, task_result, workers_on
 from eyrie.work.status_models import StageStatus
-from eyrie.work.task_kinds import TaskKind, entry
+from eyrie.work.task_kinds import TaskKind
 
 LIVE_JOB_STATES = {"queued", "started", "scheduled", "deferred"}
 
@@ -44,9 +44,10 @@ class RunView:
 class PipelineStage:
     """One stage. A subclass sets the class attributes and its checks; the base runs the rest.
 
-    `planner`: the task kind that plans the stage on its own queue (None: its work task plans it);
+    `planner`: the task kind that plans the stage on its own queue (None: nothing to plan);
     `work`: the task kind that does its work; `side_tasks`: others it runs (a base drafter's fetch).
-    `start` is idempotent: it enqueues the planner until the stage is planned, then what is missing."""
+    `start` is idempotent: it enqueues the planner until the stage is planned, then what is missing.
+    However a stage is started (`advance`, `eyrie <name>`, POST /runs), its planner plans it."""
 
     name: ClassVar[str]
     queue: ClassVar[str]
@@ -54,12 +55,12 @@ class PipelineStage:
     planner: ClassVar[TaskKind | None] = None
     work: ClassVar[TaskKind]
     side_tasks: ClassVar[tuple[TaskKind, ...]] = ()
-    starter: ClassVar[str | None] = None  # dotted name: plans and starts it here (start_alone)
     starts_alone: ClassVar[bool] = False  # a user may start it on its own (`eyrie <name>`, POST /runs?stage=)
     shown: ClassVar[bool] = True  # has a status of its own in a run's status (`status`)
     worker: ClassVar[str]  # the service whose workers work its queue (the demo's log name)
     needs_vllm: ClassVar[bool] = False  # its workers run vLLM: a worker refuses to start without it
     reports_cache: ClassVar[bool] = False  # its workers report their cache's free space (for --plan)
+    makes_states: ClassVar[bool] = False  # once done, the run's states are complete (eyrie.runs.reuse)
 
     @classmethod
     def task_kinds(cls) -> tuple[TaskKind, ...]:
@@ -89,9 +90,28 @@ class PipelineStage:
     def on_pipeline_start(self, view: RunView) -> None:
         """What `eyrie run` starts ahead of the stage (nothing by default)."""
 
+    def on_retry(self, view: RunView) -> None:
+        """What `eyrie retry` undoes of the stage before the pipeline advances (nothing by default)."""
+
+    def check_start(self, store, run: str, section, dataset=None) -> None:
+        """What starting the stage now would refuse (other settings than its plan, a stage before
+        it not finished, a dataset with no usable row), raised before anything is written: a
+        refused command changes nothing, so a cancelled run stays cancelled (eyrie.stages.start_checks)."""
+
     def start_alone(self, settings, conn, store, run: str, section, dataset=None) -> Started:
-        """The stage on its own from its settings section, planned here (or checked against its plan)."""
-        return Started(*entry(self.starter)(conn, store, run, section))
+        """Checked where it is started (check_start, first), planned by its planning task (first in
+        its queue). On its own (`section` given) what to plan travels with the task; a pipeline's
+        planner reads the stored config. A rerun plans again: checked against its plan, what is
+        missing enqueued."""
+        payload = {"run": run}
+        if section is not None:
+            payload.update(self.asked(settings, section, dataset))
+        enqueue(conn, self.planner, payload, at_front=True)
+        return Started(planning=self.planner)
+
+    def asked(self, settings, section, dataset=None) -> dict:
+        """What a start on its own asks its planner to plan: the section's settings as given."""
+        return {"request": section.model_dump(exclude_unset=True)}
 
     def task_ids(self, view: RunView) -> list[str]:
         """Every task id of the run's stage (its planner's and side tasks' included)."""
@@ -105,10 +125,21 @@ class PipelineStage:
                 states[kind.name] = {"state": state, "errors": job_errors(view.conn, [kind.task_id(view.run)])}
         return states
 
-    def status(self, view: RunView) -> StageStatus | None:
-        """Its status once planned (None before)."""
-        if not self.planned(view):
+    def refused(self, view: RunView) -> StageStatus | None:
+        """Before it is planned: failed with its planner's refusal, where it refused (a stage
+        started on its own shows it nowhere else); else None."""
+        task = self.planner.task_id(view.run) if self.planner else None
+        if task is None or job_state(view.conn, task) != "finished":
             return None
+        result = task_result(view.conn, task)
+        if result.get("status") != "refused":
+            return None
+        return StageStatus(state="failed", errors=[f"{task}: {result['error']}"], workers=workers_on(view.conn, self.queue))
+
+    def status(self, view: RunView) -> StageStatus | None:
+        """Its status once planned (before: its planner's refusal, if any; else None)."""
+        if not self.planned(view):
+            return self.refused(view)
         ids = [self.work.task_id(view.run)]
         state = "done" if self.done(view) else (job_state(view.conn, ids[0]) or "missing")
         return StageStatus(state=state_of(int(state == "done"), 1, {} if state == "done" else {state: 1}),

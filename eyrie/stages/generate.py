@@ -4,12 +4,13 @@ input shards) after a cheap check where it is started (the dataset reachable, a 
 
 from __future__ import annotations
 
-from eyrie.stages.base import RunView, Started, state_of
+from eyrie.stages.base import RunView, state_of
 from eyrie.stages.sharded import ShardedStage
+from eyrie.stages.start_checks import check_generate
 from eyrie.work import keys
 from eyrie.work.queue import enqueue, job_errors, job_state, task_result, workers_on
 from eyrie.work.status_models import StageStatus
-from eyrie.work.task_kinds import TaskKind, entry
+from eyrie.work.task_kinds import TaskKind
 
 
 class Generate(ShardedStage):
@@ -17,8 +18,10 @@ class Generate(ShardedStage):
     sections = ("dataset", "generate")
     planner = TaskKind("plan-generate", "generate", "eyrie_generator.plan.run_plan_generate_task")
     work = TaskKind("generate", "generate", "eyrie_generator.shard.run_generate_shard", jobs=("serve",))
-    checker = "eyrie_generator.plan.check_dataset"  # at once, where it is started: reachable, a usable row
     worker, starts_alone = "generator", True
+
+    def check_start(self, store, run: str, section, dataset=None) -> None:
+        check_generate(store, run, section, dataset)  # at once: the dataset reachable, a usable row
 
     def planned(self, view: RunView) -> bool:
         return view.manifest is not None
@@ -30,18 +33,10 @@ class Generate(ShardedStage):
         enqueue(view.conn, self.planner, {"run": view.run}, at_front=True)
         return True
 
-    def start_alone(self, settings, conn, store, run: str, section, dataset=None) -> Started:
-        """Checked here, planned by its planning task (first in its queue). On its own (`section`
-        given) what to plan travels with the task; a pipeline's planner reads the stored config.
-        A rerun plans again: the run checked against its plan, the missing shards enqueued."""
-        entry(self.checker)(dataset)
-        payload = {"run": run}
-        if section is not None:
-            named = settings.model if "model" in settings.model_fields_set else None
-            payload.update(dataset=dataset.model_dump(exclude_unset=True),
-                           request=section.model_dump(exclude_unset=True), model=named)
-        enqueue(conn, self.planner, payload, at_front=True)
-        return Started(planning=self.planner)
+    def asked(self, settings, section, dataset=None) -> dict:
+        """Its settings as given, the dataset, and the target where it was named."""
+        named = settings.model if "model" in settings.model_fields_set else None
+        return {**super().asked(settings, section), "dataset": dataset.model_dump(exclude_unset=True), "model": named}
 
     def total(self, view: RunView) -> int:
         return view.manifest.dataset.row_end - view.manifest.dataset.row_start

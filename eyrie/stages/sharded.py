@@ -36,7 +36,7 @@ class ShardedStage(PipelineStage):
         return shards + [k.task_id(view.run) for k in self.task_kinds() if k is not self.work]
 
     def status(self, view: RunView) -> StageStatus | None:
-        return sharded_status(view, self, self.total(view)) if self.planned(view) else None
+        return sharded_status(view, self, self.total(view)) if self.planned(view) else self.refused(view)
 
 
 def sharded_status(view: RunView, stage: ShardedStage, total: int) -> StageStatus:

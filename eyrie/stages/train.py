@@ -1,28 +1,31 @@
-"""The train stage: one task that plans it (the base drafter fetched and checked in the
-trainer's cache), trains the drafter with speculators, evaluates and exports it."""
+"""The train stage: planned by its `plan-train` task on the trainer's workers (the settings
+checked, the base drafter fetched and checked in the trainer's cache, the plan recorded in the run
+manifest), then one task that trains the drafter with speculators, evaluates and exports it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from eyrie.data.charts import chart_series
-from eyrie.stages.base import PipelineStage, RunView, Started, state_of
+from eyrie.stages.base import PipelineStage, RunView, state_of
+from eyrie.stages.start_checks import check_train
 from eyrie.work import progress
 from eyrie.work.queue import enqueue, job_errors, job_state, workers_on
 from eyrie.work.status_models import TrainStatus
-from eyrie.work.task_kinds import TaskKind, entry
+from eyrie.work.task_kinds import TaskKind
 
 
 class Train(PipelineStage):
     name = queue = "train"
     sections = ("train",)
+    planner = TaskKind("plan-train", "train", "eyrie_trainer.plan.run_plan_train_task")
     work = TaskKind("train", "train", "eyrie_trainer.runner.run_train_task", gpu=True, timeout_s=7 * 24 * 3600,
                     jobs=("train",), reads_on_demand=("extract-server",))
     # the base drafter, fetched and checked by the trainer while the target still serves
     side_tasks = (TaskKind("fetch", "train", "eyrie_trainer.plan.run_fetch_task"),)
-    starter = "eyrie_trainer.plan.start_train"
     worker, starts_alone = "trainer", True
     reports_cache = True  # its local copy of the hidden states
+
+    def check_start(self, store, run: str, section, dataset=None) -> None:
+        check_train(store, run, section)
 
     def planned(self, view: RunView) -> bool:
         return view.manifest is not None and view.manifest.train is not None
@@ -30,19 +33,12 @@ class Train(PipelineStage):
     def done(self, view: RunView) -> bool:
         return view.manifest is not None and view.manifest.drafter is not None
 
-    def enqueue_work(self, view: RunView) -> None:
-        # planned by the trainer from the settings given (it fetches and checks the base drafter)
-        enqueue(view.conn, self.work, {"run": view.run, "request": view.config.train.model_dump()})
-
     def on_pipeline_start(self, view: RunView) -> None:
         if view.config.train.base:
             enqueue(view.conn, self.side_tasks[0], {"run": view.run})
 
-    def start_alone(self, settings, conn, store, run: str, section, dataset=None) -> Started:
-        return Started(*entry(self.starter)(conn, store, run, section, Path(settings.cache_dir)))
-
     def status(self, view: RunView) -> TrainStatus | None:
-        return train_status(view, self) if self.planned(view) else None
+        return train_status(view, self) if self.planned(view) else self.refused(view)
 
 
 def train_status(view: RunView, stage: Train) -> TrainStatus:
@@ -57,15 +53,18 @@ def train_status(view: RunView, stage: Train) -> TrainStatus:
     elapsed = max(1e-6, live.get("updated_at", 0) - live.get("started", 0))
     steps_this_attempt = step - live.get("resumed_at_step", 0)
     rate = steps_this_attempt / elapsed if steps_this_attempt > 0 else None
-    evaluation, curve = (store.get_json(key) if store.exists(key) else None
-                         for key in (layout.evaluation, layout.train_curve))
+    evaluation, curve, read = (store.get_json(key) if store.exists(key) else None
+                               for key in (layout.evaluation, layout.train_curve, layout.train_samples))
+    if read and read["dropped"]:  # left out and never read, over every attempt (eyrie_trainer.ledger)
+        live = {**live, "dropped": len(read["dropped"]), "drop_reasons": sorted(set(read["dropped"].values()))[:5]}
     return TrainStatus(
         state="done" if done else state_of(0, 1, {state: 1}, step),
         total=total, done=step, tokens=live.get("tokens", 0),
         tok_per_s=round(live.get("tokens", 0) / elapsed, 1) if live.get("tokens") else None,
         eta_s=0.0 if done else (round((total - step) / rate, 1) if rate and total else None),
         phase="done" if done else live.get("phase", "pending"), epoch=live.get("epoch"),
-        epochs=manifest.train.epochs, loss=live.get("loss"), val_loss=live.get("val_loss"),
+        epochs=manifest.train.epochs, steps_per_epoch=live.get("steps_per_epoch"), loss=live.get("loss"),
+        val_loss=live.get("val_loss"),
         acc=live.get("acc"), path=live.get("path"), notes=live.get("notes", []), on_demand=live.get("on_demand", 0),
         dropped=live.get("dropped", 0), drop_reasons=live.get("drop_reasons", []),
         checkpoints=live.get("checkpoints", []), evaluation=evaluation, drafter=manifest.drafter,

@@ -4,16 +4,24 @@ verify worker (or Kubernetes Job) can run it, the run records why and how to ena
 
 from __future__ import annotations
 
+import json
+import time
+
 from eyrie.core.config import load_settings
-from eyrie.stages.base import PipelineStage, RunView
+from eyrie.stages.base import LIVE_JOB_STATES, PipelineStage, RunView, state_of
 from eyrie.stages.generate import Generate
-from eyrie.work import progress
+from eyrie.work import keys, progress
 from eyrie.work.k8s_jobs import load_templates
-from eyrie.work.queue import enqueue, workers_on
+from eyrie.work.queue import enqueue, job_errors, job_state, workers_on
+from eyrie.work.status_models import StageStatus
 from eyrie.work.task_kinds import TaskKind
 
-MIN_VERIFY_TOK_S = 5.0  # tokens/s: a floor where generation measured nothing (e.g. a stub server)
+MIN_VERIFY_TOK_S = 5.0  # tokens/s at 1 and at 8 in flight where nothing was measured (no generation, no verify)
 BENCHMARK_PROMPTS_BOUND = 1319  # the largest shipped benchmark (GSM8K test)
+# A verify worker that stopped this recently counts as this deployment's verifier, restarting (a
+# container recreated, a new image): a run exporting meanwhile waits for it instead of skipping
+# verify for good. Longer than a restart, short enough that a verifier taken away is soon noticed.
+VERIFIER_RESTART_S = 600
 
 
 class Verify(PipelineStage):
@@ -23,7 +31,8 @@ class Verify(PipelineStage):
     work = TaskKind("verify", "verify", "eyrie_trainer.verify.run_verify_task", gpu=True, timeout_s=7200,
                     jobs=("verify",))
     worker, needs_vllm = "verifier", True
-    shown = False  # its result is part of the train stage's status (the exported drafter's)
+    # shown: a run is done once verified or skipped with its reason, failed where its task failed
+    # (its result also shows under the train stage's, beside the exported drafter)
 
     def planned(self, view: RunView) -> bool:
         return self.done(view)
@@ -32,6 +41,8 @@ class Verify(PipelineStage):
         return view.manifest is not None and view.manifest.verify is not None
 
     def start(self, view: RunView) -> bool:
+        if job_state(view.conn, self.work.task_id(view.run)) in LIVE_JOB_STATES:
+            return True  # enqueued already (maybe waiting for a restarting verifier): not decided again
         skipped = verify_skipped(view.conn, view.config)
         if skipped is None:
             timeout_s = verify_timeout_s(view.conn, view.config, view.manifest)
@@ -41,8 +52,28 @@ class Verify(PipelineStage):
         view.store.put_json(view.layout.manifest, view.manifest.model_dump())
         return False
 
-    def status(self, view: RunView):
-        return None
+    def status(self, view: RunView) -> StageStatus | None:
+        """Once the pipeline's drafter is exported (or a verify ran or was asked for by hand):
+        pending, in progress, failed with its task's errors, or done (verified, or skipped: why
+        and how to verify shows under train)."""
+        manifest, job = view.manifest, self.work.task_id(view.run)
+        state = job_state(view.conn, job)
+        result = manifest.verify if manifest else None
+        if result is None and state is None and (view.config is None or manifest is None or manifest.drafter is None):
+            return None
+        common = {"total": 1, "workers": workers_on(view.conn, self.queue)}
+        if result is not None and state not in LIVE_JOB_STATES:  # (a failed task since verified by hand: done)
+            skipped = int(bool(result.get("skipped")))
+            return StageStatus(state="done", done=1 - skipped, skipped=skipped, **common)
+        jobs = {state or "pending": 1}
+        return StageStatus(state=state_of(0, 1, jobs), jobs=jobs, failed=int(state == "failed"),
+                           errors=job_errors(view.conn, [job]), **common)
+
+    def on_retry(self, view: RunView) -> None:
+        """A skipped verify is decided afresh (a verifier may be up now: the skip's fix says so)."""
+        if view.manifest is not None and view.manifest.verify and view.manifest.verify.get("skipped"):
+            view.manifest.verify = None
+            view.store.put_json(view.layout.manifest, view.manifest.model_dump())
 
 
 def generate_tok_s(conn, run: str) -> float | None:
@@ -66,21 +97,57 @@ def verify_skipped(conn, config) -> dict | None:
         if Verify.name in load_templates(settings.kueue_jobs_file).get("stages", {}):
             return None
         return {"skipped": "the chart renders no verify Job", "fix": f"set gpuJobs.verify.enabled: true, or {later}"}
-    if workers_on(conn, Verify.queue):
+    if verifier_here(conn):
         return None
     return {"skipped": "no worker of the verify queue is up (it runs where vLLM is installed)",
-            "fix": "start one (`eyrie worker verify`; in the Compose stack, the verifier service) before the "
-                   f"run exports, set verify.enabled: true to wait for one, or {later}"}
+            "fix": "start one (`eyrie worker verify`; in the Compose stack, the verifier service), then "
+                   f"`eyrie retry {config.run}`; set verify.enabled: true to wait for one; or {later}"}
+
+
+def verifier_here(conn) -> bool:
+    """A verify worker is up, or one stopped within VERIFIER_RESTART_S (restarting: the run's
+    verify task waits on the queue for it; should it not come back, the run's status says that no
+    worker listens, and `eyrie worker verify` or a rerun with verify.enabled: false ends the wait)."""
+    if workers_on(conn, Verify.queue):
+        return True
+    left = conn.get(keys.worker_left(Verify.queue))
+    return left is not None and time.time() - float(left) < VERIFIER_RESTART_S
 
 
 def verify_timeout_s(conn, config, manifest) -> int:
     """The verify task's time budget from its plan: per pass (the target alone, then once per K) a
-    vLLM start within the serve deadline and three times its greedy tokens at the rate generation
-    measured (else a floor of MIN_VERIFY_TOK_S); benchmark sets counted at their --prompts cap."""
+    vLLM start within the serve deadline and three times what its greedy answers take at verify's
+    own pace: every prompt of a set with 8 requests in flight, then its first serial_prompts one at
+    a time (verify_rates); benchmark sets counted at their --prompts cap."""
     request = config.verify
     cap = request.prompts or BENCHMARK_PROMPTS_BOUND
-    prompts = min(cap, manifest.train.heldout_samples) + cap * len(request.benchmarks)
-    tokens = prompts * (request.max_tokens or manifest.generate.sampling.max_tokens)
-    measured = generate_tok_s(conn, config.run) or 0.0
+    sets = [min(cap, manifest.train.heldout_samples)] + [cap] * len(request.benchmarks)
+    answer = request.max_tokens or manifest.generate.sampling.max_tokens
+    at_8, at_1 = verify_rates(conn, config.run, manifest)
+    seconds = sum(n * answer / at_8 + min(n, request.serial_prompts) * answer / at_1 for n in sets)
     passes = 1 + max(1, len(request.ks))
-    return int(passes * (load_settings().serve_deadline_s + 3 * tokens / max(measured, MIN_VERIFY_TOK_S)))
+    return int(passes * (load_settings().serve_deadline_s + 3 * seconds))
+
+
+def verify_rates(conn, run: str, manifest) -> tuple[float, float]:
+    """Tokens/s at 8 and at 1 request in flight: the slowest a verify of the target measured
+    (record_verify_rates); else the run's generation per request (its tok/s over its concurrency,
+    a request's pace under a load at least verify's) times 8 and 1; else MIN_VERIFY_TOK_S."""
+    own = conn.hget(keys.VERIFY_RATES, manifest.target.model)
+    if own:
+        rates = json.loads(own)
+        return rates["8"], rates["1"]
+    generated = generate_tok_s(conn, run)
+    if generated:
+        concurrency = max(1, manifest.generate.concurrency)
+        per_request = generated / concurrency
+        return per_request * min(8, concurrency), per_request
+    return MIN_VERIFY_TOK_S, MIN_VERIFY_TOK_S
+
+
+def record_verify_rates(conn, target: str, passes: list[dict]) -> None:
+    """What a verify measured, per pass ({"8": tok/s, "1": tok/s}): the slowest at each, kept for
+    the target's next verify (verify_rates)."""
+    slowest = {n: min((p[n] for p in passes if p.get(n)), default=None) for n in ("8", "1")}
+    if all(slowest.values()):
+        conn.hset(keys.VERIFY_RATES, target, json.dumps({**slowest, "at": time.time()}))

@@ -29,11 +29,12 @@ from eyrie.core.config import Settings, load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.data.store import open_store
 from eyrie.stages import TaskKind, entry, task_kinds
-from eyrie.tasks.gpu_admission import gpu_lease
+from eyrie.tasks.gpu_admission import acquire_within, gpu_lease
 from eyrie.work import progress
-from eyrie.work.cancel import Cancelled, CancelWatch
+from eyrie.work.cancel import HANDED_BACK, Cancelled, CancelWatch, Stopping
 from eyrie.work.gpu import in_mode
 from eyrie.work.queue import Heartbeat, connect, held_task
+from eyrie.work.worker_loop import stop_requested
 
 RUN_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -118,6 +119,14 @@ class StageTask:
     def run(self) -> dict:
         raise NotImplementedError
 
+    def stop_if_asked(self) -> None:
+        """Ends a wait (for the GPUs, for a server): Cancelled when the run is cancelled, Stopping when
+        its worker is asked to stop (SIGTERM)."""
+        if self.cancelled():
+            raise Cancelled(self.run_name)
+        if stop_requested():
+            raise Stopping(f"the worker is stopping while {self.task} waited")
+
     def on_cancel(self) -> dict:
         """The result when `run` raised `Cancelled`: what is stored stays, a retry goes on from there."""
         return self.result("cancelled")
@@ -132,10 +141,17 @@ class StageTask:
 
 
 def outcomes(records) -> dict:
-    """A shard manifest's tallies of its skipped and failed records, by reason and error."""
-    records = list(records)
-    return {"skip_reasons": dict(Counter(r["reason"] for r in records if r["status"] == "skipped")),
-            "failure_errors": dict(Counter((r.get("error") or "")[:80] for r in records if r["status"] == "failed"))}
+    """A shard manifest's tallies of its skipped and failed records, by reason and error, and the
+    first record of each as its example."""
+    keyed = [(r["status"], r["reason"] if r["status"] == "skipped" else (r.get("error") or "")[:80], r)
+             for r in records if r["status"] in ("skipped", "failed")]
+    examples: dict[str, dict] = {}
+    for status, key, r in keyed:
+        examples.setdefault(status, {}).setdefault(key, {"sample_id": r.get("sample_id"), "row": r.get("row"),
+                                                         "detail": (r.get("error") or r.get("reason") or "")[:500]})
+    return {"skip_reasons": dict(Counter(key for status, key, _ in keyed if status == "skipped")),
+            "failure_errors": dict(Counter(key for status, key, _ in keyed if status == "failed")),
+            "examples": examples}
 
 
 def execute(stage_class: type[StageTask], payload: dict, ctx: Context | None = None) -> dict:
@@ -155,6 +171,9 @@ def execute(stage_class: type[StageTask], payload: dict, ctx: Context | None = N
                 return _on_device(task)
         except Cancelled:
             return task.on_cancel()
+        except Stopping as stop:  # its worker was asked to stop: the task goes back to its queue
+            print(f"eyrie: {task.task} handed back: {stop}", flush=True)
+            return task.result(HANDED_BACK)
 
 
 def _on_device(task: StageTask) -> dict:
@@ -165,7 +184,7 @@ def _on_device(task: StageTask) -> dict:
     lease = gpu_lease(task.settings, task.conn, owner, devices, caches=task.gpu_caches)
     task.gpu = task.beat.gpu = in_mode(lease, task.gpu_mode())
     task.report_waiting("gpu_lease")
-    task.gpu.acquire()
+    acquire_within(task.gpu, task.settings.gpu_wait_s, stop=task.stop_if_asked)
     try:
         return task.run()
     finally:

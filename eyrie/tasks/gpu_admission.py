@@ -22,15 +22,21 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis
 
 from eyrie.core.config import Settings, load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.stages import gpu_queues, queues
 from eyrie.work import gpu, k8s_jobs
 from eyrie.work.kueue import KueueAdmission, dispatch, servers_done
-from eyrie.work.queue import connect, queue, run_worker
+from eyrie.work.queue import connect, queue
 from eyrie.work.task_kinds import jobs_for_queue
+from eyrie.work.worker_loop import run_worker
 
 SCHEDULERS = ("redis", "kueue")
 
@@ -41,7 +47,7 @@ class Admitted:
     def __init__(self, owner: str, devices: str = "all", caches: tuple = ()):
         self.owner, self.devices, self.caches = owner, devices, caches
 
-    def acquire(self, wait_s: float | None = None, poll_s: float = 1.0) -> bool:
+    def acquire(self, wait_s: float | None = None, poll_s: float = 1.0, stop=None) -> bool:
         return True
 
     def held(self) -> bool:
@@ -60,6 +66,43 @@ def gpu_lease(settings: Settings, conn, owner: str, devices: str = "all", caches
     if settings.gpu_scheduler == "kueue":
         return Admitted(owner, devices, caches)
     return gpu.GpuLease(conn, owner, devices, caches=caches, host=settings.gpu_host, gpu_ids=settings.gpu_ids)
+
+
+def acquire_within(lease, wait_s: float, stop=None) -> None:
+    """The lease, waited for at most `wait_s` (EYRIE_GPU_WAIT_S): past it, an error naming who holds
+    the GPUs; `stop()` ends the wait early by raising (the run cancelled, the worker stopping)."""
+    if lease.acquire(wait_s=wait_s, stop=stop):
+        return
+    raise EyrieError(f"{lease.owner} waited {wait_s:g} s for the GPU lease of {','.join(lease.device_ids)} on "
+                     f"{lease.host} and it is still held (holders: {gpu.holders_text(lease.conn)}).",
+                     "let the holder finish or stop it (`eyrie status RUN` shows the lease), or raise "
+                     "EYRIE_GPU_WAIT_S; the task is retried.")
+
+
+@contextmanager
+def held_gpu(settings: Settings, conn, owner: str, devices: str = "all", say=print) -> Iterator[None]:
+    """The GPU lease around a command's own GPU work (`eyrie verify`), as a task holds it: waited
+    for within EYRIE_GPU_WAIT_S (a waiter in status meanwhile), renewed while the block runs,
+    released after it."""
+    lease = gpu_lease(settings, conn, f"{owner}@{socket.gethostname()}", devices)
+    if not lease.acquire(wait_s=0):
+        say(f"waiting for the GPU lease (held by {gpu.holders_text(conn)}), at most {settings.gpu_wait_s:g} s")
+        acquire_within(lease, settings.gpu_wait_s)
+    done = threading.Event()
+
+    def renew() -> None:
+        while not done.wait(gpu.TTL_S / 3):
+            try:
+                lease.renew()
+            except redis.exceptions.ConnectionError:
+                continue  # Redis away for a moment: the lease lasts TTL_S
+
+    threading.Thread(target=renew, daemon=True, name="eyrie-gpu-lease").start()
+    try:
+        yield
+    finally:
+        done.set()
+        lease.release()
 
 
 def drain(conn, stage: str, poll_s: float = 5.0) -> None:

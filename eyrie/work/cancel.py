@@ -1,7 +1,9 @@
-"""A run's cancel as its tasks see it: the exception a task raises to stop, and the watch it polls."""
+"""A run's cancel as its tasks see it: the exception a task raises to stop, and the watch it polls; the
+worker's stop request (SIGTERM), on which a task hands its work back; and a run blocked by a refusal."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from eyrie.work import keys
@@ -9,6 +11,14 @@ from eyrie.work import keys
 
 class Cancelled(Exception):
     """The run was cancelled while a task of it ran in the worker's own process."""
+
+
+HANDED_BACK = "handed_back"  # a task's result status when it stopped on its worker's stop request
+
+
+class Stopping(Exception):
+    """The worker was asked to stop (SIGTERM) while a task of it ran: the task stores what it has
+    done, lets go of its leases and returns HANDED_BACK; the task goes back to its queue at once."""
 
 
 class CancelWatch:
@@ -24,3 +34,10 @@ class CancelWatch:
             self._asked = time.monotonic()
             self.seen = bool(self.conn.exists(keys.cancelled(self.run)))
         return self.seen
+
+
+def block(conn, run: str, exc) -> None:
+    """A refusal the user must fix (storage budget, a base drafter that does not fit): no retry,
+    shown by status until `eyrie run` is run again. `exc`: the EyrieError, kept as its text."""
+    logging.getLogger("eyrie.runs.pipeline").warning("run %s: the next stage did not start: %s", run, exc)
+    conn.set(keys.blocked(run), str(exc))

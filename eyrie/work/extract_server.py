@@ -6,7 +6,7 @@ EYRIE_EXTRACT_VLLM_URL names one instead.
 A task's wait says in its live progress what it waits for (`eyrie status`: the server's state
 and when it last published itself), gives up after EYRIE_SERVE_DEADLINE_S with an error naming the
 problem and the fix, and ends early on a cancel of the run (`Cancelled`: the task ends cancelled)
-or on the worker's warm shutdown (SIGTERM: `WorkerStopping`; RQ retries the task). A server that
+or on the worker's warm shutdown (SIGTERM: `WorkerStopping`; the task is handed back to its queue). A server that
 was ready and is not any more (state failed, no longer republished, its port refusing
 connections) is named dead, and so is one that stops answering in the middle of a shard.
 """
@@ -20,9 +20,10 @@ from urllib.parse import urlparse
 
 from eyrie.core.errors import EyrieError
 from eyrie.work import inference
-from eyrie.work.cancel import Cancelled
+from eyrie.work.cancel import Cancelled, Stopping
 from eyrie.work.inference import Endpoint
-from eyrie.work.queue import RETRY_INTERVALS_S, stop_requested
+from eyrie.work.queue import RETRY_INTERVALS_S
+from eyrie.work.worker_loop import stop_requested
 
 STALE_AFTER_S = 30.0  # a ready server republishes itself every 5 s (eyrie_inference.server.Server.POLL_S)
 POLL_S = 1.0
@@ -32,8 +33,8 @@ FIX = ("start the extract-server service (`eyrie serve-extract`) and check its l
        f"(docs/vllm-extraction.md). A target that loads longer needs a larger {BOUND}.")
 
 
-class WorkerStopping(RuntimeError):
-    """The worker was asked to stop (SIGTERM) while the task waited: RQ retries the task later."""
+class WorkerStopping(Stopping):
+    """The worker was asked to stop (SIGTERM) while the task waited: the task goes back to its queue."""
 
 
 def health(endpoint: Endpoint | None, now: float) -> str:
@@ -106,7 +107,7 @@ class ServerWait:
             raise Cancelled("the run was cancelled while its task waited for the vLLM extraction server")
         if stop_requested():
             raise WorkerStopping("the worker is stopping (SIGTERM) while this task waited for the vLLM "
-                                 "extraction server: it is retried later")
+                                 "extraction server: it goes back to its queue")
 
 
 def server_url(settings, conn, report: Callable[[str], None], cancelled: Callable[[], bool]) -> str:

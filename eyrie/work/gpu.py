@@ -137,12 +137,15 @@ class GpuLease:
         self.keys = [keys.gpu_device(self.host, d) + suffix for d in self.device_ids]
         self.token = ("" if mode == "own" else f"{mode}:") + uuid.uuid4().hex
 
-    def acquire(self, wait_s: float | None = None, poll_s: float = 1.0) -> bool:
-        """Block until every device of the set is ours (visible as waiting in status meanwhile)."""
+    def acquire(self, wait_s: float | None = None, poll_s: float = 1.0, stop=None) -> bool:
+        """Block until every device of the set is ours (visible as waiting in status meanwhile); False
+        after `wait_s`. `stop()`, asked every poll, ends the wait early by raising (a cancel, a SIGTERM)."""
         deadline = None if wait_s is None else time.monotonic() + wait_s
         since = time.time()
         try:
             while True:
+                if stop is not None:
+                    stop()
                 self.conn.hset(keys.GPU_WAITING, self.token, orjson.dumps(
                     {**self._who(), "since": since, "seen": time.time(), "poll_s": poll_s}))
                 if self._try_take():  # also drops the waiting entry, in the same script
@@ -276,6 +279,13 @@ def leases(conn: redis.Redis) -> dict | None:
         return None
     return {"holder": holders[0] if holders else None, "holders": holders,
             "waiting": sorted(w["owner"] for w in waiters), "waiters": waiters}
+
+
+def holders_text(conn: redis.Redis) -> str:
+    """Who holds GPU leases now, for an error: `owner on host:gpus, ...`."""
+    found = leases(conn) or {"holders": []}
+    return ", ".join(f"{h.get('owner')} on {h.get('gpu_host')}:{','.join(h.get('gpus') or [])}"
+                     for h in found["holders"]) or "nobody now"
 
 
 def holder(conn: redis.Redis) -> dict | None:

@@ -17,7 +17,7 @@ class Endpoint(BaseModel):
     url: str
     model: str  # the name requests must carry (vLLM: served model name; transformers: the path)
     server: str  # vllm | transformers
-    state: str  # starting | ready | stopped | failed
+    state: str  # waiting (for the GPUs) | starting | ready | stopped | failed
     max_model_len: int | None = None
     revision: str = "unresolved"
     chat_template_sha256: str | None = None
@@ -26,6 +26,9 @@ class Endpoint(BaseModel):
     host: str = ""
     pid: int | None = None
     updated_at: float = 0.0
+
+
+WAITING_FRESH_S = 30.0  # a server waiting for the GPUs republishes every few seconds: older, it is gone
 
 
 def publish(conn: redis.Redis, endpoint: Endpoint) -> None:
@@ -63,14 +66,17 @@ def wait_serving(conn: redis.Redis, deadline_s: float, serves, target: str, stop
     """Every ready endpoint that serves a run's target (`serves(endpoint)`), once one does (the
     default first): a run whose target is not served waits for its server, whatever else is up
     meanwhile (another run's target), and never asks a server of another target. `stop()`: give up
-    early (a cancelled run); it raises what it likes."""
-    def ready() -> tuple[list[Endpoint], str]:
+    early (a cancelled run); it raises what it likes. While the target's server is alive and waiting
+    for the GPUs (another run's later stages hold them), the deadline counts from when it is not."""
+    def ready() -> tuple[list[Endpoint], str, bool]:
         if stop is not None:
             stop()
         published = read_all(conn)
         serving = sorted((e for e in published if e.state == "ready" and serves(e)), key=lambda e: e.name != "default")
         others = ", ".join(f"{e.name}: {e.model} ({e.state})" for e in published) or "never published"
-        return serving, others
+        coming = any(e.state == "waiting" and serves(e) and time.time() - e.updated_at < WAITING_FRESH_S
+                     for e in published)
+        return serving, others, coming
 
     return _wait_ready(ready, deadline_s, f"no ready inference endpoint serves the run's target {target}",
                        f"serve the run's target (`eyrie serve --model {target}`, or the run's config: "
@@ -79,13 +85,16 @@ def wait_serving(conn: redis.Redis, deadline_s: float, serves, target: str, stop
 
 
 def _wait_ready(ready, deadline_s: float, missing: str, fix: str, what: str = "state"):
-    """Poll `ready()` (what is ready, and the endpoint whose state the error names, or that text)
-    every second until it finds something; past the deadline, an error naming what is missing and that state."""
+    """Poll `ready()` (what is ready, and the endpoint whose state the error names, or that text;
+    and optionally whether a server is on its way, which restarts the deadline) every second until
+    it finds something; past the deadline, an error naming what is missing and that state."""
     limit = time.monotonic() + deadline_s
     while True:
-        found, endpoint = ready()
+        found, endpoint, *coming = ready()
         if found:
             return found
+        if any(coming):
+            limit = time.monotonic() + deadline_s
         if time.monotonic() > limit:
             state = endpoint if isinstance(endpoint, str) else endpoint.state if endpoint else "never published"
             raise EyrieError(f"{missing} after {deadline_s:g} s ({what}: {state}).", fix)

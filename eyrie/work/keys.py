@@ -1,6 +1,6 @@
 """Every Redis key eyrie writes, in one place: the counterpart of the store's `Layout`
-(eyrie/data/manifest.py). RQ's own keys (rq:*) are RQ's; the queues' names come from eyrie/stages.py.
-Redis holds live state only; the store is the record.
+(eyrie/data/manifest.py). RQ's own keys (rq:*) are RQ's; a queue's name is `eyrie.work.task_kinds.queue_name`
+of a queue a stage declares (eyrie.stages). Redis holds live state only; the store is the record.
 
 Keys of one thing are built by calling its name: `keys.task_lease(task_id)`, `keys.cancelled(run)`."""
 
@@ -12,6 +12,7 @@ ACTIVE_PIPELINES = "eyrie:pipelines:active"  # runs started by `eyrie run` and n
 cancelled = "eyrie:pipeline:{}:cancelled".format  # (run) set by `eyrie cancel`: nothing more of it starts
 blocked = "eyrie:pipeline:{}:blocked".format  # (run) a refusal the user must fix (storage budget, a base drafter)
 advance_lock = "eyrie:advance:{}".format  # (run) one `advance` of a run at a time
+worker_left = "eyrie:worker-left:{}".format  # (queue) when a worker of the queue last stopped (unix time)
 
 # tasks
 task_lease = "eyrie:lease:{}".format  # (task id) who works on the task now (eyrie.work.queue.task_lease)
@@ -22,6 +23,9 @@ admit_lock = "eyrie:admit:{}:{}".format  # (GPU Job stage, run) one creator at a
 # live progress
 progress = "eyrie:progress:{}:{}".format  # (run, stage) a hash: task -> its live progress (JSON)
 stage_started = "eyrie:stage:{}:{}".format  # (run, stage) a hash: when its first progress came (started_at)
+rates = "eyrie:rates:{}:{}".format  # (run, stage) a hash: "task:width:interval" -> [time, tokens, started] (JSON)
+
+VERIFY_RATES = "eyrie:verify:rates"  # a hash: target -> the slowest tok/s its verify measured at 8 and at 1 in flight
 
 # the GPUs: a lease per device set (eyrie.work.gpu), one key per (host, device) it holds
 GPU_LEASE = "eyrie:gpu:lease"  # a hash: lease token -> its holder (JSON), for status; there while any lease is held

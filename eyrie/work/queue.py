@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,19 +9,21 @@ from datetime import datetime, timedelta, timezone
 
 import redis
 from redis.lock import Lock
-from rq import Callback, Queue, Retry, SimpleWorker, Worker
+from rq import Callback, Queue, Retry, Worker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from eyrie.core.config import safe_url
 from eyrie.core.errors import EyrieError
 from eyrie.work import keys
+from eyrie.work.cancel import HANDED_BACK
 from eyrie.work.kueue import dispatch
-from eyrie.work.task_kinds import CALLBACKS, ON_TASK_DONE, QUEUE_PREFIX, TaskKind, gpu_queues, queue_name, task_funcs
+from eyrie.work.task_kinds import CALLBACKS, ON_TASK_DONE, TaskKind, queue_name, task_funcs
 
 RETRY_INTERVALS_S = [10, 60, 300]
 ADVANCE_TIMEOUT_S = 3600  # planning the next stage reads every record (25k samples: minutes)
 LEASE_TTL_S = 15  # a dead worker's task is taken over within this time
+HAND_BACKS = 1000  # a task handed back on a worker's stop goes back to its queue at once, this many times at most
 
 
 class RefusedTask(Exception):
@@ -39,6 +39,14 @@ class EyrieJob(Job):
         if self.func_name not in task_funcs() or self.instance is not None:
             raise RefusedTask(f"{self.func_name!r} is not an eyrie task; refused unexecuted")
         return super().func
+
+    def _execute(self):
+        """A task that handed its work back (its worker is stopping) goes back to its queue at once,
+        as RQ requeues a job that returns Retry: no failure counted, no callback run."""
+        result = super()._execute()
+        if isinstance(result, dict) and result.get("status") == HANDED_BACK:
+            return Retry(max=HAND_BACKS)
+        return result
 
     @property
     def success_callback(self):
@@ -178,15 +186,6 @@ def live_tasks(conn: redis.Redis, name: str) -> int:
     return sum(task_counts(conn, name).values())
 
 
-def _keep_alive(conn: redis.Redis, job_id: str, stop: threading.Event) -> None:
-    while not stop.is_set():
-        try:
-            conn.set(keys.job_alive(job_id), socket.gethostname(), ex=LEASE_TTL_S)
-        except redis.exceptions.RedisError:
-            pass  # Redis is away: the key lapses; the task's own lease decides who works on it
-        stop.wait(LEASE_TTL_S / 3)
-
-
 def task_lease(conn: redis.Redis, task_id: str) -> Lock:
     """Who is working on a task now. Expires LEASE_TTL_S after its holder stops renewing it."""
     return Lock(conn, keys.task_lease(task_id), timeout=LEASE_TTL_S, blocking_timeout=LEASE_TTL_S + 5,
@@ -258,10 +257,6 @@ class Heartbeat(threading.Thread):
         self.done.set()
 
 
-def worker_name(name: str) -> str:
-    return f"{name}-{socket.gethostname()}-{os.getpid()}"
-
-
 def reclaim_abandoned(conn: redis.Redis, name: str) -> int:
     """Requeue tasks RQ lists as started whose lease expired: their worker died."""
     registry = queue(conn, name).started_job_registry
@@ -276,80 +271,3 @@ def reclaim_abandoned(conn: redis.Redis, name: str) -> int:
             _enqueue(conn, name, func, payload, job_id, timeout)
             reclaimed += 1
     return reclaimed
-
-
-class _Maintained:
-    """A worker that keeps its job's alive key fresh while it runs it (task code, callbacks and
-    all), and whose maintenance requeues the tasks of dead workers: a survivor takes them over
-    without a restart."""
-
-    _keeper: threading.Thread | None = None
-
-    def execute_job(self, job, queue):
-        try:
-            return super().execute_job(job, queue)
-        finally:
-            if self._keeper is not None:
-                self._keeper_stop.set()
-                self._keeper.join()
-                self._keeper = None
-            self.connection.delete(keys.job_alive(job.id))
-
-    def _start_keeper(self, job) -> None:
-        self._keeper_stop = threading.Event()
-        self._keeper = threading.Thread(target=_keep_alive, args=(self.connection, job.id, self._keeper_stop),
-                                        daemon=True)
-        self._keeper.start()
-
-    def run_maintenance_tasks(self):
-        super().run_maintenance_tasks()
-        for q in self.queues:
-            reclaimed = reclaim_abandoned(self.connection, q.name.removeprefix(QUEUE_PREFIX))
-            if reclaimed:
-                self.log.warning("requeued %d task(s) of dead workers on %s", reclaimed, q.name)
-
-
-_STOP_REQUESTED = threading.Event()
-
-
-def stop_requested() -> bool:
-    """Whether this process's worker (a GPU stage's, which runs its tasks in its own process) was
-    asked to stop: a task that waits ends its wait and fails; RQ retries it later."""
-    return _STOP_REQUESTED.is_set()
-
-
-class ForkingWorker(_Maintained, Worker):
-    def fork_work_horse(self, job, queue):
-        """The keeper starts after the fork, in this process (the work horse never returns here): a
-        thread inside getaddrinfo while the process forks leaves the work horse glibc's resolver lock
-        held for good, and its first Redis connection hangs with the task taken and nothing done."""
-        super().fork_work_horse(job, queue)
-        self._start_keeper(job)
-
-
-class InProcessWorker(_Maintained, SimpleWorker):
-    def execute_job(self, job, queue):
-        self._start_keeper(job)
-        return super().execute_job(job, queue)
-
-    def handle_warm_shutdown_request(self):
-        """SIGTERM (or Ctrl+C) while a task runs in this process: RQ waits for it to end; a task
-        that only waits (for a server) sees `stop_requested()` and ends its wait."""
-        super().handle_warm_shutdown_request()
-        _STOP_REQUESTED.set()
-
-
-def run_worker(conn: redis.Redis, name: str, burst: bool) -> None:
-    """An RQ worker on one stage's queue; the scheduler runs retries after their backoff.
-
-    RQ itself fails or retries a dead worker's job once its heartbeat lapses (for tasks run in
-    the worker process: the job's whole timeout); the shorter task lease lets a live worker
-    take it over within a minute."""
-    reclaim_abandoned(conn, name)
-    # GPU stages run tasks in the worker process itself: the model stays loaded between tasks
-    # (and CUDA does not survive a fork). The generator forks a work horse per task.
-    worker_class = InProcessWorker if name in gpu_queues() else ForkingWorker
-    worker = worker_class([queue(conn, name)], connection=conn, serializer=JSONSerializer,
-                          job_class=EyrieJob, name=worker_name(name), maintenance_interval=2 * LEASE_TTL_S,
-                          worker_ttl=3 * LEASE_TTL_S)
-    worker.work(burst=burst, with_scheduler=True, logging_level="INFO")

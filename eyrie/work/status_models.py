@@ -51,14 +51,17 @@ class TrainStatus(StageStatus):
     phase: str = "pending"
     epoch: int | None = None
     epochs: int | None = None
+    steps_per_epoch: int | None = None
     loss: float | None = None
     val_loss: float | None = None
     acc: list[float] | None = None
     path: dict | None = Field(None, description="The attention/loss path speculators took.")
     notes: list[str] = Field(default_factory=list)
     on_demand: int = Field(0, description="Training samples whose hidden states the extraction service makes.")
-    dropped: int = Field(0, description="Samples speculators left out of a step in this attempt: the extraction "
-                                        "service's retries exhausted, or states whose token ids did not match.")
+    dropped: int = Field(0, description="Samples speculators left out: the extraction service's retries "
+                                        "exhausted, or states whose token ids did not match. Once a checkpoint "
+                                        "recorded them (train/samples.json), those never trained on in any "
+                                        "attempt; before it, this attempt's left-out steps.")
     drop_reasons: list[str] = Field(default_factory=list, description="The last few reasons, speculators' words.")
     checkpoints: list = Field(default_factory=list)
     evaluation: dict | None = None

@@ -1,8 +1,11 @@
-// The eyrie dashboard: plain JS over the API (no build step). Refreshes itself every few seconds.
+// The eyrie dashboard: plain JS over the API (no build step); the charts are in charts.js (uPlot).
+// Refreshes itself every few seconds (?refresh=MS).
 "use strict";
 const REFRESH_MS = Number(new URLSearchParams(location.search).get("refresh") || 2000);
-const MARK = { done: "✔", in_progress: "…", failed: "✖", pending: "○", cancelled: "⊘" };
+const MARK = { done: "✔", in_progress: "…", failed: "✖", pending: "○", cancelled: "⊘", skipped: "–" };
+const STAGES = ["generate", "extract", "train", "evaluate", "export", "verify"];  // the order they run in
 let selected = decodeURIComponent(location.hash.slice(1)) || null;
+let summaries = {};
 
 async function api(path) {
   const headers = {};
@@ -24,7 +27,7 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 
-function eta(s) {
+function duration(s) {
   if (s === null || s === undefined) return "-";
   s = Math.round(s);
   return s >= 3600 ? `${Math.floor(s / 3600)}h${String(Math.floor(s % 3600 / 60)).padStart(2, "0")}m`
@@ -33,15 +36,16 @@ function eta(s) {
 
 const num = (v) => (v === null || v === undefined ? "-" : Number(v).toLocaleString("en"));
 const processed = (s) => s.done + s.skipped + s.failed;
-const percent = (s) => Math.round(100 * processed(s) / Math.max(1, s.total));
+const share = (s) => Math.round(100 * processed(s) / Math.max(1, s.total));
 
 function renderRuns(runs) {
+  summaries = Object.fromEntries(runs.map((r) => [r.run, r]));
   const body = document.querySelector("#runs tbody");
   body.replaceChildren(...runs.map((r) => {
-    const stages = Object.entries(r.stages).map(([n, s]) => `${n} ${percent(s)}%`).join(" · ");
+    const stages = Object.entries(r.stages).map(([n, s]) => `${n} ${share(s)}%`).join(" · ");
     const row = el("tr", { "data-run": r.run, class: r.run === selected ? "selected" : "" },
-      el("td", {}, r.run), el("td", { class: "run-state" }, r.state), el("td", {}, stages),
-      el("td", { class: "dim" }, r.created_at));
+      el("td", {}, r.run), el("td", { class: `run-state state-${r.state}` }, r.state), el("td", {}, stages),
+      el("td", { class: "dim" }, r.created_at || "planning"));
     row.onclick = () => { location.hash = r.run; selected = r.run; refresh(); };
     return row;
   }));
@@ -52,24 +56,34 @@ function stageItem(name, s) {
   const counts = name === "train" ? `step ${num(s.done)} of ${num(s.total || null)}`
     : name === "evaluate" ? `${num(s.done)} of ${num(s.total)} checkpoints evaluated`
     : name === "export" ? (s.done ? "drafter exported" : "not yet")
+    : name === "verify" ? s.note || (s.done ? "verified by vLLM" : s.failed ? "failed (see failures below)" : "not yet")
     : `${num(s.done)} done · ${num(s.skipped)} skipped · ${num(s.failed)} failed of ${num(s.total)}`;
+  const rate = s.tok_per_s === null || s.tok_per_s === undefined ? ""
+    : ` · ${num(s.tok_per_s)} tok/s · ETA ${s.state === "done" ? "-" : duration(s.eta_s)}`;
   return el("li", { class: `stage state-${s.state}`, "data-stage": name, "data-state": s.state,
                     "data-processed": processed(s), "data-total": s.total },
     el("span", { class: "badge" }, `${MARK[s.state] || "?"} ${name}`), el("span", { class: "state" }, s.state),
-    el("div", { class: "bar" }, el("div", { style: `width: ${percent(s)}%` })),
-    el("span", { class: "counts" }, counts),
-    el("span", { class: "dim" }, s.tok_per_s === null && s.eta_s === null ? ""
-      : ` · ${num(s.tok_per_s)} tok/s · ETA ${s.state === "done" ? "-" : eta(s.eta_s)}`));
+    el("div", { class: "bar" }, el("div", { style: `width: ${share(s)}%` })),
+    el("span", { class: "counts" }, counts), el("span", { class: "dim" }, rate));
 }
 
-// A pipeline's stages appear as they are planned: the ones not planned yet are shown pending, and
-// evaluate and export (run by the trainer) get their own lines.
+const blank = (state, total = 0, done = 0) =>
+  ({ state, total, done, skipped: 0, failed: 0, tokens: 0, tok_per_s: null, eta_s: null });
+
+// Verify: its own status once the drafter is exported (before: waiting); a skipped verify says so, and why.
+function verifyStage(status, waiting) {
+  const own = status.stages.verify;
+  const result = status.stages.train && status.stages.train.verify;
+  if (!own) return blank(waiting, 1);
+  return result && result.skipped ? { ...own, state: "skipped", note: `skipped: ${result.skipped}` } : own;
+}
+
+// Every stage of a pipeline from the start (the ones not planned yet pending); evaluate and export
+// (run by the trainer) get their own lines.
 function checklist(status) {
-  const blank = (state, total = 0, done = 0) =>
-    ({ state, total, done, skipped: 0, failed: 0, tokens: 0, tok_per_s: null, eta_s: null });
   const waiting = status.cancelled ? "cancelled" : "pending";
   const stages = {};
-  for (const name of ["generate", "extract", "train"]) {
+  for (const name of ["generate", "extract", "train"]) {  // those with a status of their own from the start
     if (status.stages[name]) stages[name] = status.stages[name];
     else if (status.pipeline) stages[name] = blank(waiting);
   }
@@ -77,23 +91,30 @@ function checklist(status) {
   if (status.pipeline || train) {
     const evaluated = train && train.evaluation ? train.evaluation.checkpoints.length : 0;
     const exported = Boolean(train && train.drafter);
-    stages.evaluate = blank(exported ? "done" : evaluated ? "in_progress" : waiting,
-                            train ? train.epochs : 0, evaluated);
+    stages.evaluate = blank(exported ? "done" : evaluated ? "in_progress" : waiting, train ? train.epochs : 0, evaluated);
     stages.export = blank(exported ? "done" : waiting, 1, exported ? 1 : 0);
+    stages.verify = verifyStage(status, waiting);
   }
-  return stages;
+  return STAGES.filter((name) => stages[name]).map((name) => stageItem(name, stages[name]));
 }
 
-function renderRun(status, manifest, errors) {
-  document.getElementById("run").hidden = false;
-  document.getElementById("run-title").textContent = `run ${status.run}`;
-  document.getElementById("run-meta").textContent =
-    `${status.target.model} · ${status.dataset.source} · started ${status.created_at}` +
-    (status.cancelled ? ` · cancelled ${status.cancelled}` : "") +
-    (status.pipeline && status.pipeline.blocked ? ` · BLOCKED: ${status.pipeline.blocked}` : "");
-  document.getElementById("stages").replaceChildren(
-    ...Object.entries(checklist(status)).map(([name, s]) => stageItem(name, s)));
-  const lease = status.gpu_lease;
+// The run's state beside what runs now: the workers on its tasks, with host and last heartbeat.
+function renderNow(status, now) {
+  const summary = summaries[status.run];
+  const state = summary ? summary.state : "-";
+  document.getElementById("run-state").textContent = state;
+  document.getElementById("run-state").className = `run-state state-${state}`;
+  const rows = now.tasks.map((w) => el("tr", { "data-worker": w.worker },
+    el("td", {}, w.task), el("td", {}, w.worker), el("td", {}, w.host),
+    el("td", {}, w.heartbeat_age_s === null ? "-" : `${duration(w.heartbeat_age_s)} ago`)));
+  document.querySelector("#now tbody").replaceChildren(...rows);
+  document.getElementById("now").hidden = rows.length === 0;
+  const idle = now.workers.filter((w) => !w.task).map((w) => `${w.queues.join(",")} on ${w.host}`);
+  document.getElementById("now-none").textContent = rows.length ? ""
+    : `nothing of this run runs now${idle.length ? `; idle workers: ${idle.join("; ")}` : "; no worker is up"}`;
+}
+
+function renderLease(lease) {
   const gpus = (w) => (w.gpus || []).join(",");
   const who = (w) => `${w.owner} (${w.devices}` + (gpus(w) === "*" ? ` on every GPU of ${w.host}`
     : gpus(w) ? ` on GPUs ${gpus(w)} of ${w.host}` : "") + ")";
@@ -101,11 +122,49 @@ function renderRun(status, manifest, errors) {
   const waiters = lease ? ((lease.waiters && lease.waiters.length) ? lease.waiters.map(who) : lease.waiting) : [];
   document.getElementById("lease").textContent = "GPU leases: " + (holders.length
     ? holders.map(who).join("; ") : "free") + (waiters.length ? `; waiting: ${waiters.join("; ")}` : "");
-  document.getElementById("errors").replaceChildren(
-    ...(errors.length ? errors.map((e) => el("li", {}, e)) : [el("li", { class: "dim" }, "none")]));
+}
+
+// Failed and skipped samples by reason per stage (one example each), and failed tasks by error.
+function renderFailures(run, failures) {
+  const example = (f, e) => !e ? "-" : e.task ? `task ${e.task}`
+    : [e.sample_id && `sample ${e.sample_id}`, e.row !== undefined && e.row !== null && `row ${e.row}`,
+       e.detail !== f.reason && e.detail].filter(Boolean).join(" · ");
+  document.querySelector("#failures tbody").replaceChildren(...failures.map((f) =>
+    el("tr", { "data-stage": f.stage, "data-kind": f.kind },
+       el("td", {}, f.stage), el("td", {}, f.kind), el("td", { class: "count" }, num(f.count)),
+       el("td", { class: "reason" }, f.reason), el("td", { class: "example" }, example(f, f.example)))));
+  document.getElementById("failures").hidden = failures.length === 0;
+  document.getElementById("failures-none").hidden = failures.length > 0;
+  document.getElementById("logs-command").textContent = `eyrie logs ${run}`;
+}
+
+function renderRun(status, manifest, now, failures, rates, family) {
+  document.getElementById("run").hidden = false;
+  document.getElementById("run-title").textContent = `run ${status.run}`;
+  document.getElementById("run-meta").textContent =
+    `${status.target.model} · ${status.dataset.source} · started ${status.created_at || "(being planned)"}` +
+    (status.cancelled ? ` · cancelled ${status.cancelled}` : "") +
+    (status.pipeline && status.pipeline.blocked ? ` · BLOCKED: ${status.pipeline.blocked}` : "");
+  renderNow(status, now);
+  document.getElementById("stages").replaceChildren(...checklist(status));
+  renderLease(status.gpu_lease);
+  renderFailures(status.run, failures);
+  renderCharts(status.stages.train, rates, family);
   renderTau(status.stages.train);
   renderBenchmarks(status.stages.train);
-  document.getElementById("manifest").textContent = JSON.stringify(manifest, null, 2);
+  document.getElementById("manifest").textContent = manifest ? JSON.stringify(manifest, null, 2) : "(being planned)";
+}
+
+// Each chart's box is shown once its data exists (shown before drawing: a chart takes its box's width).
+function renderCharts(train, rates, family) {
+  const charts = { "training-box": () => train && drawTraining(train), "tau-chart-box": () => train && drawTau(train),
+                   "position-chart-box": () => train && drawPositions(train), "rate-chart-box": () => drawRates(rates),
+                   "family-chart-box": () => drawFamily(family) };
+  for (const [box, drawChart] of Object.entries(charts)) {
+    const node = document.getElementById(box);
+    node.hidden = false;
+    node.hidden = !drawChart();
+  }
 }
 
 function renderBenchmarks(train) {
@@ -130,56 +189,8 @@ function renderTau(train) {
   if (!evaluation) return;
   const rows = [["untrained", evaluation.baseline.tau], ...evaluation.checkpoints.map((c) => [c.label, c.tau])];
   document.querySelector("#tau tbody").replaceChildren(...rows.map(([label, tau]) =>
-    el("tr", { "data-checkpoint": label }, el("td", {}, label + (label === evaluation.best ? " (best)" : "")),
+    el("tr", { "data-checkpoint": label }, el("td", {}, label + (label === evaluation.best ? " (chosen)" : "")),
        el("td", {}, tau.toFixed(3)))));
-  const verify = train.verify && train.verify.vllm_acceptance_length ? train.verify : null;
-  const labels = rows.map(([label]) => label);
-  const vllmAt = verify ? labels.indexOf(verify.checkpoint) : -1;
-  document.getElementById("tau-chart").replaceChildren(...lineChart(
-    rows.map(([, tau]) => tau), evaluation.k + 1, labels, vllmAt >= 0 ? [vllmAt, verify.vllm_acceptance_length] : null));
-  const best = evaluation.checkpoints.find((c) => c.label === evaluation.best);
-  document.getElementById("position-chart").replaceChildren(...barChart(
-    (best && best.per_position_acceptance) || [], verify ? verify.vllm_per_position_acceptance : []));
-}
-
-// Plain SVG charts (no build step): acceptance length per checkpoint, acceptance per draft position.
-const SVG_NS = "http://www.w3.org/2000/svg";
-const W = 360, H = 120, PAD = 24;
-
-function svg(tag, attrs = {}, text = "") {
-  const node = document.createElementNS(SVG_NS, tag);
-  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
-  if (tag === "text" || tag === "title") {
-    node.textContent = text;
-  } else if (text) {
-    node.append(svg("title", {}, text));  // the value on hover
-  }
-  return node;
-}
-
-function lineChart(values, yMax, labels, vllm) {
-  const x = (i) => PAD + (values.length > 1 ? i * (W - 2 * PAD) / (values.length - 1) : 0);
-  const y = (v) => H - PAD - (v - 1) * (H - 2 * PAD) / (yMax - 1);
-  const nodes = [svg("line", { x1: PAD, y1: y(1), x2: W - PAD, y2: y(1), class: "axis" }),
-    svg("text", { x: 2, y: y(yMax) + 4, class: "dim" }, String(yMax)),
-    svg("polyline", { points: values.map((v, i) => `${x(i)},${y(v)}`).join(" "), class: "eyrie" })];
-  values.forEach((v, i) => nodes.push(svg("circle", { cx: x(i), cy: y(v), r: 3, class: "eyrie",
-    "data-checkpoint": labels[i] }, `${labels[i]}: eyrie ${v.toFixed(3)}`)));
-  if (vllm) nodes.push(svg("circle", { cx: x(vllm[0]), cy: y(vllm[1]), r: 5, class: "vllm",
-    "data-checkpoint": labels[vllm[0]] }, `${labels[vllm[0]]}: vLLM ${vllm[1].toFixed(3)}`));
-  return nodes;
-}
-
-function barChart(ours, theirs) {
-  const slot = (W - 2 * PAD) / Math.max(1, ours.length), bar = slot / 3;
-  const nodes = [svg("line", { x1: PAD, y1: H - PAD, x2: W - PAD, y2: H - PAD, class: "axis" })];
-  [[ours, "eyrie", 0], [theirs, "vllm", 1]].forEach(([rates, cls, offset]) => rates.forEach((rate, p) => {
-    const h = (rate || 0) * (H - 2 * PAD);
-    nodes.push(svg("rect", { x: PAD + p * slot + offset * bar, y: H - PAD - h, width: bar - 2, height: h,
-      class: cls, "data-position": p }, `position ${p + 1}: ${cls} ${(rate || 0).toFixed(2)}`));
-  }));
-  ours.forEach((_, p) => nodes.push(svg("text", { x: PAD + p * slot, y: H - 6, class: "dim" }, `+${p + 1}`)));
-  return nodes;
 }
 
 async function refresh() {
@@ -187,9 +198,10 @@ async function refresh() {
     renderRuns(await api("/runs"));
     if (selected) {
       const name = encodeURIComponent(selected);
-      const [status, manifest, errors] = await Promise.all(
-        [api(`/runs/${name}`), api(`/runs/${name}/manifest`), api(`/runs/${name}/errors`)]);
-      renderRun(status, manifest, errors);
+      const parts = ["", "/manifest", "/now", "/failures", "/rates", "/family"];
+      const read = (part) => api(`/runs/${name}${part}`)  // no manifest (nor family) while the run is planned
+        .catch((error) => { if (part === "/manifest" || part === "/family") return null; throw error; });
+      renderRun(...await Promise.all(parts.map(read)));
     }
     document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
   } catch (error) {
@@ -203,5 +215,6 @@ document.getElementById("auth").onsubmit = (event) => {
   document.getElementById("auth").hidden = true;
   refresh();
 };
+window.addEventListener("hashchange", () => { selected = decodeURIComponent(location.hash.slice(1)) || null; refresh(); });
 refresh();
 setInterval(refresh, REFRESH_MS);

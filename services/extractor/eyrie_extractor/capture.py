@@ -7,8 +7,11 @@ BEFORE the final norm (speculators applies the verifier's norm and lm_head itsel
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+
+from eyrie.core.target import hf_load
 
 
 @dataclass
@@ -81,17 +84,20 @@ def spread_map(config, devices: list[str]) -> dict[str, str]:
 class HFCapture:
     """Loads the target once; `forward` returns per-sequence hidden states on the host."""
 
-    def __init__(self, model_path: str, aux_layers: list[int], device: str, dtype: torch.dtype | None = None):
+    def __init__(self, model_path: str, aux_layers: list[int], device: str, dtype: torch.dtype | None = None,
+                 trust_remote_code: bool = False):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         devices = spread_devices(model_path, device)
         self.device = torch.device(devices[0])
         if len(devices) == 1:
-            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or "auto").to(self.device)
+            self.model = hf_load(partial(AutoModelForCausalLM.from_pretrained, dtype=dtype or "auto"),
+                                 model_path, "model", trust_remote_code).to(self.device)
         else:  # a target larger than one GPU: whole layers spread over the lease's devices
-            self.device_map = spread_map(AutoConfig.from_pretrained(model_path), devices)
-            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or "auto",
-                                                              device_map=self.device_map)
+            self.device_map = spread_map(hf_load(AutoConfig.from_pretrained, model_path, "config", trust_remote_code),
+                                         devices)
+            self.model = hf_load(partial(AutoModelForCausalLM.from_pretrained, dtype=dtype or "auto",
+                                         device_map=self.device_map), model_path, "model", trust_remote_code)
         self.model.eval()
         self.aux_layers = aux_layers
         self.decoder_layers = self._decoder_layers()

@@ -1,8 +1,8 @@
-"""Start (or continue) the extract stage of a run: check the layers, the storage mode
+"""Plan (or continue) the extract stage of a run: check the layers, the storage mode
 (extract.storage, eyrie.core.storage) and the storage budget before any forward pass, record the plan
-in the run manifest, enqueue one task per shard. A
-pipeline's extract stage is planned here too, by the extractor's workers (`PlanExtract`: the
-tokenizer and the target's config are theirs)."""
+in the run manifest, enqueue one task per shard. Run by its planning task on the extractor's
+workers (`PlanExtract`: the tokenizer and the target's config are theirs), however it is started;
+eyrie.stages.start_checks is what the edge (the CLI, the API) checks at once."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from eyrie.core.errors import EyrieError
 from eyrie.core.layers import resolve_aux_layers
 from eyrie.core.stage_settings import ExtractSettings
 from eyrie.core.storage import resolve_mode, shard_allowance
-from eyrie.core.target import text_config
-from eyrie.data.manifest import ExtractParams, Layout, RunManifest, ShardManifest, load_run_manifest
-from eyrie.runs import pipeline
+from eyrie.core.target import load_tokenizer, text_config
+from eyrie.data.manifest import ExtractParams, Layout, RunManifest, ShardManifest
 from eyrie.stages import EXTRACT, PLAN_EXTRACT
-from eyrie.tasks.executor import StageTask, execute
+from eyrie.stages.start_checks import check_extract
+from eyrie.tasks.executor import execute
+from eyrie.tasks.planner import PlannerTask
 from eyrie.work import progress
 from eyrie.work.queue import enqueue
 from eyrie_extractor.render import fit, render
@@ -31,43 +32,32 @@ def generated_records(store, manifest: RunManifest, shard: int) -> list[dict]:
     return [r for r in map(orjson.loads, raw.splitlines()) if r["status"] == "done"]
 
 
-def target_shape(model: str) -> tuple[int, int]:
-    config = text_config(model)
+def target_shape(model: str, trust_remote_code: bool) -> tuple[int, int]:
+    config = text_config(model, trust_remote_code)
     return config.num_hidden_layers, config.hidden_size
-
-
-def load_tokenizer(model: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
 
 
 def start_extract(conn, store, run: str, request: ExtractSettings) -> tuple[RunManifest, int]:
     """Plan the stage from `request` (or check what it asks against the plan); enqueue what is missing."""
-    manifest, layout = load_run_manifest(store, run), Layout(run)
-    missing = [p.index for p in manifest.generate_shards
-               if not store.exists(layout.generate_shard_manifest(p.index))]
-    if missing:
-        raise EyrieError(f"run {run}: generate is not finished ({len(missing)} of "
-                         f"{len(manifest.generate_shards)} shards to go).",
-                         f"wait for it (`eyrie status {run}`), then run extract again.")
+    manifest, layout = check_extract(store, run, request), Layout(run)
     if manifest.extract is None:
         manifest.extract = _plan(store, manifest, request)
         store.put_json(layout.manifest, manifest.model_dump())
         progress.reset(conn, run, EXTRACT.name)
-    else:
-        _check_same(manifest.extract, request)
     enqueued = sum(
         enqueue(conn, EXTRACT, {"run": run, "shard": p.index}, p.index)
         for p in manifest.generate_shards if not store.exists(layout.extract_shard_manifest(p.index)))
     return manifest, enqueued
 
 
+
+
 def _plan(store, manifest, request: ExtractSettings) -> ExtractParams:
-    num_layers, hidden = target_shape(manifest.target.model)
+    target = manifest.target
+    num_layers, hidden = target_shape(target.model, target.trust_remote_code)
     aux = resolve_aux_layers(request.layers, num_layers)
     max_length, dtype = request.max_length, request.dtype
-    tokenizer = load_tokenizer(manifest.target.model)
+    tokenizer = load_tokenizer(target.model, target.trust_remote_code)
     think = (manifest.generate.think_start, manifest.generate.think_end)
     samples = tokens = truncated = 0
     for plan in manifest.generate_shards:
@@ -109,36 +99,18 @@ def check_storage_mode(mode: str, request: ExtractSettings, aux: list[int], num_
                          f"e.g. {sorted(set(aux) - {num_layers})}.")
 
 
-def _check_same(params: ExtractParams, request: ExtractSettings) -> None:
-    """What a rerun asks (not its defaults) must be what was planned."""
-    planned = {"layers": params.aux_layers, "max_length": params.max_length, "dtype": params.dtype,
-               "storage": params.storage}
-    asked = request.given()
-    if "storage" in asked:  # `auto` asks what it chose then (the same projection and budget)
-        asked["storage"] = resolve_mode(asked["storage"], params.projected_bytes, params.budget_bytes)
-    changed = [f"{name} {value} vs {planned[name]}" for name, value in asked.items()
-               if name in planned and value != planned[name]]
-    if changed:
-        raise EyrieError(f"extract of this run was planned with other settings: {'; '.join(changed)}.",
-                         "rerun with the original settings to continue it, or start a new run.")
 
 
-class PlanExtract(StageTask):
-    """A pipeline's extract stage planned (storage checked first) from its run config, its
-    missing shards enqueued; a refusal (the storage budget, other settings) blocks the run until
-    the user's `eyrie run`. No done-check: a plan made already is checked and its missing shards
-    enqueued again."""
+class PlanExtract(PlannerTask):
+    """The extract stage planned (storage checked first) from the settings given where it was
+    started alone, else from the run config; its missing shards enqueued. A refusal (the storage
+    budget, other settings) blocks the run until the user starts it again (eyrie.tasks.planner)."""
 
-    stage = PLAN_EXTRACT
+    stage, Request = PLAN_EXTRACT, ExtractSettings
 
-    def run(self) -> dict:
-        run = self.run_name
-        try:
-            manifest, enqueued = start_extract(self.conn, self.store, run, pipeline.stored_config(self.store, run).extract)
-        except EyrieError as exc:
-            pipeline.block(self.conn, run, exc)
-            return {"run": run, "status": "refused", "error": str(exc)}
-        return {"run": run, "samples": manifest.extract.samples, "enqueued": enqueued}
+    def plan(self, request: ExtractSettings) -> dict:
+        manifest, enqueued = start_extract(self.conn, self.store, self.run_name, request)
+        return {"samples": manifest.extract.samples, "enqueued": enqueued}
 
 
 def run_plan_extract_task(payload: dict) -> dict:

@@ -20,17 +20,19 @@ from safetensors.torch import save
 
 from eyrie.core.config import Settings
 from eyrie.core.errors import EyrieError
+from eyrie.core.target import load_tokenizer
 from eyrie.data.manifest import Counts, ExtractParams
 from eyrie.stages import EXTRACT
 from eyrie.tasks.executor import execute
 from eyrie.tasks.gpu_admission import gpu_lease
 from eyrie.tasks.sharded import ShardedStageTask
-from eyrie.work.cancel import Cancelled
+from eyrie.work.cancel import Cancelled, Stopping
 from eyrie.work.extract_server import on_demand, server_url, stopped_answering
 from eyrie.work.gpu import pick_device
 from eyrie.work.queue import LEASE_TTL_S
+from eyrie.work.worker_loop import stop_requested
 from eyrie_extractor.capture import HFCapture, token_budget_batches
-from eyrie_extractor.plan import generated_records, load_tokenizer
+from eyrie_extractor.plan import generated_records
 from eyrie_extractor.render import fit, render
 from eyrie_extractor.storage_split import split
 from eyrie_extractor.tasks import ExtractTask
@@ -62,14 +64,14 @@ def sample_tensors(states: torch.Tensor, input_ids: list[int], dtype: str) -> di
 @lru_cache(maxsize=1)
 def loaded_capture(model: str, aux_layers: tuple[int, ...], device: str, params_backend: str = "hf",
                    num_layers: int = 0, hidden_size: int = 0, url: str | None = None,
-                   timeout_s: float = 1800.0):
+                   timeout_s: float = 1800.0, trust_remote_code: bool = False):
     """The capture backend, loaded once per worker process and kept for the next task."""
     if params_backend == "vllm":
         if not url:
             raise EyrieError("extract --backend vllm needs EYRIE_EXTRACT_VLLM_URL.",
                              "start the server (docs/vllm-extraction.md) and set EYRIE_EXTRACT_VLLM_URL.")
         return VllmCapture(url, model, list(aux_layers), num_layers, hidden_size, timeout_s)
-    return HFCapture(model, list(aux_layers), device)
+    return HFCapture(model, list(aux_layers), device, trust_remote_code=trust_remote_code)
 
 
 def extractor_gpu_lease(settings: Settings, conn: redis.Redis, device: str):
@@ -139,7 +141,8 @@ class ExtractRunner(ShardedStageTask):
         device, gpu = self.device, self.gpu
         capture = loaded_capture(self.manifest.target.model, tuple(self.params.aux_layers), device,
                                  self.params.backend, self.params.num_layers, self.params.hidden_size,
-                                 self._vllm_url(), self.manifest.generate.request_timeout_s)
+                                 self._vllm_url(), self.manifest.generate.request_timeout_s,
+                                 self.manifest.target.trust_remote_code)
         lengths = [len(r["input_ids"]) for r in todo]
         batches = token_budget_batches(todo, lengths, self.settings.extract_batch_tokens)
         # On a GPU, host copies and serialization run in threads while the device computes. On a
@@ -166,7 +169,7 @@ class ExtractRunner(ShardedStageTask):
                 self._collect(in_flight.pop(0), gpu)
 
     def _render_todo(self) -> list[dict]:
-        tokenizer = load_tokenizer(self.manifest.target.model)
+        tokenizer = load_tokenizer(self.manifest.target.model, self.manifest.target.trust_remote_code)
         think = (self.manifest.generate.think_start, self.manifest.generate.think_end)
         todo = []
         for record in generated_records(self.store, self.manifest, self.shard):
@@ -207,6 +210,9 @@ class ExtractRunner(ShardedStageTask):
         self.lease.extend(LEASE_TTL_S, replace_ttl=True)  # raises if the lease was lost: task retried
         if self.cancelled():
             raise Cancelled  # what is stored stays; a retry goes on from there
+        if stop_requested():  # its worker is stopping (SIGTERM): what is stored stays, the rest goes back
+            raise Stopping(f"{len(self.records)} samples of extract shard {self.shard} stored, the rest is "
+                           "extracted by the next worker")
         if gpu:
             gpu.renew()
         self._report()

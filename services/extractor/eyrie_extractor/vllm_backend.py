@@ -89,10 +89,10 @@ def extract_command(model: str, aux_layers: Sequence[int], shared_dir: str | Pat
     --renderer-num-workers 2`) are left out: they serve chat-template rendering, and eyrie sends
     token ids. `num_layers` is read from the model's config when not given (as the launcher does).
     """
-    if num_layers is None:
-        num_layers, _ = target_shape(model)
-    aux = resolve_aux_layers(list(aux_layers), num_layers)  # distinct, within [0, num_layers]
     extra = shlex.split(extra_args) if isinstance(extra_args, str) else list(extra_args)
+    if num_layers is None:  # the target's own code is trusted here exactly where vLLM is told to trust it
+        num_layers, _ = target_shape(model, "--trust-remote-code" in extra)
+    aux = resolve_aux_layers(list(aux_layers), num_layers)  # distinct, within [0, num_layers]
     return [*serve_argv(vllm_command, model), "--host", host, "--port", str(port),
             "--tensor-parallel-size", str(tensor_parallel_size),
             "--speculative-config", json.dumps(speculative_config(aux, num_layers)),

@@ -20,8 +20,12 @@ from rq.serializers import JSONSerializer
 from eyrie.data.manifest import Layout
 from eyrie.stages import GENERATE
 from eyrie.work import keys
+from eyrie.work.cancel import Stopping
 from eyrie.work.queue import enqueue, queue, task_lease
-from eyrie_generator.client import ChatClient
+from eyrie.work.worker_loop import stop_requested
+from eyrie_generator.client import ChatClient, ServerGate
+
+STOP_POLL_S = 0.2  # how soon the lanes see their worker's stop request
 
 
 def recover_claims(conn, store, run: str, task: str) -> int:
@@ -57,6 +61,7 @@ class Chain:
         self.in_flight, self.in_flight_area, self._last_tick = 0, 0.0, time.monotonic()
         self.active = {first.shard: first}
         self.no_more = False
+        self.gates: list[ServerGate] = []
 
     async def run(self) -> dict:
         self.todo = self.first.prepare()
@@ -73,6 +78,7 @@ class Chain:
             await asyncio.gather(*self.closing)
         finally:
             reporter.cancel()
+            await self._store_answered()
             for lease in self.leases.values():
                 self._release(lease)
             # all done: only forgets the list; after an error, requeues what was taken on and not done
@@ -90,10 +96,12 @@ class Chain:
         budget = first.budget(endpoints)
         connector = aiohttp.TCPConnector(limit=params.concurrency, limit_per_host=params.concurrency)
         async with aiohttp.ClientSession(connector=connector) as session:
+            self.gates = [ServerGate(session, e.url, first.settings.serve_deadline_s, stop=first.stop_if_asked)
+                          for e in endpoints]
             clients = [ChatClient(session, e.url, e.model, e.server, params.sampling.model_dump(),
                                   params.request_timeout_s, params.max_retries,
-                                  (params.think_start, params.think_end), params.retry_backoff_s)
-                       for e in endpoints]
+                                  (params.think_start, params.think_end), params.retry_backoff_s, gate)
+                       for e, gate in zip(endpoints, self.gates)]
 
             async def lane(client: ChatClient) -> None:
                 while (item := await self._next()) is not None:
@@ -106,9 +114,42 @@ class Chain:
                     self._answered(runner)
 
             shares = split_lanes(params.concurrency, [e.weight for e in endpoints])
-            await asyncio.gather(*(lane(c) for c, n in zip(clients, shares) for _ in range(n)))
+            await self._all_lanes([lane(c) for c, n in zip(clients, shares) for _ in range(n)])
         if self.outstanding.get(self.current.shard) == 0 and self.current.shard in self.active:
             self._close(self.current)  # a shard with no row to ask (all done by an earlier attempt)
+
+    async def _all_lanes(self, lanes: list) -> None:
+        """Every lane to its end. On a lane's error, or on a stop request (SIGTERM), the other lanes
+        are cancelled, their requests in flight, waits and retries included (the shard's next taker
+        asks them again): then the error, or Stopping, is raised."""
+        async def stop_asked() -> None:
+            while not stop_requested():
+                await asyncio.sleep(STOP_POLL_S)
+            raise Stopping(f"the worker is stopping; shard(s) {', '.join(map(str, self.active))} keep what "
+                           "was answered (stored), the rest is asked by the next worker")
+
+        tasks, watch = [asyncio.ensure_future(lane) for lane in lanes], asyncio.ensure_future(stop_asked())
+        ended = asyncio.ensure_future(asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION))
+        try:
+            await asyncio.wait({ended, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (ended, watch, *tasks):
+                task.cancel()
+            await asyncio.gather(ended, watch, *tasks, return_exceptions=True)
+        for task in (watch, *tasks):  # the stop first, else the first lane's error
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+
+    async def _store_answered(self) -> None:
+        """On the way out early (a stop, an error): the shards being closed finish, and each other
+        shard's answered records go to the store as a part, so its next taker asks only the rest."""
+        await asyncio.gather(*self.closing, return_exceptions=True)
+        for runner in list(self.active.values()):
+            try:
+                runner._flush()
+            except Exception:  # an earlier part failed to store: those records are asked again
+                pass
+            await asyncio.gather(*runner.flushes, return_exceptions=True)
 
     async def _next(self):
         """The next row to ask for: the current shard's, else the next shard taken on."""
@@ -196,8 +237,9 @@ class Chain:
     async def _report_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            waiting = "; ".join(filter(None, (gate.waiting_for() for gate in self.gates))) or None
             for runner in list(self.active.values()):
-                runner._report()
+                runner._report(waiting_for=waiting)
                 runner.flush_if_stale()
 
 

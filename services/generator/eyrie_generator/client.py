@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
+from eyrie.core.errors import EyrieError
+
 RETRY_STATUS = {408, 429}
 CONTEXT_ERRORS = ("maximum context length", "context length", "too long", "exceeds the max")
 
@@ -36,12 +38,75 @@ class RetryableError(Exception):
     pass
 
 
+class ServerAway(EyrieError):
+    """The server stayed away past the serve deadline."""
+
+
+class ServerGate:
+    """Whether one server is there to ask. A connection refused or reset is a question for the
+    server: if it answers a probe (any HTTP answer below 500 at /health), the request failed on its
+    own; if not, the server is away (not up yet, restarting) and the gate closes: every lane waits
+    at it, asking nothing and failing nothing, until the server answers again, for at most
+    `deadline_s` (EYRIE_SERVE_DEADLINE_S); then ServerAway. `stop()` ends a wait early by raising
+    (a cancelled run)."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, deadline_s: float, probe_every_s: float = 1.0,
+                 stop=None):
+        self.session, self.url, self.deadline_s = session, base_url, deadline_s
+        self.probe_every_s, self.stop = probe_every_s, stop or (lambda: None)
+        self.away_since: float | None = None
+        self.reason = ""
+        self._probing = asyncio.Lock()
+
+    def waiting_for(self) -> str | None:
+        """What the lanes wait for, as status shows it; None while the gate is open."""
+        if self.away_since is None:
+            return None
+        away = time.monotonic() - self.away_since
+        return (f"the inference server at {self.url}, not answering for {away:.0f} s ({self.reason[:120]}); "
+                f"waiting at most {self.deadline_s:g} s (EYRIE_SERVE_DEADLINE_S)")
+
+    async def closes_on(self, error: str) -> bool:
+        """After a connection error: True (the gate is closed now) when the server does not answer."""
+        if self.away_since is None:
+            if await self._answers():
+                return False
+            if self.away_since is None:
+                self.away_since, self.reason = time.monotonic(), error
+        return True
+
+    async def passage(self) -> None:
+        """Returns at once while the server is there; else once it answers again. One lane probes
+        at a time, once every probe_every_s; the others wait their turn and find the gate open."""
+        while self.away_since is not None:
+            async with self._probing:
+                if self.away_since is None:
+                    return
+                self.stop()
+                if await self._answers():
+                    self.away_since = None
+                    return
+                if time.monotonic() - self.away_since > self.deadline_s:
+                    raise ServerAway(f"the inference server at {self.url} did not answer for {self.deadline_s:g} s "
+                                     f"({self.reason}).", "start it (or check EYRIE_INFERENCE_URL), or raise "
+                                     "EYRIE_SERVE_DEADLINE_S; the task is retried and asks only what is missing.")
+                await asyncio.sleep(self.probe_every_s)
+
+    async def _answers(self) -> bool:
+        try:
+            async with self.session.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                return resp.status < 500
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+
 class ChatClient:
     """Chat completions against an OpenAI-compatible server (vLLM or `transformers serve`)."""
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, server: str,
                  sampling: dict, timeout_s: float, max_retries: int, think: tuple[str, str],
-                 backoff_s: float = 1.0):
+                 backoff_s: float = 1.0, gate: "ServerGate | None" = None):
+        self.gate = gate or ServerGate(session, base_url, deadline_s=3600.0)
         self.session, self.url, self.model = session, f"{base_url}/v1/chat/completions", model
         self.server, self.sampling, self.max_retries, self.think = server, sampling, max_retries, think
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -57,8 +122,12 @@ class ChatClient:
         return body
 
     async def complete(self, messages: list[dict], max_tokens: int) -> Completion:
-        started, last_error = time.monotonic(), ""
-        for attempt in range(1, self.max_retries + 2):
+        """The answer, or the failure after max_retries retries. A connection refused or reset
+        while the server does not answer is no attempt: the lane waits at `gate` for the server."""
+        started, last_error, attempt = time.monotonic(), "", 0
+        while attempt <= self.max_retries:
+            await self.gate.passage()
+            attempt += 1
             try:
                 asked = self.ask_token_ids
                 result = await self._post(orjson.dumps(self.body(messages, max_tokens)))
@@ -73,10 +142,12 @@ class ChatClient:
                 last_error = f"timeout after {self.timeout.total:.0f} s"
             except aiohttp.ClientError as exc:
                 last_error = f"{type(exc).__name__}: {exc}"
+                if await self.gate.closes_on(last_error):
+                    attempt -= 1  # the server is away, not this request's failure
+                    continue
             if attempt <= self.max_retries:
                 await asyncio.sleep(min(60.0, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5))
-        return Completion("failed", error=last_error, attempts=self.max_retries + 1,
-                          latency_s=time.monotonic() - started)
+        return Completion("failed", error=last_error, attempts=attempt, latency_s=time.monotonic() - started)
 
     async def _post(self, payload: bytes) -> Completion:
         async with self.session.post(self.url, data=payload, timeout=self.timeout,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 from functools import lru_cache
 
-from eyrie_generator.prompts import Skip
+from eyrie.core.target import RemoteCodeRefused, load_tokenizer
+from eyrie.data.prompts import Skip
 
 log = logging.getLogger(__name__)
 
@@ -13,16 +14,18 @@ log = logging.getLogger(__name__)
 class PromptBudget:
     """Counts prompt tokens with the target's chat template when the tokenizer can be had.
 
-    Without a tokenizer or a known context length it changes nothing and the server decides
-    (a context-length 400 is then recorded as skipped: prompt_too_long).
+    Without a known context length, or where transformers is not installed (the generator's image),
+    it changes nothing and the server decides (a context-length 400 is then recorded as skipped:
+    prompt_too_long). A target whose tokenizer needs its own code, which the run does not trust, is
+    refused (RemoteCodeRefused), not counted by the server in silence.
     """
 
     def __init__(self, tokenizer, max_model_len: int | None):
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
 
     @classmethod
-    def load(cls, model: str, max_model_len: int | None) -> "PromptBudget":
-        return cls(_tokenizer(model) if max_model_len else None, max_model_len)
+    def load(cls, model: str, max_model_len: int | None, trust_remote_code: bool = False) -> "PromptBudget":
+        return cls(_tokenizer(model, trust_remote_code) if max_model_len else None, max_model_len)
 
     def max_tokens(self, messages: list[dict], wanted: int) -> int | Skip:
         if self.tokenizer is None or not self.max_model_len:
@@ -35,11 +38,11 @@ class PromptBudget:
 
 
 @lru_cache(maxsize=4)
-def _tokenizer(model: str):
+def _tokenizer(model: str, trust_remote_code: bool):
     try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model)
+        return load_tokenizer(model, trust_remote_code)
+    except RemoteCodeRefused:
+        raise
     except Exception as exc:  # no transformers, no local copy, no hub: fall back to the server
         log.warning("no tokenizer for %s (%s): prompt lengths left to the server", model, exc)
         return None

@@ -19,11 +19,10 @@ from eyrie.stages import GENERATE
 from eyrie.tasks.executor import Context, execute
 from eyrie.tasks.sharded import ShardedStageTask
 from eyrie.work import inference
-from eyrie.work.cancel import Cancelled
 from eyrie_generator.chain import Chain, recover_claims
 from eyrie_generator.client import ChatClient, Completion
 from eyrie_generator.prompt_budget import PromptBudget
-from eyrie_generator.prompts import Skip, to_prompt
+from eyrie.data.prompts import Skip, to_prompt
 from eyrie_generator.tasks import GenerateTask
 
 FLUSH_EVERY = 64
@@ -84,7 +83,8 @@ class ShardRunner(ShardedStageTask):
 
     def budget(self, endpoints: list[inference.Endpoint]) -> PromptBudget:
         lengths = [e.max_model_len for e in endpoints if e.max_model_len]
-        return PromptBudget.load(self.manifest.target.model, min(lengths) if lengths else None)
+        target = self.manifest.target
+        return PromptBudget.load(target.model, min(lengths) if lengths else None, target.trust_remote_code)
 
     async def answer_one(self, client: ChatClient, budget: "PromptBudget", row: dict) -> None:
         if "skip" in row:
@@ -114,11 +114,7 @@ class ShardRunner(ShardedStageTask):
         # visible in `eyrie status` while its server loads, or while only other targets are served
         self._report(waiting_for=f"a server for target {target.model}")
         return inference.wait_serving(self.conn, self.settings.serve_deadline_s, lambda e: same_target(target, e),
-                                      target.model, stop=self._stop_if_cancelled)
-
-    def _stop_if_cancelled(self) -> None:
-        if self.cancelled():
-            raise Cancelled(self.run_name)
+                                      target.model, stop=self.stop_if_asked)
 
     def _record(self, row: dict, result: Completion) -> None:
         self._add({"sample_id": row["sample_id"], "row": row["row"], "messages": row.get("messages"),

@@ -86,12 +86,12 @@ def sharing_utilization(settings, config) -> tuple[float | None, str]:
     if most is None:
         return None, (f"the trainer ({human(g['trainer']['total'])}) fits beside the service "
                       f"({human(g['service']['total'])} a GPU) at no utilization of {human(g['gpu_bytes'])} "
-                      "(plan.gpu_memory): it needs a GPU of its own")
+                      f"({g['gpu_memory_from']}): it needs a GPU of its own")
     if asked <= most:
         return None, f"its {asked:.2f} (serve.extra_args or vLLM's default) leaves the trainer room (at most {most:.2f})"
     return most, (f"the highest share at which the service ({human(g['service']['total'])} a GPU) fits and "
                   f"leaves the trainer ({human(g['trainer']['total'])}) room on a GPU of {human(g['gpu_bytes'])} "
-                  f"(plan.gpu_memory) they share; {asked:.2f} would leave {human((1 - asked) * g['gpu_bytes'])}")
+                  f"({g['gpu_memory_from']}) they share; {asked:.2f} would leave {human((1 - asked) * g['gpu_bytes'])}")
 
 
 def with_utilization(cmd: list[str], share: float) -> list[str]:
@@ -156,8 +156,10 @@ class ExtractServer(Server):
             print(f"eyrie serve-extract: {why}: stopping vLLM and handing over the GPUs", flush=True)
         return True
 
-    def _publish(self, state: str) -> None:
+    def _publish(self, state: str, progress: str | None = None) -> None:
         self.endpoint.state = state
+        if progress is not None:
+            self.endpoint.progress = progress
         inference.publish_extract(self.conn, self.endpoint)
 
 

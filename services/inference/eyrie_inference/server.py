@@ -17,13 +17,13 @@ import requests
 from eyrie.core.config import Settings, load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.target import describe
-from eyrie.core.vllm import serve_argv, serve_env, start_server, stop_server
+from eyrie.core.vllm import serve_argv, serve_env, start_server, stop_server, with_cpu_dtype
 from eyrie.data.manifest import Layout, RunManifest
 from eyrie.data.store import open_store
-from eyrie.runs.pipeline import drained_run, load_config, stored_config
+from eyrie.runs.pipeline import ServeSection, drained_run, load_config, stored_config
 from eyrie.tasks.gpu_admission import gpu_lease
 from eyrie.work import inference, keys
-from eyrie.work.gpu import GpuLease, in_mode
+from eyrie.work.gpu import GpuLease, holder, in_mode
 from eyrie.work.queue import connect
 
 PROGRESS = re.compile(r"(\d{1,3})%\|")  # tqdm bars, e.g. vLLM's "Loading safetensors ... 37%|"
@@ -34,38 +34,48 @@ def command(settings: Settings, model: str, serve=None) -> list[str]:
     replaces the EYRIE_* vLLM flags (kept for `eyrie serve` without a run config)."""
     if settings.server == "vllm":
         cmd = [*serve_argv(settings.vllm_command, model), "--host", settings.host, "--port", str(settings.port)]
-        if serve is not None:
-            return cmd + serve.vllm_flags()
-        cmd += ["--tensor-parallel-size", str(settings.tensor_parallel_size)]
-        if settings.reasoning_parser:
-            cmd += ["--reasoning-parser", settings.reasoning_parser]
-        if settings.max_model_len:
-            cmd += ["--max-model-len", str(settings.max_model_len)]
-        return cmd + shlex.split(settings.vllm_args)
+        return cmd + (serve or ServeSection.of_host(settings)).vllm_flags()
     binary = Path(sys.executable).with_name("transformers")
     return [str(binary if binary.exists() else "transformers"), "serve", model, "--host", settings.host,
             "--port", str(settings.port), "--device", "cpu"]
 
 
 def run_config(config: Path | None, run: str | None):
-    """`eyrie serve --config RUN.yaml`, `--run NAME` (the stored config) or `--run active` (the
-    first pipeline that is to generate, waited for): the run to serve."""
+    """`eyrie serve --config RUN.yaml` or `--run NAME` (the stored config): the run to serve
+    (`--run active` is serve_active's)."""
     if config is not None:
         return load_config(config)
     if run is None:
         return None
-    settings = load_settings()
-    store = open_store(settings)
-    if run == "active":
-        conn = connect(settings.redis_url)
-        print("eyrie serve: waiting for a pipeline to generate (`eyrie run --config RUN.yaml`)", flush=True)
-        while (run := generating_run(conn, store)) is None:
-            time.sleep(Server.POLL_S)
-        print(f"eyrie serve: serving run {run}'s target", flush=True)
-    cfg = stored_config(store, run)
+    cfg = stored_config(open_store(load_settings()), run)
     if cfg is None:
         raise EyrieError(f"no stored run config for run {run}.", "start it with `eyrie run --config RUN.yaml` first.")
     return cfg
+
+
+def serve_active(**flags) -> int:
+    """`eyrie serve --run active` (the stack's inference service): serve each pipeline that is to
+    generate, one after another, for as long as the service runs. Between runs it holds nothing;
+    a run's server stops once its generation drains (the GPUs go to its later stages) and the next
+    run's waits for them to come back. Returns on SIGTERM (0) or when a server fails (non-zero: the
+    service restarts). `flags`: the command line's settings (port, server, host)."""
+    settings = load_settings(**flags)
+    conn, store = connect(settings.redis_url), open_store(settings)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while True:
+            print("eyrie serve: waiting for a pipeline to generate (`eyrie run --config RUN.yaml`)", flush=True)
+            while (run := generating_run(conn, store)) is None:
+                time.sleep(Server.POLL_S)
+            print(f"eyrie serve: serving run {run}'s target", flush=True)
+            cfg = stored_config(store, run)
+            server = Server(load_settings(model=cfg.target.model, **flags), conn, cfg.target.model, cfg.serve)
+            code = server.run()
+            if code or server.interrupted:
+                return code
+    except KeyboardInterrupt:
+        print("eyrie serve: stopping", flush=True)
+        return 0
 
 
 def generating_run(conn, store) -> str | None:
@@ -100,6 +110,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.gpu: GpuLease | None = None
         self._stopping = False
+        self.interrupted = False  # stopped by SIGTERM or ^C, not because its run's generation drained
 
     def env(self) -> dict[str, str]:
         return serve_env()
@@ -122,6 +133,7 @@ class Server:
             else:
                 self._crashed()
         except KeyboardInterrupt:
+            self.interrupted = True
             print("eyrie serve: stopping", flush=True)
         finally:
             self.stop()
@@ -139,14 +151,35 @@ class Server:
             lease = gpu_lease(self.settings, self.conn, f"{self.OWNER}@{socket.gethostname()}")
             self.gpu = in_mode(lease, self.gpu_mode())
             print("eyrie serve: waiting for the GPU lease", flush=True)
-            self.gpu.acquire()
+            self._acquire_gpus()
             threading.Thread(target=self._renew_gpu_lease, daemon=True).start()
-        print(f"eyrie serve: {shlex.join(cmd)}", flush=True)
+        print(f"eyrie serve: {shlex.join(with_cpu_dtype(cmd))}", flush=True)  # as start_server runs it
         self.proc = start_server(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env(),
                                  text=True, bufsize=1)
         threading.Thread(target=self._follow_output, daemon=True).start()
-        self._publish("starting")
+        self._publish("starting", progress="")
         return True
+
+    def _acquire_gpus(self) -> None:
+        """The GPU lease, published meanwhile as `waiting` (who holds the GPUs): the run's
+        generate tasks wait for a server that is on its way, however long the holder keeps them."""
+        acquired = threading.Event()
+
+        def announce() -> None:
+            while not acquired.is_set():
+                found = holder(self.conn)
+                owner = (found or {}).get("holder") or {}
+                self._publish("waiting", progress=f"waiting for the GPUs ({owner.get('owner', 'being handed over')} "
+                                                  "holds them)")
+                acquired.wait(self.POLL_S)
+
+        announcer = threading.Thread(target=announce, daemon=True)
+        announcer.start()
+        try:
+            self.gpu.acquire()
+        finally:
+            acquired.set()
+            announcer.join()
 
     def _crashed(self) -> None:
         """The server exited by itself after it was ready: fail, so that a supervisor (Compose's
@@ -170,18 +203,23 @@ class Server:
         return "own"
 
     def _wait_turn(self) -> None:
-        while self._drained():  # restarted while a drained pipeline's later stages need the GPUs
+        """Started (or restarted) while a drained pipeline's later stages need the GPUs: wait for them."""
+        while run := self._drained_run():
+            self._publish("waiting", progress=f"waiting for the GPUs (run {run}'s later stages need them)")
             time.sleep(self.POLL_S)
 
     def _drained(self) -> bool:
-        stop = self.settings.serve_stop_when_drained
-        if not (self.settings.server == "vllm" if stop is None else stop):
-            return False
-        run = drained_run(self.conn, open_store(self.settings))
+        run = self._drained_run()
         if run and self.proc is not None:
             print(f"eyrie serve: run {run}'s generation has drained and its later stages wait: "
                   "stopping the server and handing over the GPUs", flush=True)
         return run is not None
+
+    def _drained_run(self) -> str | None:
+        stop = self.settings.serve_stop_when_drained
+        if not (self.settings.server == "vllm" if stop is None else stop):
+            return None
+        return drained_run(self.conn, open_store(self.settings))
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.settings.serve_deadline_s
@@ -220,8 +258,10 @@ class Server:
                 self.endpoint.progress = line.strip()[-120:]
                 self._publish("starting")
 
-    def _publish(self, state: str) -> None:
+    def _publish(self, state: str, progress: str | None = None) -> None:
         self.endpoint.state = state
+        if progress is not None:
+            self.endpoint.progress = progress
         inference.publish(self.conn, self.endpoint)
 
     def stop(self) -> None:

@@ -137,13 +137,14 @@ def _check_eagle3_weights(path: Path) -> None:
                          "fc.weight and midlayer.* weights).", "pass an EAGLE-3 drafter (one weights file).")
 
 
-def check_base(path: Path, target_model: str, aux_layers: list[int], draft_vocab: int | None) -> BaseInfo:
+def check_base(path: Path, target_model: str, aux_layers: list[int], draft_vocab: int | None,
+               trust_remote_code: bool = False) -> BaseInfo:
     """Refuse, with one error naming every mismatch, a base that cannot be finetuned on this run."""
     config = _config(path)
     if config.get("speculators_model_type") != "eagle3":
         raise EyrieError(f"base drafter {path} is a {config.get('speculators_model_type')} speculator, "
                          "not EAGLE-3.", "pass an EAGLE-3 drafter.")
-    layer, target = config.get("transformer_layer_config") or {}, text_config(target_model)
+    layer, target = config.get("transformer_layer_config") or {}, text_config(target_model, trust_remote_code)
     # vLLM concatenates aux states in ascending layer order, so order within the ids is moot
     info = BaseInfo(source=str(path), path=str(path), hidden_size=layer.get("hidden_size", -1),
                     target_vocab=layer.get("vocab_size", -1), draft_vocab=config.get("draft_vocab_size", -1),
@@ -179,14 +180,14 @@ def _resolve_aux(ids: list[int] | None, target_model: str) -> list[int]:
 
 
 def prepare_base(source: str, revision: str | None, target_model: str, aux_layers: list[int],
-                 draft_vocab: int | None, cache_dir: Path) -> tuple[Path, BaseInfo]:
+                 draft_vocab: int | None, cache_dir: Path, trust_remote_code: bool = False) -> tuple[Path, BaseInfo]:
     """Fetch, convert if legacy, check: the speculators-format directory to finetune from."""
     cache_dir = Path(cache_dir)
     path = fetch(source, revision, cache_dir / "hub")
     legacy = is_legacy(path)
     key = hashlib.sha256(f"{path.resolve()}\0{target_model}".encode()).hexdigest()[:16]
     ready = to_speculators(path, target_model, cache_dir / "converted" / key)
-    info = check_base(ready, target_model, aux_layers, draft_vocab)
+    info = check_base(ready, target_model, aux_layers, draft_vocab, trust_remote_code)
     return ready, info.model_copy(update={"source": source, "revision": revision, "legacy": legacy})
 
 

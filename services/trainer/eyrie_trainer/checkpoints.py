@@ -47,7 +47,7 @@ def upload(store, layout: Layout, files: list[Path], label: str, epoch: int, loc
 
 def stored(store, layout: Layout) -> list[dict]:
     """Every complete checkpoint in the store, oldest first."""
-    keys = [k for k in store.list(f"{layout.train}/checkpoints/") if k.endswith(".manifest.json")]
+    keys = [k for k in store.list(layout.checkpoints) if k.endswith(".manifest.json")]
     manifests = [store.get_json(k) for k in keys]
     return sorted(manifests, key=lambda m: (m["epoch"], m["local_step"] == 0, m["local_step"]))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -44,19 +45,32 @@ def heldout_ids(samples: list[dict], count: int) -> set[str]:
     return {s["sample_id"] for s in ranked[:count]}
 
 
-def materialize(store, run: str, dest: str | Path,
-                select: Callable[[dict], bool] = lambda sample: True) -> int:
-    """Returns the number of samples written. Sample i is the i-th selected sample."""
+def materialize(store, run: str, dest: str | Path, select: Callable[[dict], bool] = lambda sample: True,
+                validation: Callable[[dict], bool] = lambda sample: False, linked_from: Path | None = None) -> int:
+    """Returns the number of selected samples written: sample i is the i-th selected sample. The
+    `validation` ones follow them (rows n, n+1, ...: speculators' validation split, see
+    `split_ratio`), their files hard-linked from `linked_from` (their own materialized directory,
+    in the same order) where they are there, so nothing is stored twice; the token frequencies
+    (the draft vocabulary) count the selected samples only."""
     dest = Path(dest)
-    samples = [s for s in done_samples(store, run) if select(s)]
-    fingerprint = [s["sha256"] for s in samples]
+    everything = done_samples(store, run)
+    samples = [s for s in everything if select(s)]
+    tail = [s for s in everything if validation(s)]
+    fingerprint = [s["sha256"] for s in samples] + ([{"validation": [s["sha256"] for s in tail]}] if tail else [])
     marker = dest / MARKER
-    if marker.exists() and orjson.loads(marker.read_bytes()) == fingerprint and _sizes_match(dest, samples):
+    if marker.exists() and orjson.loads(marker.read_bytes()) == fingerprint \
+            and _sizes_match(dest, samples + tail):
         return len(samples)
     marker.unlink(missing_ok=True)
-    _write(store, samples, dest)
+    _write(store, samples, dest, tail, linked_from)
     marker.write_bytes(orjson.dumps(fingerprint))
     return len(samples)
+
+
+def split_ratio(train_rows: int, validation_rows: int) -> float:
+    """speculators' train_data_ratio that makes its training split exactly the first `train_rows`
+    rows (its split is int(rows * ratio), and it takes neither 1.0 nor an empty validation split)."""
+    return (train_rows + 0.5) / (train_rows + validation_rows)
 
 
 def prompt_token_ids(store, samples: list[dict], folder: Path) -> list[list[int]]:
@@ -91,23 +105,26 @@ def _sizes_match(dest: Path, samples: list[dict]) -> bool:
     return True
 
 
-def _write(store, samples: list[dict], dest: Path) -> None:
+def _write(store, samples: list[dict], dest: Path, tail: list[dict] = (), linked_from: Path | None = None) -> None:
     import datasets
     import torch
 
     (dest / "hidden_states").mkdir(parents=True, exist_ok=True)
     columns = {"input_ids": [], "loss_mask": [], "seq_len": []}
     freq: Counter = Counter()
-    for index, sample in enumerate(samples):
+    for index, sample in enumerate([*samples, *tail]):
         path = states_path(dest, index)
+        if index >= len(samples) and linked_from is not None:
+            _link(states_path(linked_from, index - len(samples)), path)
         token_ids = _on_demand_ids(store, sample, path) if on_demand(sample) else _stored_ids(store, sample, path)
         prompt_len, seq_len = sample["prompt_len"], sample["seq_len"]
         columns["input_ids"].append(token_ids)
         columns["loss_mask"].append([0] * prompt_len + [1] * (seq_len - prompt_len))
         columns["seq_len"].append(seq_len)
-        freq.update(token_ids[prompt_len:])
+        if index < len(samples):
+            freq.update(token_ids[prompt_len:])
     for stale in (dest / "hidden_states").glob("hs_*.safetensors"):
-        if int(stale.stem.split("_")[1]) >= len(samples):
+        if int(stale.stem.split("_")[1]) >= len(samples) + len(tail):
             stale.unlink()
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                   "loss_mask": datasets.Sequence(datasets.Value("int64")),
@@ -116,6 +133,18 @@ def _write(store, samples: list[dict], dest: Path) -> None:
     dataset.set_format(type="torch")  # as speculators' prepare-data saves it
     dataset.save_to_disk(str(dest))
     torch.save(dict(freq), dest / "token_freq.pt")
+
+
+def _link(source: Path, path: Path) -> None:
+    """`path` as a hard link to `source` (the same file, not a copy), where `source` is there and
+    `path` is not already that file; the sample's checks after it decide whether it is kept."""
+    if not source.exists() or (path.exists() and path.samefile(source)):
+        return
+    path.unlink(missing_ok=True)
+    try:
+        os.link(source, path)
+    except OSError:  # another filesystem: the store is asked instead
+        pass
 
 
 def _stored_ids(store, sample: dict, path: Path) -> list[int]:

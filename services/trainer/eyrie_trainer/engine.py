@@ -10,6 +10,7 @@ import contextlib
 import inspect
 import logging
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -32,7 +33,8 @@ class Hooks:
     on_step: Callable[[int], None] = lambda global_step: None  # raises to stop (lease lost)
     on_start: Callable[[int, int], None] = lambda steps_per_epoch, global_step: None
     on_dropped: Callable[[str], None] = lambda reason: None  # why speculators left a sample out
-    state: dict = field(default_factory=dict)  # steps, interrupted
+    # steps, interrupted; read: training rows trained on; dropped_rows: {row: why} left out and not read since
+    state: dict = field(default_factory=dict)
 
 
 def check_internals() -> None:
@@ -53,12 +55,55 @@ def check_internals() -> None:
             problems.append(f"Trainer.{name} is gone")
     if "step_callback" not in inspect.signature(trainer.Trainer.train_epoch).parameters:
         problems.append("Trainer.train_epoch lost its step_callback")
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2 as sampler
+
+    if not hasattr(sampler, "_generate_batches"):
+        problems.append("the batch sampler's _generate_batches is gone")
+    import torch.optim._muon as muon
+
+    if "grad.bfloat16()" not in inspect.getsource(getattr(muon, "_zeropower_via_newtonschulz", lambda: None)):
+        problems.append("torch.optim._muon._zeropower_via_newtonschulz changed")
     if not hasattr(trainer, "_StepTimer") or "torch.accelerator.synchronize" not in inspect.getsource(trainer._StepTimer):
         problems.append("speculators.train.trainer._StepTimer changed")
     if not callable(getattr(checkpointer, "get_current_device", None)):
         problems.append("speculators.train.checkpointer no longer calls get_current_device")
     if problems:
         raise RuntimeError("eyrie's speculators shim needs updating: " + "; ".join(problems))
+
+
+def native_bf16(device: str) -> bool:
+    """Whether `device` computes bf16 natively: a GPU, or a CPU past AVX2 whose oneDNN has bf16
+    kernels (AVX512-BF16, AMX). On an AVX2-only CPU torch emulates bf16 matmuls: 60x slower than
+    fp32 at the SmolLM2 drafter's shapes (bench/RESULTS.md, "The trainer's cost on the CPU")."""
+    if not device.startswith("cpu"):
+        return True
+    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2") \
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim.Muon's orthogonalization (torch/optim/_muon.py), the same iteration in fp32
+    instead of bf16: on a CPU without native bf16 its emulated bf16 matmuls made Muon ~30x slower
+    (23.6 vs 0.8 CPU-s a step at the SmolLM2 drafter's shapes)."""
+    a, b, c = ns_coefficients
+    tall = grad.size(0) > grad.size(1)
+    ortho = grad.float().T if tall else grad.float()
+    ortho = ortho / ortho.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = ortho @ ortho.T
+        ortho = torch.addmm(ortho, torch.addmm(gram, gram, gram, beta=b, alpha=c), ortho, beta=a)
+    return ortho.T if tall else ortho
+
+
+def autocast_dtype(device: str) -> str:
+    """speculators' hidden_states_dtype (its autocast and loader dtype; master weights are fp32
+    either way): bf16, its default, where the device computes it natively, else fp32."""
+    return "bfloat16" if native_bf16(device) else "float32"
+
+
+def _fast_skips(sampler) -> bool:
+    """speculators' Trainer._prepare_resume_skip slices the sampler's cached batches where it has these."""
+    return hasattr(sampler, "_generate_batches") and hasattr(sampler, "_cached_generated_batches")
 
 
 def _trainer_class(device: str, hooks: Hooks):
@@ -78,23 +123,45 @@ def _trainer_class(device: str, hooks: Hooks):
             # speculators' loop without its barriers (one device), stopping at max_steps in total:
             # its own loop would run one more step in every later epoch.
             with _StopSignal(hooks.state):
+                hooks.state.setdefault("read", set())
+                hooks.state.setdefault("dropped_rows", {})
                 hooks.on_start(len(self.train_loader), self.global_step)
                 for epoch in range(self.current_epoch, self.config.num_epochs):
                     if self._reached_max_steps():
                         break
                     hooks.state["epoch"] = epoch
-                    hooks.state["epoch_start_step"] = self.global_step - getattr(self, "_resume_local_step", 0)
+                    skipped = getattr(self, "_resume_local_step", 0) if epoch == self.current_epoch else 0
+                    hooks.state["epoch_start_step"] = self.global_step - skipped
+                    # resumed mid-epoch, speculators' fast-skip caches only the epoch's remaining batches
+                    hooks.state["sliced_off"] = skipped if _fast_skips(self.train_loader.batch_sampler) else 0
+                    hooks.state["pending_drops"] = {}
                     self.train_epoch(epoch, step_callback=self._after_step)
                     self.maybe_save_checkpoint(epoch)
                     self.maybe_update_best(epoch, self.val_epoch(epoch))
 
         def _after_step(self) -> None:
             hooks.state["steps"] = hooks.state.get("steps", 0) + 1
+            self._count_rows()
             if hooks.state.get("signalled"):  # a stop the data path swallowed: stop at this step's end
                 from speculators.train.graceful_shutdown import TrainingInterruptedError
 
                 raise TrainingInterruptedError(hooks.state["signalled"])
             hooks.on_step(self.global_step)
+
+        def _count_rows(self) -> None:
+            """The training rows of the batch just trained on: read, or left out (speculators' warning
+            named the row as the batch was loaded). A row read once is trained on."""
+            epoch, state = hooks.state["epoch"], hooks.state
+            batches = self.train_loader.batch_sampler._generate_batches(epoch)  # cached per epoch
+            batch = batches[self.global_step - state["epoch_start_step"] - state.get("sliced_off", 0) - 1]
+            pending = state.get("pending_drops", {})
+            for row in map(int, batch):
+                if row in pending:
+                    if row not in state["read"]:
+                        state["dropped_rows"][row] = pending.pop(row)
+                else:
+                    state["read"].add(row)
+                    state["dropped_rows"].pop(row, None)
 
         def _reached_max_steps(self) -> bool:
             return self.config.max_steps is not None and self.global_step >= self.config.max_steps
@@ -173,9 +240,19 @@ class _MetricsHandler(logging.Handler):
                 and not getattr(record, "hparams", False):
             self.hooks.on_metrics(record.msg)
         elif record.levelno >= logging.WARNING:
-            reason = drop_reason(record.getMessage())
+            message = record.getMessage()
+            reason = drop_reason(message)
             if reason:
                 self.hooks.on_dropped(reason)
+                row = dropped_row(message)
+                if row is not None:
+                    self.hooks.state.setdefault("pending_drops", {})[row] = reason
+
+
+def dropped_row(message: str) -> int | None:
+    """The dataset row speculators' drop warning names ("for index 3", "dataset index 3")."""
+    found = re.search(r"(?:for index|dataset index) (\d+)", message)
+    return int(found.group(1)) if found else None
 
 
 def drop_reason(message: str) -> str | None:
@@ -193,12 +270,17 @@ def speculators_patched(device: str, hooks: Hooks) -> Iterator[None]:
     import speculators.train.cli as cli
     import speculators.train.trainer as trainer_module
 
+    import torch.optim._muon as muon
+
     check_internals()
     original, undo_timer, current_device = cli.Trainer, None, checkpointer.get_current_device
+    newton_schulz = muon._zeropower_via_newtonschulz
     cli.Trainer = _trainer_class(device, hooks)
     if not device.startswith("cuda"):
         checkpointer.get_current_device = lambda: device  # it answers "cuda:0" when there is no accelerator
         undo_timer = _install_no_sync_step_timer(trainer_module)
+    if not native_bf16(device):
+        muon._zeropower_via_newtonschulz = _newton_schulz_fp32
     handler = _MetricsHandler(hooks)
     logging.getLogger().addHandler(handler)
     logging.captureWarnings(True)
@@ -206,6 +288,7 @@ def speculators_patched(device: str, hooks: Hooks) -> Iterator[None]:
         yield
     finally:
         cli.Trainer, checkpointer.get_current_device = original, current_device
+        muon._zeropower_via_newtonschulz = newton_schulz
         if undo_timer:
             undo_timer()
         logging.getLogger().removeHandler(handler)

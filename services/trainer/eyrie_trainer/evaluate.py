@@ -26,12 +26,14 @@ verification steps, so it is not what a server sees.
 from __future__ import annotations
 
 import copy
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from eyrie.core.errors import EyrieError
+from eyrie_trainer.engine import native_bf16
 
 UNBOUNDED_LEN = 1 << 30  # ArrowDataset stores max_len; only its collate function truncates
 
@@ -91,7 +93,7 @@ def _dense_attention(model, impl: str = "sdpa"):
 
 
 def simulate(model, data_dir: Path, indices: list[int] | None = None, k: int = 3, device="cpu",
-             transfer=None, target: str | None = None) -> dict:
+             transfer=None, target: str | None = None, greedy: list[torch.Tensor] | None = None) -> dict:
     """tau of `model` (an Eagle3DraftModel) with k draft steps over the samples of a
     speculators-layout directory (all of them, or `indices`). `transfer`: a hs_connectors
     transfer for the stored files (FP8Transfer for fp8); default: plain files. `target`: where
@@ -100,7 +102,9 @@ def simulate(model, data_dir: Path, indices: list[int] | None = None, k: int = 3
     Returns tau (= acceptance_length, see `walk`), per_position_acceptance, drafts (verification
     steps), accepted_tokens, k, samples, greedy_from, and every_position: the teacher-forced
     statistic (tau, positions: counted starts, mean_accepted, histogram: starts with 0..k
-    accepted, step_acceptance: step s accepted among starts whose first s were)."""
+    accepted, step_acceptance: step s accepted among starts whose first s were). `greedy`: the
+    target's greedy tokens per sample of `data_dir` (`target_greedy`: computed once for every
+    checkpoint), else computed here."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset
     from speculators.train.recovery import SampleUnavailable
@@ -111,7 +115,8 @@ def simulate(model, data_dir: Path, indices: list[int] | None = None, k: int = 3
     device = torch.device(device)
     model.to(device)
     dtype = next(model.parameters()).dtype
-    accepted, horizon, steps, head = [], [], [], TargetHead(model, target)
+    accepted, horizon, steps = [], [], []
+    head = TargetHead(model, target) if greedy is None else None
     with _dense_attention(model), torch.no_grad():
         for index in indices:
             sample = dataset[index]
@@ -132,10 +137,10 @@ def simulate(model, data_dir: Path, indices: list[int] | None = None, k: int = 3
             got, most = _acceptance(target_ids, sample["input_ids"], sample["loss_mask"])
             accepted.append(got)
             horizon.append(most)
-            greedy = head.greedy(sample["verifier_last_hidden_states"])
-            steps += walk(target_ids, greedy, sample["loss_mask"], k)
+            chosen = greedy[index] if head is None else head.greedy(sample["verifier_last_hidden_states"])
+            steps += walk(target_ids, chosen, sample["loss_mask"], k)
     report = summarize_walk(steps, k, len(indices))
-    report["greedy_from"] = head.source
+    report["greedy_from"] = head.source if head else f"target lm_head ({target or _verifier(model)})"
     report["every_position"] = summarize(torch.cat(accepted or [torch.zeros(0, dtype=torch.long)]),
                                          torch.cat(horizon or [torch.zeros(0, dtype=torch.long)]), k)
     return report
@@ -169,15 +174,56 @@ def summarize_walk(steps: list[int], k: int, samples: int) -> dict:
             "drafts": drafts, "accepted_tokens": int(accepted.sum()), "k": k, "samples": samples}
 
 
+def _verifier(model) -> str:
+    return model.config.speculators_config.verifier.name_or_path
+
+
+def target_greedy(data_dir: Path, target: str, device: str = "cpu", transfer=None) -> list[torch.Tensor]:
+    """The target's greedy token after every position of every sample in `data_dir`, computed once
+    (not again per checkpoint) on `device`, and kept beside the samples (greedy.safetensors, for
+    these very samples and this target) for a retried task and `eyrie evaluate`."""
+    from safetensors.torch import load_file, save_file
+    from speculators.train.data import ArrowDataset
+
+    cache, key = data_dir / "greedy.safetensors", _greedy_key(data_dir, target)
+    if cache.exists() and _stored_key(cache) == key:
+        stored = load_file(str(cache))
+        return [stored[f"sample_{i}"] for i in range(len(stored))]
+    dataset = ArrowDataset(UNBOUNDED_LEN, str(data_dir), transfer=transfer, on_missing="raise",
+                           hidden_states_dtype=torch.bfloat16)
+    head = TargetHead(None, target, device)
+    greedy = [head.greedy(dataset[i]["verifier_last_hidden_states"]) for i in range(len(dataset))]
+    save_file({f"sample_{i}": g.contiguous() for i, g in enumerate(greedy)}, str(cache), metadata={"key": key})
+    return greedy
+
+
+def _greedy_key(data_dir: Path, target: str) -> str:
+    """The samples (eyrie_trainer.data's marker of the directory) and the target they are for."""
+    import hashlib
+
+    marker = data_dir / "eyrie-samples.json"
+    samples = marker.read_bytes() if marker.exists() else str(sorted(p.stat().st_size for p in
+                                                                     (data_dir / "hidden_states").glob("*"))).encode()
+    return hashlib.sha256(samples + target.encode()).hexdigest()
+
+
+def _stored_key(cache: Path) -> str | None:
+    from safetensors import safe_open
+
+    with safe_open(str(cache), "pt") as stored:
+        return (stored.metadata() or {}).get("key")
+
+
 class TargetHead:
     """The target's final norm and lm_head: its greedy token from a stored last (pre-norm) hidden
     state, read from the target's safetensors: a directory, or a hub id's files already in this
     host's Hugging Face cache (never downloaded here). Where neither is readable, refused: the
     drafter's frozen copies cover the draft vocabulary only and would miss greedy tokens outside it."""
 
-    def __init__(self, model, target: str | None):
-        target = target or model.config.speculators_config.verifier.name_or_path
+    def __init__(self, model, target: str | None, device: str = "cpu"):
+        target = target or _verifier(model)
         folder = local_files(target)
+        self.device = torch.device(device)
         try:
             self._read(folder)
         except (OSError, KeyError, ValueError) as exc:
@@ -189,28 +235,44 @@ class TargetHead:
 
     def _read(self, folder: Path) -> None:
         from safetensors import safe_open
-        from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(folder)).get_text_config()
+        config = _text_config(folder)
         found = {}
         for file in sorted(folder.glob("*.safetensors")):
             with safe_open(str(file), "pt") as weights:
                 for name in weights.keys():
                     if name.endswith(("lm_head.weight", "embed_tokens.weight")) or (
                             name.endswith("norm.weight") and ".layers." not in name):
-                        found[name.rsplit(".", 2)[-2]] = weights.get_tensor(name).float()
+                        found[name.rsplit(".", 2)[-2]] = weights.get_tensor(name)
         head = found.get("lm_head")
-        if head is None and getattr(config, "tie_word_embeddings", False):
+        if head is None and config.get("tie_word_embeddings", False):
             head = found.get("embed_tokens")
         if head is None or "norm" not in found:
             raise KeyError(f"no final norm / lm_head in {folder}")
-        self.norm_weight, self.lm_head, self.eps = found["norm"], head, config.rms_norm_eps
+        self.dtype = self._dtype(head.dtype)
+        self.norm_weight, self.lm_head = (t.to(self.device, self.dtype) for t in (found["norm"], head))
+        self.eps = config["rms_norm_eps"]
+
+    def _dtype(self, stored: torch.dtype) -> torch.dtype:
+        """The target's own dtype (its stored weights'), as the server computes its greedy token, where
+        the device computes it natively; fp32 elsewhere (bf16 is emulated on an AVX2 CPU, ~60x slower)."""
+        native = self.device.type == "cuda" or (stored == torch.bfloat16 and native_bf16("cpu"))
+        return stored if native else torch.float32
 
     def greedy(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """As HF's RMSNorm and lm_head compute it: normalized in fp32, then in the head's dtype."""
         with torch.no_grad():
-            h = last_hidden.float()
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
-            return (h @ self.lm_head.T).argmax(-1)
+            h = last_hidden.to(self.device, torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            h = self.norm_weight * h.to(self.dtype)
+            return (h @ self.lm_head.T).argmax(-1).cpu()
+
+
+def _text_config(folder: Path) -> dict:
+    """config.json's text model settings, read as data: a target whose architecture needs its own code
+    (trust_remote_code) is read without running that code; a multimodal one's text_config wins."""
+    raw = json.loads((folder / "config.json").read_text())
+    return {**raw, **(raw.get("text_config") or {})}
 
 
 def local_files(target: str) -> Path:

@@ -13,7 +13,7 @@ from eyrie.core.errors import EyrieError
 from eyrie.data.manifest import Layout, load_run_manifest, now_iso
 from eyrie_trainer import checkpoints
 from eyrie_trainer.data import missing_states
-from eyrie_trainer.evaluate import simulate, untrained_like
+from eyrie_trainer.evaluate import simulate, target_greedy, untrained_like
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
 
@@ -42,13 +42,16 @@ def evaluate(store, run: str, eval_dir: Path, device: str, log) -> dict:
         raise EyrieError(f"run {run} has no finished epoch checkpoint to evaluate.",
                          f"train it first: `eyrie train --run {run} --wait`.")
     results, baseline = [], None
+    greedy = target_greedy(eval_dir, manifest.target.model, device, transfer)  # once, for every checkpoint
     for entry in stored:
         with tempfile.TemporaryDirectory() as tmp:
             model = load_drafter(checkpoints.fetch(store, layout, entry, Path(tmp), list(DRAFTER_FILES)))
         if baseline is None:
-            baseline = simulate(untrained_like(model), eval_dir, k=k, device=device, transfer=transfer)
+            baseline = simulate(untrained_like(model), eval_dir, k=k, device=device, transfer=transfer,
+                                target=manifest.target.model, greedy=greedy)
             log(f"untrained baseline: tau {baseline['tau']:.3f}")
-        result = simulate(model, eval_dir, k=k, device=device, transfer=transfer)
+        result = simulate(model, eval_dir, k=k, device=device, transfer=transfer, target=manifest.target.model,
+                          greedy=greedy)
         log(f"checkpoint {entry['label']}: tau {result['tau']:.3f} (K={k}, vLLM's bookkeeping; "
             f"every-position statistic {result['every_position']['tau']:.3f})")
         results.append({"label": entry["label"], "epoch": entry["epoch"], **result})
@@ -71,7 +74,7 @@ def _require_states(eval_dir: Path, manifest) -> None:
                          "the running extraction service with eyrie_trainer.data.fetch_missing_states.")
 
 
-def export(store, run: str, evaluation: dict, path: dict) -> dict:
+def export(store, run: str, evaluation: dict, path: dict, samples: dict | None = None) -> dict:
     """The best checkpoint's config and weights to train/drafter/, and the run manifest's record
     of the drafter (written last: the proof that the stage is done)."""
     manifest, layout = load_run_manifest(store, run), Layout(run)
@@ -91,6 +94,8 @@ def export(store, run: str, evaluation: dict, path: dict) -> dict:
               "tau_every_position": best["every_position"]["tau"],
               "k": evaluation["k"], "training_path": path, "exported_at": now_iso(),
               "vllm": vllm_command(manifest.target.model, "DIR", evaluation["k"])}
+    if samples is not None:  # what the trainer read (eyrie_trainer.ledger): trained, left out with why, cut
+        record["samples"] = samples
     manifest.drafter = record
     store.put_json(layout.manifest, manifest.model_dump())
     store.put_json(layout.drafter_manifest, record)
@@ -110,9 +115,10 @@ def vllm_command(target: str, folder: str, k: int) -> str:
     return f"vllm serve {target} --speculative-config '{spec}'"
 
 
-def evaluate_and_export(store, run: str, eval_dir: Path, device: str, path: dict, log) -> dict:
+def evaluate_and_export(store, run: str, eval_dir: Path, device: str, path: dict, log,
+                        samples: dict | None = None) -> dict:
     evaluation = evaluate(store, run, eval_dir, device, log)
-    record = export(store, run, evaluation, path)
+    record = export(store, run, evaluation, path, samples)
     return {"tau": record["tau"], "baseline_tau": record["baseline_tau"], "checkpoint": record["checkpoint"]}
 
 

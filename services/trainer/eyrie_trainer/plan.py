@@ -1,6 +1,8 @@
-"""Start (or continue) the train stage of a run: check extract is done, fix the settings in the
-run manifest (a rerun must match them), enqueue the one training task; and a pipeline's base
-drafter fetched and checked ahead of it (`FetchBase`)."""
+"""Plan (or continue) the train stage of a run, by its planning task on the trainer's workers
+(`PlanTrain`), however it is started: check extract is done, fix the settings in the run manifest
+(a rerun must match them; the base drafter fetched and checked), enqueue the one training task,
+which trains from that plan alone. And a pipeline's base drafter fetched and checked ahead of it
+(`FetchBase`)."""
 
 from __future__ import annotations
 
@@ -9,94 +11,94 @@ from pathlib import Path
 
 from eyrie.core.errors import EyrieError
 from eyrie.core.layers import resolve_aux_layers
+from eyrie.core.recipe import pack_length, trainer_device
 from eyrie.core.stage_settings import TrainSettings
 from eyrie.core.target import text_config
-from eyrie.data.manifest import BaseDrafter, Layout, RunManifest, TrainParams, load_run_manifest
-from eyrie.runs.pipeline import block, stored_config
-from eyrie.stages import FETCH, TRAIN
-from eyrie.tasks.executor import RunTask, StageTask, execute
+from eyrie.data.manifest import BaseDrafter, Layout, RunManifest, TrainParams
+from eyrie.runs.pipeline import stored_config
+from eyrie.stages import FETCH, PLAN_TRAIN, TRAIN
+from eyrie.stages.start_checks import check_train
+from eyrie.tasks.executor import StageTask, execute
+from eyrie.tasks.planner import PlannerTask
 from eyrie.work import progress
+from eyrie.work.cancel import block
 from eyrie.work.queue import enqueue
 from eyrie_trainer.base import prepare_base
-from eyrie_trainer.data import done_samples
+from eyrie_trainer.data import done_samples, heldout_ids
 
 
-class TrainTask(RunTask):
-    """The JSON payload of a train task on the queue; `request` when the trainer is to plan it
-    (the pipeline's train stage: the base drafter is fetched and checked by the trainer)."""
-
-    request: TrainSettings | None = None
 
 
-def ensure_plan(conn, store, run: str, request: TrainSettings, cache_dir: Path) -> RunManifest:
-    """The run's train plan: made now (base drafter fetched and checked), or checked against."""
-    manifest, layout = load_run_manifest(store, run), Layout(run)
-    _require_extract_done(store, manifest, layout)
+def start_train(conn, store, run: str, request: TrainSettings, cache_dir: Path, device: str) -> tuple[RunManifest, int]:
+    """The run's train plan made now (base drafter fetched and checked) or checked against, then
+    the training task enqueued unless the drafter is exported. `device`: where training runs (the
+    recipe's pack length)."""
+    manifest, layout = check_train(store, run, request), Layout(run)
     if manifest.train is None:
-        manifest.train = plan(store, manifest, request, cache_dir)
+        manifest.train = plan(store, manifest, request, cache_dir, device)
         store.put_json(layout.manifest, manifest.model_dump())
         progress.reset(conn, run, TRAIN.name)
-    else:
-        _check_same(manifest.train, request)
-    return manifest
-
-
-def start_train(conn, store, run: str, request: TrainSettings, cache_dir: Path) -> tuple[RunManifest, int]:
-    manifest, layout = ensure_plan(conn, store, run, request, cache_dir), Layout(run)
     if store.exists(layout.drafter_manifest):
         return manifest, 0
-    enqueued = enqueue(conn, TRAIN, {"run": run})
-    return manifest, int(enqueued)
+    return manifest, int(enqueue(conn, TRAIN, {"run": run}))
 
 
-def _require_extract_done(store, manifest: RunManifest, layout: Layout) -> None:
-    missing = [] if manifest.extract is None else [
-        p.index for p in manifest.generate_shards if not store.exists(layout.extract_shard_manifest(p.index))]
-    if manifest.extract is None or missing:
-        todo = f"{len(missing)} of {len(manifest.generate_shards)} shards to go" if missing else "not started"
-        raise EyrieError(f"run {manifest.run}: extract is not finished ({todo}).",
-                         f"run `eyrie extract --run {manifest.run} --wait` first, then train.")
 
 
-def plan(store, manifest: RunManifest, request: TrainSettings, cache_dir: Path) -> TrainParams:
-    samples = len(done_samples(store, manifest.run))
+def plan(store, manifest: RunManifest, request: TrainSettings, cache_dir: Path, device: str = "cpu") -> TrainParams:
+    done = done_samples(store, manifest.run)
+    samples = len(done)
     heldout = request.heldout_for(samples)
     if samples - heldout < 1:
         raise EyrieError(f"run {manifest.run} has {samples} extracted samples: too few to train on "
                          f"and hold {heldout} out for evaluation.",
                          "generate more samples, or pass a smaller --heldout.")
-    target_vocab = _target_vocab(manifest.target.model)
+    target_vocab = text_config(manifest.target.model, manifest.target.trust_remote_code).vocab_size
     base = check_base_drafter(manifest, request, cache_dir) if request.base else None
     draft_vocab = base.draft_vocab if base else min(request.draft_vocab, target_vocab)
+    recipe = request.recipe(_training_tokens(done, heldout, pack_length(request.seq_len, device)), device)
     return TrainParams(
-        epochs=request.epochs, max_steps=request.max_steps, draft_vocab=draft_vocab,
-        vocab_mapping="base" if request.base else "frequency", lr=request.lr,
-        total_seq_len=request.seq_len, ttt_steps=request.ttt_steps,
-        train_samples=samples - heldout, heldout_samples=heldout,
-        base=base, speculators_version=version("speculators"))
+        epochs=recipe.epochs, max_steps=request.max_steps, draft_vocab=draft_vocab,
+        vocab_mapping="base" if request.base else "frequency", lr=recipe.lr, warmup=recipe.warmup,
+        schedule=recipe.schedule, total_seq_len=recipe.seq_len, ttt_steps=request.ttt_steps,
+        train_samples=samples - heldout, heldout_samples=heldout, loggers=list(request.loggers),
+        base=base, speculators_version=version("speculators"), recipe=recipe.statement())
+
+
+def _training_tokens(samples: list[dict], heldout: int, pack: int) -> int:
+    """The tokens the training samples give the trainer, each cut at the pack length."""
+    held = heldout_ids(samples, heldout)
+    return sum(min(s["seq_len"], pack) for s in samples if s["sample_id"] not in held)
 
 
 def check_base_drafter(manifest: RunManifest, request: TrainSettings, cache_dir: Path) -> BaseDrafter:
     """Fetched, converted and checked against the target and the run's layers now, before any
     training is planned: a mismatch is refused here, naming both values."""
     _, info = prepare_base(request.base, request.base_revision, manifest.target.model,
-                           manifest.extract.aux_layers, request.given().get("draft_vocab"), cache_dir / "base")
+                           manifest.extract.aux_layers, request.given().get("draft_vocab"), cache_dir / "base",
+                           manifest.target.trust_remote_code)
     return BaseDrafter(**info.model_dump(exclude={"path"}))
 
 
-def _target_vocab(model: str) -> int:
-    return text_config(model).vocab_size
 
 
-def _check_same(params: TrainParams, request: TrainSettings) -> None:
-    planned, asked = params.settings(), request.given()
-    changed = [f"{name} {value} vs {planned[name]}" for name, value in asked.items()
-               if name in planned and name != "draft_vocab" and value != planned[name]]
-    if "draft_vocab" in asked and min(asked["draft_vocab"], params.draft_vocab) != params.draft_vocab:
-        changed.append(f"draft_vocab {asked['draft_vocab']} vs {params.draft_vocab}")
-    if changed:
-        raise EyrieError(f"train of this run was planned with other settings: {'; '.join(changed)}.",
-                         "rerun with the original settings to continue it, or start a new run.")
+class PlanTrain(PlannerTask):
+    """The train stage planned from the settings given where it was started alone, else from the
+    run config, on a trainer's worker (its cache holds the base drafter); the training task
+    enqueued. A refusal (too few samples, a base drafter that does not fit, other settings) blocks
+    the run until the user starts it again (eyrie.tasks.planner)."""
+
+    stage, Request = PLAN_TRAIN, TrainSettings
+
+    def plan(self, request: TrainSettings) -> dict:
+        manifest, enqueued = start_train(self.conn, self.store, self.run_name, request, Path(self.settings.cache_dir),
+                                         trainer_device(self.settings.device))
+        return {"train_samples": manifest.train.train_samples, "enqueued": enqueued}
+
+
+def run_plan_train_task(payload: dict) -> dict:
+    """RQ entry point (train queue)."""
+    return execute(PlanTrain, payload)
 
 
 class FetchBase(StageTask):
@@ -119,9 +121,10 @@ class FetchBase(StageTask):
 
     def _prepare(self, config):
         train = config.train
-        layers = resolve_aux_layers(config.extract.layers, text_config(config.target.model).num_hidden_layers)
+        trust = config.serve.trust_remote_code
+        layers = resolve_aux_layers(config.extract.layers, text_config(config.target.model, trust).num_hidden_layers)
         return prepare_base(train.base, train.base_revision, config.target.model, layers,
-                            train.given().get("draft_vocab"), Path(self.settings.cache_dir) / "base")
+                            train.given().get("draft_vocab"), Path(self.settings.cache_dir) / "base", trust)
 
 
 def run_fetch_task(payload: dict) -> dict:

@@ -18,15 +18,16 @@ from eyrie.data.manifest import Layout, load_run_manifest
 from eyrie.data.store import CorruptObject
 from eyrie.core.storage import trains_on_demand
 from eyrie.stages import EXTRACT, TRAIN
-from eyrie.tasks.executor import Context, StageTask, execute
+from eyrie.tasks.executor import Context, RunTask, StageTask, execute
 from eyrie.work.extract_server import on_demand
 from eyrie.work.gpu import pick_device
 from eyrie.work.queue import enqueue
 from eyrie_trainer import checkpoints, engine
 from eyrie_trainer.base import prepare_base, save_vocab_mapping
-from eyrie_trainer.data import done_samples, fetch_heldout_states, heldout_ids, materialize
+from eyrie_trainer.data import done_samples, fetch_heldout_states, heldout_ids, materialize, split_ratio
+from eyrie_trainer.events import EventUploads
 from eyrie_trainer.export import evaluate_and_export
-from eyrie_trainer.plan import TrainTask, ensure_plan
+from eyrie_trainer.ledger import TrainedSamples
 
 log = logging.getLogger("eyrie.trainer")
 # speculators backs a failed request to the extraction service off 2, 4, ..., 128 s (~4 min) and
@@ -45,12 +46,12 @@ class Interrupted(RuntimeError):
 
 class TrainRunner(StageTask):
     """The run's one train task; the executor (eyrie.tasks.executor) holds its leases and checks for
-    the exported drafter's manifest. The constructor reads nothing: the plan (made here when the
-    pipeline asks, a base drafter fetched and checked) is `run`'s, after the done-check."""
+    the exported drafter's manifest. The constructor reads nothing: the plan (made by plan-train,
+    eyrie_trainer.plan) is read in `run`, after the done-check."""
 
-    stage, Payload, gpu_owner = TRAIN, TrainTask, "trainer"
+    stage, gpu_owner = TRAIN, "trainer"
 
-    def __init__(self, ctx: Context, payload: TrainTask):
+    def __init__(self, ctx: Context, payload: RunTask):
         super().__init__(ctx, payload)
         self.layout = Layout(self.run_name)
         self.work = Path(self.settings.cache_dir) / "runs" / self.run_name
@@ -80,9 +81,7 @@ class TrainRunner(StageTask):
         return self.result("cancelled")
 
     def load_plan(self) -> None:
-        """The run's train plan (the pipeline's train stage: the trainer makes it, or checks it)."""
-        if self.payload.request is not None:
-            ensure_plan(self.conn, self.store, self.run_name, self.payload.request, Path(self.settings.cache_dir))
+        """The run's train plan, as its planning task recorded it in the run manifest (plan-train)."""
         self.manifest = load_run_manifest(self.store, self.run_name)
         self.params = self.manifest.train
         if self.params is None:
@@ -102,18 +101,26 @@ class TrainRunner(StageTask):
             self._say(f"resuming from checkpoint {restored['label']} (step {restored['local_step']} of epoch "
                       f"{restored['epoch']})")
         self.uploads = checkpoints.Uploader(self.store, self.layout, self.work / "checkpoints", self._stored)
+        self.events = EventUploads(self.store, self.layout, self.work / "logs") if self.params.loggers else None
         stored_curve = self.layout.train_curve
         self.curve = Curve(self.store.get_json(stored_curve) if self.store.exists(stored_curve) else None)
-        hooks = engine.Hooks(on_metrics=self._on_metrics, on_checkpoint=self._on_checkpoint,
-                             on_step=lambda step: self._on_step(), on_start=self._on_start,
-                             on_dropped=self._on_dropped)
+        hooks = self.hooks = engine.Hooks(on_metrics=self._on_metrics, on_checkpoint=self._on_checkpoint,
+                                          on_step=lambda step: self._on_step(), on_start=self._on_start,
+                                          on_dropped=self._on_dropped)
+        if self.params.recipe:
+            self._say(f"recipe: {self.params.recipe}")
         self._report(phase="training", force=True)
         try:
             settings = {**self._options(train_dir, device), **self._on_missing(), **base}
+            if settings["hidden_states_dtype"] == "float32":
+                self._say("training in fp32: this CPU has no native bf16 (bf16 autocast would be ~60x slower here)")
             path = engine.train_with_fallback(settings, device, self._fast_path(device), hooks, self._say)
+            path["dtype"] = settings["hidden_states_dtype"]
         finally:
             self.uploads.drain()  # every checkpoint saved is in the store before the task ends
             self.store.put_json(self.layout.train_curve, self.curve.snapshot())
+            self._save_ledger()
+            self._push_events()
         if hooks.state.get("interrupted") and self.cancelled.seen:
             self._report(phase="cancelled", force=True)
             return {"status": "cancelled", "step": self.live.get("step")}
@@ -124,23 +131,31 @@ class TrainRunner(StageTask):
             os.kill(os.getpid(), signal.SIGTERM)
         # the total was an estimate: speculators packs each epoch's shuffle into batches anew
         self._report(phase="evaluating", path=path, total_steps=self.live["step"], force=True)
-        result = evaluate_and_export(self.store, self.run_name, eval_dir, device, path, self._say)
+        result = evaluate_and_export(self.store, self.run_name, eval_dir, device, path, self._say,
+                                     samples=self.ledger.summary())
         self._report(phase="done", path=path, final=True, force=True)
         return {"status": "done", **result}
 
     def _prepare_data(self) -> tuple[Path, Path]:
+        """The held-out samples (evaluation's), their states fetched where the service makes them;
+        then the training directory: every training sample, then the held-out ones (linked, not
+        copied) as speculators' validation split (`_options`: train_data_ratio)."""
         samples = done_samples(self.store, self.run_name)
         held = heldout_ids(samples, self.params.heldout_samples)
         train_dir, eval_dir = self.work / "data" / "train", self.work / "data" / "heldout"
-        n_train = materialize(self.store, self.run_name, train_dir, lambda s: s["sample_id"] not in held)
         n_eval = materialize(self.store, self.run_name, eval_dir, lambda s: s["sample_id"] in held)
         from_service = [s for s in samples if on_demand(s)]
         self.on_demand = sum(1 for s in from_service if s["sample_id"] not in held)
-        self._say(f"data: {n_train} training samples ({self.on_demand} on demand from the extraction "
-                  f"service, every epoch), {n_eval} held out, in {self.work / 'data'}")
-        self._report(on_demand=self.on_demand, force=True)
         if from_service:
             self._fetch_heldout_states(eval_dir)
+        n_train = materialize(self.store, self.run_name, train_dir, lambda s: s["sample_id"] not in held,
+                              validation=lambda s: s["sample_id"] in held, linked_from=eval_dir)
+        self.rows = (n_train, n_eval)
+        self.ledger = TrainedSamples.start(self.store, self.layout, [s for s in samples if s["sample_id"] not in held],
+                                           n_eval, self.params.total_seq_len)
+        self._say(f"data: {n_train} training samples ({self.on_demand} on demand from the extraction "
+                  f"service, every epoch), {n_eval} held out (speculators' validation), in {self.work / 'data'}")
+        self._report(on_demand=self.on_demand, force=True)
         return train_dir, eval_dir
 
     def _fetch_heldout_states(self, eval_dir: Path) -> None:
@@ -167,30 +182,20 @@ class TrainRunner(StageTask):
         """The base as planned (fetched and converted again on a new host), checked again here."""
         ref = self.params.base
         path, _ = prepare_base(ref.source, ref.revision, self.manifest.target.model, self.manifest.extract.aux_layers,
-                               ref.draft_vocab, Path(self.settings.cache_dir) / "base")
+                               ref.draft_vocab, Path(self.settings.cache_dir) / "base",
+                               self.manifest.target.trust_remote_code)
         d2t, t2d = save_vocab_mapping(path, self.work / "base-vocab")
         return {"from_pretrained": str(path), "d2t_path": str(d2t), "t2d_path": str(t2d)}
 
     def _options(self, train_dir: Path, device: str) -> dict:
-        """speculators' training settings, by its names, from the plan (engine builds its TrainConfig)."""
-        p, extract = self.params, self.manifest.extract
-        options = {"verifier_name_or_path": self.manifest.target.model, "data_path": str(train_dir),
-                   "save_path": str(self.work / "checkpoints"), "epochs": p.epochs, "ttt_steps": p.ttt_steps,
-                   "lr": p.lr, "total_seq_len": p.total_seq_len, "num_workers": self._loader_workers(device),
-                   "target_layer_ids": list(extract.aux_layers), "log_dir": str(self.work / "logs"), "logger": "",
-                   "hidden_states_backend": "fp8" if extract.dtype == "fp8" else "file",
-                   "checkpoint_freq": 1, "log_freq": 1, "draft_vocab_size": p.draft_vocab}
-        if not p.base:  # a base drafter defines its own decoder (speculators refuses both)
-            options["num_layers"] = p.num_layers
-        if p.max_steps:
-            options["max_steps"] = p.max_steps
-        return options
+        return speculators_options(self.params, self.manifest, train_dir, self.work, self._loader_workers(device),
+                                   self.rows, device)
 
     def _on_missing(self) -> dict:
         """What speculators does for a sample without a states file: ask the extraction service where
         the training set has on-demand samples; anywhere else it is eyrie's bug, raised (speculators'
         default would ask a server at localhost:8000)."""
-        if not self.on_demand:
+        if self.service_url is None:
             return {"on_missing": "raise"}
         return {"on_missing": "generate", "vllm_endpoint": self.service_url, "max_retries": SERVICE_RETRIES,
                 "request_timeout": float(self.manifest.generate.request_timeout_s)}
@@ -236,9 +241,21 @@ class TrainRunner(StageTask):
             self._say(f"{dropped} sample(s) left out of a step of epoch {epoch}: {why}")
 
     def _on_checkpoint(self, label: str, epoch: int, local_step: int) -> None:
-        """The curve up to this checkpoint goes to the store with it (a resumed run continues it)."""
+        """The curve up to this checkpoint goes to the store with it (a resumed run continues it), and
+        the record of the samples read."""
         self.store.put_json(self.layout.train_curve, self.curve.snapshot())
+        self._save_ledger()
+        self._push_events()
         self.uploads.submit(label, epoch, local_step)
+
+    def _push_events(self) -> None:
+        """TensorBoard's event files (train.loggers) to the store: at each checkpoint and at the end."""
+        if self.events is not None:
+            self.events.push()
+
+    def _save_ledger(self) -> None:
+        self.ledger.update(self.hooks.state.get("read", set()), self.hooks.state.get("dropped_rows", {}))
+        self.ledger.save()
 
     def _stored(self, label: str, epoch: int, local_step: int, entry: dict) -> None:
         self.live["checkpoints"].append({"label": label, "step": self.live.get("step"), "epoch": epoch,
@@ -276,3 +293,26 @@ def run_train_task(payload: dict) -> dict:
         # stops after this (failed, retried) task instead of taking the next one
         os.kill(os.getpid(), signal.SIGTERM)
         raise
+
+
+def speculators_options(p, manifest, train_dir: Path, work: Path, workers: int, rows: tuple[int, int],
+                        device: str) -> dict:
+    """speculators' training settings, by its names, from the plan `p` (engine builds its TrainConfig): the
+    training directory holds `rows` (training, validation) samples; checkpoints and logs go under `work`
+    (bench/learning_curve.py trains its slices with these too)."""
+    extract = manifest.extract
+    options = {"verifier_name_or_path": manifest.target.model, "data_path": str(train_dir),
+               "save_path": str(work / "checkpoints"), "epochs": p.epochs, "ttt_steps": p.ttt_steps,
+               "lr": p.lr, "total_seq_len": p.total_seq_len, "num_workers": workers,
+               "target_layer_ids": list(extract.aux_layers), "log_dir": str(work / "logs"),
+               "logger": ",".join(p.loggers), "scheduler_type": p.schedule,
+               "hidden_states_backend": "fp8" if extract.dtype == "fp8" else "file",
+               "checkpoint_freq": 1, "log_freq": 1, "draft_vocab_size": p.draft_vocab,
+               "train_data_ratio": split_ratio(*rows), "hidden_states_dtype": engine.autocast_dtype(device)}
+    if not p.base:  # a base drafter defines its own decoder (speculators refuses both)
+        options["num_layers"] = p.num_layers
+    if p.max_steps:
+        options["max_steps"] = p.max_steps
+    if p.warmup is not None:  # else a plan from before warmup was planned: speculators' 1%
+        options["scheduler_warmup_ratio"] = p.warmup
+    return options

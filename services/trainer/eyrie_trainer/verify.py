@@ -2,7 +2,7 @@
 
 The target is served alone, then with the drafter once per draft length K (`--speculative-config`
 eagle3), on the run's held-out prompts (the prompt part of each held-out sample, as token ids) and
-on any benchmark sets asked for (mt-bench, gsm8k, humaneval or a file: eyrie.benchmarks, rendered
+on any benchmark sets asked for (mt-bench, gsm8k, humaneval or a file: eyrie_trainer.benchmarks, rendered
 with the target's chat template), greedy. Per set and K: vLLM's spec-decode counters (`/metrics`)
 give its mean acceptance length (1 + accepted draft tokens / drafts) and the acceptance rate per
 draft position; outputs must be identical with and without the drafter (greedy speculative
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import socket
 import subprocess
 import tempfile
@@ -26,12 +25,14 @@ from pathlib import Path
 
 import requests
 
-from eyrie.benchmarks import load_benchmark
+from eyrie_trainer.benchmarks import load_benchmark
 from eyrie.core.errors import EyrieError
+from eyrie.core.target import load_tokenizer
 from eyrie.core.vllm import serve_argv, serve_env, start_server, stop_server
 from eyrie.data.manifest import Layout, load_run_manifest, now_iso
-from eyrie.runs.pipeline import VerifySection, stored_config
+from eyrie.runs.pipeline import ServeSection, VerifySection, stored_config
 from eyrie.stages import VERIFY
+from eyrie.stages.verify import record_verify_rates
 from eyrie.tasks.executor import StageTask, execute
 from eyrie_trainer.data import done_samples, heldout_ids, prompt_token_ids
 from eyrie_trainer.export import download
@@ -49,13 +50,12 @@ def heldout_prompts(store, run: str, cache_dir: Path) -> list[list[int]]:
     return prompt_token_ids(store, [s for s in samples if s["sample_id"] in held], folder)
 
 
-def benchmark_prompts(target: str, names: list[str], limit: int | None) -> dict[str, list[list[int]]]:
+def benchmark_prompts(target: str, names: list[str], limit: int | None,
+                      trust_remote_code: bool = False) -> dict[str, list[list[int]]]:
     """Each benchmark's chat prompts as the target's chat template renders them, as token ids."""
     if not names:
         return {}
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer = load_tokenizer(target, trust_remote_code)
     sets = {}
     for name in names:
         bench = load_benchmark(name, limit)
@@ -80,36 +80,11 @@ def spec_counters(url: str) -> dict:
     return counts
 
 
-class Served:
-    """One vLLM server for the run's target (EYRIE_VLLM_COMMAND, the run's serve flags), stopped on exit."""
+class Client:
+    """verify's requests to a server of the target at `url`: greedy answers, timed, and vLLM's counters."""
 
-    def __init__(self, settings, model: str, flags: list[str], log: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url, self.model, self.log = f"http://127.0.0.1:{self.port}", model, log
-        self.cmd = [*serve_argv(settings.vllm_command, model), "--host", "127.0.0.1", "--port", str(self.port), *flags]
-        self.deadline_s = settings.serve_deadline_s
-
-    def __enter__(self) -> "Served":
-        self.proc = start_server(self.cmd, env=serve_env(), stdout=self.log.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.deadline_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EyrieError(f"vLLM exited with code {self.proc.returncode} before it answered: "
-                                 f"{self.log.read_text(errors='replace')[-1500:]}",
-                                 "read its log above; EYRIE_VLLM_COMMAND names the vLLM to run.")
-            try:
-                if requests.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        self.__exit__()
-        raise EyrieError(f"vLLM did not answer within {self.deadline_s:g} s.", "raise EYRIE_SERVE_DEADLINE_S.")
-
-    def __exit__(self, *_) -> None:
-        stop_server(self.proc, grace_s=60)
+    def __init__(self, url: str, model: str, log: Path | None = None):
+        self.url, self.model, self.log = url, model, log
 
     def greedy(self, prompts: list[list[int]], max_tokens: list[int], in_flight: int) -> tuple[list[list[int]], float]:
         """Every prompt answered greedily, `in_flight` at a time; the answers' token ids and tokens/s."""
@@ -141,6 +116,38 @@ class Served:
         return passes
 
 
+class Served(Client):
+    """One vLLM server for the run's target (EYRIE_VLLM_COMMAND, the run's serve flags), stopped on exit."""
+
+    def __init__(self, settings, model: str, flags: list[str], log: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        super().__init__(f"http://127.0.0.1:{self.port}", model, log)
+        self.cmd = [*serve_argv(settings.vllm_command, model), "--host", "127.0.0.1", "--port", str(self.port), *flags]
+        self.deadline_s = settings.serve_deadline_s
+
+    def __enter__(self) -> "Served":
+        self.proc = start_server(self.cmd, env=serve_env(), stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.deadline_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EyrieError(f"vLLM exited with code {self.proc.returncode} before it answered: "
+                                 f"{self.log.read_text(errors='replace')[-1500:]}",
+                                 "read its log above; EYRIE_VLLM_COMMAND names the vLLM to run.")
+            try:
+                if requests.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.__exit__()
+        raise EyrieError(f"vLLM did not answer within {self.deadline_s:g} s.", "raise EYRIE_SERVE_DEADLINE_S.")
+
+    def __exit__(self, *_) -> None:
+        stop_server(self.proc, grace_s=60)
+
+
 def verify(settings, store, run: str, request: VerifySection | None = None, log=print) -> dict:
     """Measure the run's exported drafter in vLLM (see the module docstring); the result is stored
     as the manifest's `verify` and returned. `request`: the sets and Ks (default: the run config's
@@ -154,7 +161,7 @@ def verify(settings, store, run: str, request: VerifySection | None = None, log=
     ks = request.ks or [trained_k]
     flags = serve_flags(settings, config)
     sets = {HELDOUT: heldout_prompts(store, run, Path(settings.cache_dir))[:request.prompts],
-            **benchmark_prompts(target, request.benchmarks, request.prompts)}
+            **benchmark_prompts(target, request.benchmarks, request.prompts, manifest.target.trust_remote_code)}
     limits = answer_limits(sets, request.max_tokens or manifest.generate.sampling.max_tokens, max_model_len(flags))
     logs = Path(settings.cache_dir) / "runs" / run / VERIFY.name
     logs.mkdir(parents=True, exist_ok=True)
@@ -183,10 +190,7 @@ def verify(settings, store, run: str, request: VerifySection | None = None, log=
 
 def serve_flags(settings, config) -> list[str]:
     """How the run's target is served: its config's serve section, else the host's EYRIE_* vLLM flags."""
-    if config is not None:
-        return config.serve.vllm_flags()
-    return [*(["--max-model-len", str(settings.max_model_len)] if settings.max_model_len else []),
-            *shlex.split(settings.vllm_args)]
+    return (config.serve if config is not None else ServeSection.of_host(settings)).vllm_flags()
 
 
 def max_model_len(flags: list[str]) -> int | None:
@@ -246,6 +250,12 @@ def summarize(before: dict, after: dict, k: int) -> dict:
             "vllm_accepted_tokens": int(accepted), "vllm_per_position_acceptance": per_pos, "k": k}
 
 
+def measured_paces(result: dict) -> list[dict]:
+    """Every pass's tokens/s at 8 and at 1 in flight: per set, the target alone and with the drafter per K."""
+    return [pace for bench in result["benchmarks"].values()
+            for pace in (bench["tokens_per_s_target"], *(f["tokens_per_s"] for f in bench["k"].values()))]
+
+
 class VerifyRunner(StageTask):
     """The pipeline's verify stage (train queue), under the GPU lease: vLLM takes the GPUs, as
     `eyrie serve --server vllm` does, never beside another owner."""
@@ -257,6 +267,8 @@ class VerifyRunner(StageTask):
 
     def run(self) -> dict:
         result = verify(self.settings, self.store, self.run_name)
+        target = load_run_manifest(self.store, self.run_name).target.model
+        record_verify_rates(self.conn, target, measured_paces(result))  # its next verify's time limit
         return {"run": self.run_name, **{k: result[k] for k in ("vllm_acceptance_length", "eyrie_acceptance_length",
                                                                 "identical_outputs", "speedup")}}
 

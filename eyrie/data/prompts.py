@@ -1,4 +1,5 @@
-"""A dataset row to the chat prompt the target answers, or the reason it can't be one."""
+"""A dataset row to the chat prompt the target answers, or the reason it can't be one: the prompt
+row contract, read where a run is started (a usable row) and by the generator (every row)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,133 @@
+"""Train on the states a run already has (issue 28 item 2): a new run whose target, dataset, generate
+and extract settings equal an earlier run's trains on that run's generated answers and hidden
+states, with its own train settings; nothing is generated or extracted again, nothing copied.
+
+Once a pipeline's states are complete, `advance` records them under their fingerprint
+(`states/SETTINGS/DATASET_REVISION.json`: the settings that make them, then the dataset's content
+hash or hub commit). A new run that finds its own fingerprint there gets a run manifest and shard
+manifests of its own (small JSON) that refer to the earlier run's objects, and `states_from`
+naming it; the earlier run records it as a user (eyrie.data.shared_states), so the store refuses to
+delete those objects while it needs them. Its training then reads them through the same data path
+(stored states, and in hybrid and online the extraction service for the rest)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import orjson
+
+from eyrie.core.errors import EyrieError, UnknownRun
+from eyrie.data import dataset
+from eyrie.data.manifest import Layout, RunManifest, code_version, load_run_manifest, now_iso, states_index
+from eyrie.data.shared_states import add_user
+from eyrie.stages import PIPELINE
+
+# how fast or how robustly the answers were fetched, not what they are: not part of the fingerprint
+PACING = {"concurrency", "request_timeout_s", "max_retries", "retry_backoff_s", "shard_size", "prompt_tokens_estimate"}
+
+
+def settings_fingerprint(config) -> str:
+    """The settings that make a run's answers and states (defaults resolved: a default written out
+    is the same run), from its run config."""
+    what = {"target": config.target.model, "reasoning_parser": config.serve.reasoning_parser}
+    for name in _states_sections():  # the dataset, generate and extract sections
+        section = getattr(config, name)
+        what[name] = {field: getattr(section, field) for field in type(section).model_fields if field not in PACING}
+    return hashlib.sha256(orjson.dumps(what, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+
+
+def index_key(config, dataset_revision: str) -> str:
+    return states_index(settings_fingerprint(config), dataset_revision)
+
+
+def record_states(view) -> None:
+    """A pipeline whose states are complete (advance, once the stage that makes them is done):
+    findable by its fingerprint. A run on another's states records nothing: that one is found."""
+    manifest = view.manifest
+    if view.config is None or manifest is None or manifest.states_from:
+        return
+    key = index_key(view.config, manifest.dataset.revision)
+    if not view.store.exists(key):
+        view.store.put_json(key, {"run": view.run, "dataset": manifest.dataset.model_dump(), "recorded_at": now_iso()})
+
+
+def states_to_reuse(store, config) -> RunManifest | None:
+    """For a run not planned yet: the manifest of the earlier run whose answers and states it can
+    train on (same settings, same dataset content and rows, every shard extracted), else None. The
+    dataset is read (hashed) only where some run has these settings."""
+    if store.exists(Layout(config.run).manifest):
+        return None
+    fingerprint = settings_fingerprint(config)
+    if not store.list(states_index(fingerprint)):
+        return None
+    source = config.dataset
+    ref = dataset.resolve(source.source, source.split, source.revision, source.limit)
+    key = states_index(fingerprint, ref.revision)
+    if not store.exists(key):
+        return None
+    try:
+        found = load_run_manifest(store, store.get_json(key)["run"])
+    except UnknownRun:
+        return None
+    same_rows = (found.dataset.source, found.dataset.row_start, found.dataset.row_end) == (
+        ref.source, ref.row_start, ref.row_end)
+    return found if same_rows and extracted(store, found) else None
+
+
+def extracted(store, manifest: RunManifest) -> bool:
+    layout = Layout(manifest.run)
+    return manifest.extract is not None and all(
+        store.exists(layout.extract_shard_manifest(p.index)) for p in manifest.generate_shards)
+
+
+def owner_of(store, manifest: RunManifest) -> RunManifest:
+    """The run that holds the objects (a run on another's states points at that one)."""
+    return load_run_manifest(store, manifest.states_from) if manifest.states_from else manifest
+
+
+def train_on_states(store, source: RunManifest, run: str) -> RunManifest:
+    """Run `run` made a run on `source`'s answers and states: its shard manifests (copies of the
+    owner's, which name the owner's objects) and its run manifest (written last: the run is then
+    planned up to train). The owner records it first, so the guard holds before anything refers."""
+    owner = owner_of(store, source)
+    _refuse_unextracted(store, owner, run)
+    add_user(store, owner.run, run)
+    mine, theirs = Layout(run), Layout(owner.run)
+    for plan in owner.generate_shards:
+        for shard_manifest in (Layout.generate_shard_manifest, Layout.extract_shard_manifest):
+            store.put_json(shard_manifest(mine, plan.index),
+                           {**store.get_json(shard_manifest(theirs, plan.index)), "run": run})
+    manifest = RunManifest(run=run, created_at=now_iso(), code_version=code_version(), states_from=owner.run,
+                           **{name: getattr(owner, name) for name in _states_fields()})
+    store.put_json(mine.manifest, manifest.model_dump())
+    return manifest
+
+
+def _states_sections() -> tuple[str, ...]:
+    """The run config's sections (and run manifest's records) of the stages up to the one that
+    makes the states: dataset, generate, extract."""
+    last = next(i for i, stage in enumerate(PIPELINE) if stage.makes_states)
+    return tuple(name for stage in PIPELINE[:last + 1] for name in stage.sections)
+
+
+def _states_fields() -> tuple[str, ...]:
+    """What a run on another's states takes of its manifest: what its answers and states are."""
+    return ("target", "generate_shards", "input_skips", *_states_sections())
+
+
+def _refuse_unextracted(store, owner: RunManifest, run: str) -> None:
+    if not extracted(store, owner):
+        raise EyrieError(f"run {owner.run}: its hidden states are not all extracted.",
+                         f"wait for its extract stage (`eyrie status {owner.run}`), then start {run} again.")
+
+
+def check_train_as(store, source: RunManifest, run: str) -> None:
+    """`eyrie train --run A --as B`, refused before anything is written: A's states not complete,
+    or B a run of its own (not one on A's states)."""
+    _refuse_unextracted(store, owner_of(store, source), run)
+    if store.exists(Layout(run).manifest):
+        existing = load_run_manifest(store, run)
+        if existing.states_from != owner_of(store, source).run:
+            raise EyrieError(f"run {run} exists already, with states of its own"
+                             + (f" (run {existing.states_from}'s)" if existing.states_from else "") + ".",
+                             f"name a new run: `eyrie train --run {source.run} --as NEW_RUN ...`.")

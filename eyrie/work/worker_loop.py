@@ -1,0 +1,165 @@
+"""The workers that run eyrie's tasks: RQ workers on one stage's queue that keep each task's alive
+key fresh, requeue the tasks of dead workers, and stop cleanly on request (SIGTERM): the task
+running hands its work back (eyrie.work.cancel.Stopping) and goes back to its queue at once
+(eyrie.work.queue.EyrieJob), and the worker says what it handed back."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+
+import redis
+from rq import SimpleWorker, Worker
+from rq.exceptions import StopRequested
+from rq.job import JobStatus
+from rq.serializers import JSONSerializer
+from rq.worker import WorkerStatus
+
+from eyrie.work import keys
+from eyrie.work.queue import LEASE_TTL_S, EyrieJob, job_state, queue, reclaim_abandoned
+from eyrie.work.task_kinds import QUEUE_PREFIX, gpu_queues
+
+
+def _keep_alive(conn: redis.Redis, job_id: str, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            conn.set(keys.job_alive(job_id), socket.gethostname(), ex=LEASE_TTL_S)
+        except redis.exceptions.RedisError:
+            pass  # Redis is away: the key lapses; the task's own lease decides who works on it
+        stop.wait(LEASE_TTL_S / 3)
+
+
+def worker_name(name: str) -> str:
+    return f"{name}-{socket.gethostname()}-{os.getpid()}"
+
+
+_STOP_REQUESTED = threading.Event()
+
+
+def stop_requested() -> bool:
+    """Whether this process's task was asked to stop: its worker's SIGTERM (a GPU stage's worker
+    runs its tasks in its own process; the generator's forwards it to its work horse). A task
+    that sees it stores what it has done and hands the rest back (eyrie.work.cancel.Stopping)."""
+    return _STOP_REQUESTED.is_set()
+
+
+class _Maintained:
+    """A worker that keeps its job's alive key fresh while it runs it (task code, callbacks and
+    all), and whose maintenance requeues the tasks of dead workers: a survivor takes them over
+    without a restart. `handed_back`: the tasks it gave back to their queue on a stop request."""
+
+    _keeper: threading.Thread | None = None
+    _dequeuing = False
+    handed_back: tuple[str, ...] = ()
+
+    def execute_job(self, job, queue):
+        try:
+            return super().execute_job(job, queue)
+        finally:
+            if self._keeper is not None:
+                self._keeper_stop.set()
+                self._keeper.join()
+                self._keeper = None
+            self.connection.delete(keys.job_alive(job.id))
+            if self._stop_requested and job_state(self.connection, job.id) == JobStatus.QUEUED.value:
+                self.handed_back = (*self.handed_back, job.id)
+
+    def _start_keeper(self, job) -> None:
+        self._keeper_stop = threading.Event()
+        self._keeper = threading.Thread(target=_keep_alive, args=(self.connection, job.id, self._keeper_stop),
+                                        daemon=True)
+        self._keeper.start()
+
+    def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
+        self._dequeuing = True
+        try:
+            return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        finally:
+            self._dequeuing = False
+
+    def _shutdown(self):
+        """A stop request (SIGTERM) that finds the worker idle: RQ raises StopRequested from its
+        signal handler wherever the worker is then, and in a log line or its teardown that ends in
+        a traceback (`eyrie: internal error`). Raised only to end its wait for a task; anywhere
+        else its loop sees the request at its next turn."""
+        if self._dequeuing or self.get_state() == WorkerStatus.BUSY:
+            return super()._shutdown()
+        self._stop_requested = True
+        if self.scheduler:
+            self.stop_scheduler()
+
+    def handle_warm_shutdown_request(self):
+        """SIGTERM (or Ctrl+C): RQ waits for the task in hand to end; the task sees `stop_requested()`
+        and hands its work back (a work horse forked a moment ago still has this handler: it is
+        set there too)."""
+        super().handle_warm_shutdown_request()
+        _STOP_REQUESTED.set()
+
+    def run_maintenance_tasks(self):
+        super().run_maintenance_tasks()
+        for q in self.queues:
+            reclaimed = reclaim_abandoned(self.connection, q.name.removeprefix(QUEUE_PREFIX))
+            if reclaimed:
+                self.log.warning("requeued %d task(s) of dead workers on %s", reclaimed, q.name)
+
+
+class ForkingWorker(_Maintained, Worker):
+    def fork_work_horse(self, job, queue):
+        """The keeper starts after the fork, in this process (the work horse never returns here): a
+        thread inside getaddrinfo while the process forks leaves the work horse glibc's resolver lock
+        held for good, and its first Redis connection hangs with the task taken and nothing done."""
+        super().fork_work_horse(job, queue)
+        self._start_keeper(job)
+
+    def setup_work_horse_signals(self):
+        """In the work horse: Ctrl+C is the worker's to handle; SIGTERM asks the task to hand its
+        work back (RQ's default would kill it, leaving the shard to wait for its lease to lapse)."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda *_: _STOP_REQUESTED.set())
+
+    def handle_warm_shutdown_request(self):
+        """SIGTERM to the worker (its work horse is in a process group of its own): passed on to the
+        work horse, whose task hands its shard back within seconds; then the worker stops."""
+        super().handle_warm_shutdown_request()
+        if self.horse_pid:
+            with contextlib.suppress(ProcessLookupError):  # it has just ended
+                os.kill(self.horse_pid, signal.SIGTERM)
+
+
+class InProcessWorker(_Maintained, SimpleWorker):
+    def execute_job(self, job, queue):
+        self._start_keeper(job)
+        return super().execute_job(job, queue)
+
+
+def run_worker(conn: redis.Redis, name: str, burst: bool) -> None:
+    """An RQ worker on one stage's queue; the scheduler runs retries after their backoff.
+
+    RQ itself fails or retries a dead worker's job once its heartbeat lapses (for tasks run in
+    the worker process: the job's whole timeout); the shorter task lease lets a live worker
+    take it over within a minute."""
+    reclaim_abandoned(conn, name)
+    # GPU stages run tasks in the worker process itself: the model stays loaded between tasks
+    # (and CUDA does not survive a fork). The generator forks a work horse per task.
+    worker_class = InProcessWorker if name in gpu_queues() else ForkingWorker
+    worker = worker_class([queue(conn, name)], connection=conn, serializer=JSONSerializer,
+                          job_class=EyrieJob, name=worker_name(name), maintenance_interval=2 * LEASE_TTL_S,
+                          worker_ttl=3 * LEASE_TTL_S)
+    signals, stopped = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}, False
+    try:
+        worker.work(burst=burst, with_scheduler=True, logging_level="INFO")
+    except StopRequested:  # RQ raises it where a stop request finds the worker idle (quitting, say)
+        stopped = True  # a stop, not an error
+    finally:  # a worker stopping may be restarting: eyrie.stages.verify waits for a verifier that just left
+        for sig, handler in signals.items():  # RQ's handlers would raise StopRequested in the caller
+            signal.signal(sig, handler)
+        conn.set(keys.worker_left(name), time.time())
+    if stopped or worker._stop_requested:
+        handed = worker.handed_back
+        print(f"eyrie worker {name}: stopped on request; " + (
+            f"handed back {', '.join(handed)} (queued again; what was done is stored)" if handed
+            else "nothing handed back (no task was running, or it finished first)"), flush=True)

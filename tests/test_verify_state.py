@@ -1,0 +1,145 @@
+"""A run's verify stage has a state of its own (issue 29, defect 2): a failed verify fails the run
+in `eyrie status`, the API and /metrics, with its error; `eyrie retry` takes a skipped or failed
+verify up again; a verifier that restarts as the run exports does not make the skip permanent.
+In process, on a real Redis and a file store: the run is an exported one written as its stages
+write it (no shards, a drafter), its verify task a real RQ job that failed (vLLM stands in for
+nothing here: no GPU, so the verifier's failure is the job's record)."""
+
+import json
+import subprocess
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from rq import Worker
+from rq.job import Job, JobStatus
+from rq.results import Result
+from rq.serializers import JSONSerializer
+
+from conftest import BIN, TINY, eyrie_in_process, tiny_run_config, wait_for
+from eyrie.core.config import load_settings
+from eyrie.data.manifest import (DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams, TargetRef,
+                                 TrainParams, load_run_manifest, now_iso)
+from eyrie.data.store import open_store
+from eyrie.runs.control import retry_run
+from eyrie.runs.pipeline import advance, load_config, save_config
+from eyrie.runs.status import overall_state, run_status
+from eyrie.stages import VERIFY
+from eyrie.stages.verify import verify_skipped
+from eyrie.work.queue import job_state, queue
+
+pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
+
+ERROR = "EyrieError: vLLM exited with code 1 before it answered: CUDA out of memory"
+
+
+def exported_run(conn, store, tmp_path, run: str, **verify) -> None:
+    """A pipeline run whose drafter is exported (generate and extract had nothing to do)."""
+    save_config(conn, store, load_config(tiny_run_config(tmp_path, run, verify=verify or {"enabled": True})))
+    manifest = RunManifest(
+        run=run, created_at=now_iso(), code_version="test", generate_shards=[],
+        target=TargetRef(model=str(TINY), revision="r", chat_template_sha256=None, server="transformers"),
+        dataset=DatasetRef(source="synthetic", kind="jsonl", revision="0" * 64, row_end=0),
+        generate=GenerateParams(sampling=SamplingParams(max_tokens=16), concurrency=1, request_timeout_s=60.0,
+                                max_retries=0, shard_size=3),
+        extract=ExtractParams(backend="hf", aux_layers=[2, 4, 5], dtype="bf16", max_length=None, num_layers=8,
+                              hidden_size=64, samples=0, tokens=0, truncated=0, projected_bytes=0, budget_bytes=None),
+        train=TrainParams(epochs=1, draft_vocab=500, vocab_mapping="frequency", lr=0.003, total_seq_len=256,
+                          train_samples=10, heldout_samples=2, speculators_version="test"),
+        drafter={"checkpoint": "epoch-0", "tau": 1.5, "k": 3,
+                 "files": {"model.safetensors": {"key": f"runs/{run}/drafter/model.safetensors"}}})
+    store.put_json(Layout(run).manifest, manifest.model_dump())
+
+
+def fail_verify_task(conn, run: str) -> None:
+    """The verify task as RQ leaves it when its last attempt raised: failed, with its error."""
+    job = Job.create(VERIFY.func, args=({"run": run},), id=VERIFY.task_id(run), connection=conn,
+                     serializer=JSONSerializer, origin=queue(conn, VERIFY.queue).name)
+    job.set_status(JobStatus.FAILED)
+    job.save()
+    queue(conn, VERIFY.queue).failed_job_registry.add(job, exc_string=f"Traceback ...\n{ERROR}")
+    Result.create_failure(job, ttl=600, exc_string=f"Traceback ...\n{ERROR}")
+
+
+def test_a_failed_verify_fails_the_run_with_its_error(env, tmp_path):
+    conn, store = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(load_settings())
+    exported_run(conn, store, tmp_path, "vf")
+    assert overall_state(run_status(conn, store, "vf")) == "in_progress"  # exported, its verify to come
+    fail_verify_task(conn, "vf")
+    status = run_status(conn, store, "vf")
+    assert overall_state(status) == "failed"
+    assert status.stages["verify"].state == "failed", status.stages
+    assert any("CUDA out of memory" in e for e in status.stages["verify"].errors)
+    shown = json.loads(eyrie_in_process("status", "vf", "--json", env=env).stdout)
+    assert shown["stages"]["verify"]["state"] == "failed"
+    table = eyrie_in_process("status", "vf", env=env).stdout
+    assert "verify error" in table and "CUDA out of memory" in table
+
+    from eyrie.api.app import create_app
+
+    client = TestClient(create_app(load_settings().model_copy(update={"api_open_reads": True})))
+    assert client.get("/runs/vf").json()["stages"]["verify"]["state"] == "failed"
+    assert next(r for r in client.get("/runs").json() if r["run"] == "vf")["state"] == "failed"
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    states = {s.labels["state"]: s.value for s in families["eyrie_run_state"].samples if s.labels["run"] == "vf"}
+    assert states["failed"] == 1 and states["done"] == 0
+    failures = {s.labels["stage"]: s.value for s in families["eyrie_task_failures"].samples if s.labels["run"] == "vf"}
+    assert failures["verify"] == 1
+
+    retried = retry_run(conn, store, "vf")  # the failed verify runs again
+    assert VERIFY.task_id("vf") in retried["requeued"] and job_state(conn, VERIFY.task_id("vf")) == "queued"
+    assert overall_state(run_status(conn, store, "vf")) == "in_progress"
+
+
+def test_a_verified_or_skipped_run_is_done(env, tmp_path):
+    conn, store = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(load_settings())
+    exported_run(conn, store, tmp_path, "vs", enabled=False)
+    advance(conn, store, "vs")  # verify.enabled false: skipped, with the reason
+    status = run_status(conn, store, "vs")
+    assert status.stages["verify"].state == "done" and status.stages["verify"].skipped == 1
+    assert overall_state(status) == "done"
+    exported_run(conn, store, tmp_path, "vd")
+    manifest = load_run_manifest(store, "vd")
+    manifest.verify = {"vllm_acceptance_length": 2.25, "identical_outputs": True}  # as the verify task records it
+    store.put_json(Layout("vd").manifest, manifest.model_dump())
+    status = run_status(conn, store, "vd")
+    assert status.stages["verify"].state == "done" and status.stages["verify"].done == 1
+    assert overall_state(status) == "done"
+    from eyrie.api.metrics import metrics_response
+
+    families = {f.name: f for f in text_string_to_metric_families(metrics_response(conn, store).body.decode())}
+    acceptance = {s.labels["source"]: s.value for s in families["eyrie_acceptance_length"].samples
+                  if s.labels["run"] == "vd"}
+    assert acceptance == {"eyrie": 1.5, "vllm": 2.25}
+
+
+def test_retry_takes_up_a_skipped_verify_where_a_verifier_is_up_now(env, tmp_path):
+    """The skip's fix says: start a verifier, then `eyrie retry`; the retry decides afresh."""
+    conn, store = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(load_settings())
+    exported_run(conn, store, tmp_path, "vr", enabled=None)
+    advance(conn, store, "vr")  # no verify worker up: skipped, the run done
+    assert load_run_manifest(store, "vr").verify["skipped"].startswith("no worker of the verify queue is up")
+    assert overall_state(run_status(conn, store, "vr")) == "done"
+    verifier = Worker([queue(conn, VERIFY.queue)], connection=conn, serializer=JSONSerializer)
+    verifier.register_birth()  # a verify worker is up now (registered as `eyrie worker verify` registers)
+    try:
+        retry_run(conn, store, "vr")
+        assert load_run_manifest(store, "vr").verify is None
+        assert job_state(conn, VERIFY.task_id("vr")) == "queued"
+        assert run_status(conn, store, "vr").stages["verify"].state == "in_progress"
+    finally:
+        verifier.register_death()
+
+
+def test_a_verifier_restarting_as_the_run_exports_does_not_skip_verify(env, tmp_path):
+    """A verify worker that has just stopped (a restart: `docker compose up` recreating it, a new
+    image) is a verifier of this deployment: the run enqueues its verify and waits for it."""
+    conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
+    config = load_config(tiny_run_config(tmp_path, "vw", verify={"enabled": None}))
+    assert verify_skipped(conn, config) is not None  # none has been up here
+    stopped = subprocess.run([str(BIN / "eyrie"), "worker", "verify", "--burst"], env=env, capture_output=True,
+                             text=True, timeout=300)  # up, then stopped: the queue was empty
+    assert stopped.returncode == 0, stopped.stderr
+    wait_for(lambda: not Worker.count(queue=queue(conn, VERIFY.queue)), "the verify worker gone", timeout=10)
+    assert verify_skipped(conn, config) is None
