@@ -83,7 +83,7 @@ api: setup
 bench: setup
 	$(BIN)/python bench/generate_throughput.py
 
-# Every GPU check in one command (< 8 min on one H200); --dry-run says what it would measure
+# Every GPU check in one command (< 10 min on one H200; on the lent machine: sh bench/gpu_lent_machine.sh); --dry-run says what it would measure
 gpu-checks: setup
 	$(BIN)/python bench/gpu_checks.py
 

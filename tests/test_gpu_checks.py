@@ -1,5 +1,5 @@
 """bench/gpu_checks.py, the one command a session lent a GPU runs first, in its dry mode on the CPU:
-it says what it would measure, fits the 8-minute budget, and every script takes the flags it is
+it says what it would measure, fits the 10-minute budget (one call of the lent machine), and every script takes the flags it is
 given (a renamed flag breaks this test, not the GPU session's scarce minutes)."""
 
 import json
@@ -16,7 +16,7 @@ def test_the_gpu_script_says_what_it_would_measure_and_its_flags_exist():
     report = json.loads(proc.stdout)
     checks = {c["name"]: c for c in report["checks"]}
     assert set(checks) == {"extract", "train", "train-fast-path", "verify", "memory"}
-    assert report["budget_s"] <= report["limit_s"] == 480  # under 8 minutes on one H200
+    assert report["budget_s"] <= report["limit_s"] == 600  # one 10-minute command on the lent H200
     for name in ("extract", "train", "train-fast-path", "memory"):
         assert checks[name]["status"] == "ready", checks[name]
     assert "--shape 8b --device cuda" in checks["extract"]["command"] and "bare" in checks["extract"]["measures"]
