@@ -185,6 +185,11 @@ def load_capture(settings, conn, store, warm_run: str, config, device: str, from
             return cls.from_config(config, dtype=config.dtype)
 
     xs.loaded_capture.cache_clear()
+    # On a GPU each task releases the GPU lease after its shard, and the release empties the
+    # extractor's model cache (the next holder needs the memory): the timed runs would reload the
+    # target, and the 8B one is never on disk (the first H200 run failed so). Here nobody else
+    # waits for the GPU, so the cache is kept for the benchmark's lifetime, as on the CPU.
+    xs.ExtractRunner.gpu_caches = ()
     xs.HFCapture = Recording
     if not from_disk:
         cls.from_pretrained = random_init
