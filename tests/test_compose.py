@@ -31,8 +31,10 @@ IMAGE_OF = {"extract-server": "inference", "verifier": "inference"}  # the same 
 # The service packages each image needs: its own; the extractor's planner wherever a task's callback
 # may continue a planned extract stage (eyrie.runs.pipeline.advance); the extractor's vLLM command and
 # connector and the trainer's verify in the inference image (extraction server, verify Job).
-PACKAGES_OF = {"api": {"generator", "inference", "extractor", "trainer"}, "generator": {"generator", "extractor"},
-               "extractor": {"extractor"}, "trainer": {"trainer", "extractor"},
+# The service packages each image copies (issue 32: the API's none, a stage's image only its own; the
+# inference image also runs vLLM's extraction server and the verify worker). tests/test_compose_e2e.py
+# checks the built images hold these; tests/test_architecture.py that they hold what their workers call.
+PACKAGES_OF = {"api": set(), "generator": {"generator"}, "extractor": {"extractor"}, "trainer": {"trainer"},
                "inference": {"inference", "extractor", "trainer"}}
 ONE_SHOT = {"preflight", "minio-init"}
 WORKER_STAGE = {"generator": "generate", "extractor": "extract", "trainer": "train"}
