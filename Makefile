@@ -47,10 +47,13 @@ chromium:
 # own test goes last, on the built images. The build's log: .eyrie/compose-stack.log; every test's
 # time: .eyrie/pytest.xml (docs/testing.md's profile; DURATIONS=0 prints them all).
 DURATIONS ?= 30
+# pytest's processes (pytest-xdist, a module to each; the heaviest modules first: tests/tiers.py)
+TEST_PROCS ?= 2
 test: setup
 	@mkdir -p .eyrie; { $(MAKE) --no-print-directory compose-stack >.eyrie/compose-stack.log 2>&1; \
 	   echo $$? >.eyrie/compose-stack.rc; } & \
-	$(BIN)/pytest -q --durations=$(DURATIONS) --junitxml=.eyrie/pytest.xml --ignore=tests/test_compose_e2e.py; \
+	$(BIN)/pytest -q -n $(TEST_PROCS) --dist loadfile --durations=$(DURATIONS) --junitxml=.eyrie/pytest.xml \
+	  --ignore=tests/test_compose_e2e.py; \
 	rest=$$?; wait; \
 	if [ "$$(cat .eyrie/compose-stack.rc)" != 0 ]; then tail -40 .eyrie/compose-stack.log; exit 1; fi; \
 	$(BIN)/pytest -q --junitxml=.eyrie/pytest-stack.xml tests/test_compose_e2e.py && exit $$rest
