@@ -15,7 +15,7 @@ import pytest
 import redis
 from safetensors import safe_open
 
-from conftest import BIN, OFFLINE, S3_KEYS, TINY, TRAIN_PROMPTS, clone_run, eyrie, tiny_run_config
+from conftest import BIN, OFFLINE, S3_KEYS, TINY, TRAIN_PROMPTS, clone_run, eyrie, eyrie_in_process, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.data.manifest import Layout, RunManifest
 from eyrie.data.store import open_store
@@ -243,14 +243,18 @@ def test_a_cancelled_training_stops_with_a_checkpoint_and_a_retry_resumes_it(pip
     env, _ = pipeline
     store = store_of(env)
     clone_run(store, "p", "stopme")
-    eyrie("train", "--run", "stopme", "--epochs", "2", *TRAIN, env=env)
+    eyrie("train", "--run", "stopme", "--epochs", "3", *TRAIN, env=env)
     worker = subprocess.Popen([str(BIN / "eyrie"), "worker", "train"], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def steps_done() -> int:  # in process: a Python start per poll (seconds on a busy machine) let training end first
+        return json.loads(eyrie_in_process("status", "stopme", "--json", env=env).stdout)["stages"]["train"]["done"] or 0
+
     try:
         deadline = time.monotonic() + 600
-        while (status("stopme", env)["stages"]["train"]["done"] or 0) < 3 and time.monotonic() < deadline:
-            time.sleep(0.3)
-        assert "stopme" in eyrie("cancel", "stopme", env=env).stdout
+        while steps_done() < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "stopme" in eyrie_in_process("cancel", "stopme", env=env).stdout
         deadline = time.monotonic() + 120
         while status("stopme", env)["stages"]["train"]["state"] != "cancelled" and time.monotonic() < deadline:
             time.sleep(0.5)
