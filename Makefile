@@ -55,7 +55,7 @@ test: setup
 	{ $(MAKE) --no-print-directory compose-stack >.eyrie/compose-stack.log 2>&1; echo $$? >.eyrie/compose-stack.rc; \
 	  [ "$$(cat .eyrie/compose-stack.rc)" = 0 ] && { $(BIN)/pytest -q --junitxml=.eyrie/pytest-stack.xml \
 	    tests/test_compose_e2e.py >.eyrie/stack-test.log 2>&1; echo $$? >.eyrie/stack-test.rc; }; } & \
-	$(BIN)/pytest -q -n $(TEST_PROCS) --dist loadfile --durations=$(DURATIONS) --junitxml=.eyrie/pytest.xml \
+	$(BIN)/pytest -q -n $(TEST_PROCS) --dist loadfile --no-loadscope-reorder --durations=$(DURATIONS) --junitxml=.eyrie/pytest.xml \
 	  --ignore=tests/test_compose_e2e.py; \
 	rest=$$?; wait; \
 	if [ "$$(cat .eyrie/compose-stack.rc)" != 0 ]; then tail -40 .eyrie/compose-stack.log; exit 1; fi; \

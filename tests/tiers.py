@@ -53,8 +53,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.user_properties.append(("tier", tier))  # in --junitxml's report: scripts/suite_profile.py
         heaviest[item.nodeid.split("::")[0]] = max(heaviest.get(item.nodeid.split("::")[0], 0), TIERS.index(tier))
     # e2e modules first, then integration, then unit (each module's tests in their order): under
-    # `make test`'s pytest-xdist (a module to each process) a long module started last would leave
-    # one process working alone at the end.
+    # `make test`'s pytest-xdist (a module to each process, in this order: --no-loadscope-reorder, else
+    # xdist starts the modules with the most tests first) a long module started last would leave one
+    # process working alone at the end (test_train_e2e did: 8 tests, the last 6 minutes).
     items.sort(key=lambda item: -heaviest[item.nodeid.split("::")[0]])
 
 
