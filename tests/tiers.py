@@ -45,18 +45,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    heaviest: dict[str, int] = {}
     for item in items:
         tier = tier_of(item)
         if not item.get_closest_marker(tier):
             item.add_marker(getattr(pytest.mark, tier))
         item.user_properties.append(("tier", tier))  # in --junitxml's report: scripts/suite_profile.py
-        heaviest[item.nodeid.split("::")[0]] = max(heaviest.get(item.nodeid.split("::")[0], 0), TIERS.index(tier))
-    # e2e modules first, then integration, then unit (each module's tests in their order): under
-    # `make test`'s pytest-xdist (a module to each process, in this order: --no-loadscope-reorder, else
-    # xdist starts the modules with the most tests first) a long module started last would leave one
-    # process working alone at the end (test_train_e2e did: 8 tests, the last 6 minutes).
-    items.sort(key=lambda item: -heaviest[item.nodeid.split("::")[0]])
 
 
 class _NoProcess:
