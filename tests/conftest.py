@@ -313,3 +313,23 @@ def state_of(pid: int, field: int = 2) -> str:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[field - 2]
     except (OSError, IndexError):
         return ""
+
+
+SEED_EXAMPLE = ROOT / "examples" / "run.kimi-k2.5.yaml"
+
+
+def plan_env(tmp_path: Path, **extra) -> dict:
+    """An environment for planning in process: this host's own EYRIE_* settings left out, a file store."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("EYRIE_")}
+    return {**clean, **OFFLINE, "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}",
+            "EYRIE_CACHE_DIR": str(tmp_path / "cache"), **extra}
+
+
+def seed_variant(tmp_path: Path, name: str, **sections) -> str:
+    """The seed's example with some of its sections changed, key by key (a None value drops the key)."""
+    body = yaml.safe_load(SEED_EXAMPLE.read_text())
+    for section, values in sections.items():
+        body[section] = {k: v for k, v in {**body.get(section, {}), **values}.items() if v is not None}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return str(path)

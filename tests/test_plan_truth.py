@@ -9,9 +9,8 @@ import os
 import stat
 
 import pytest
-import yaml
 
-from conftest import OFFLINE, ROOT, eyrie_in_process, tiny_run_config
+from conftest import OFFLINE, ROOT, eyrie_in_process, plan_env, seed_variant, tiny_run_config
 from eyrie.core.budget import parse_size
 from eyrie.core.stage_settings import ExtractSettings
 from eyrie.core.storage import resolve_mode
@@ -22,24 +21,8 @@ from eyrie.runs.storage_plan import auto_choice
 SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
 
 
-def _env(tmp_path, **extra) -> dict:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("EYRIE_")}
-    return {**clean, **OFFLINE, "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}",
-            "EYRIE_CACHE_DIR": str(tmp_path / "cache"), **extra}
-
-
-def _seed(tmp_path, name: str, **sections) -> str:
-    body = yaml.safe_load(SEED.read_text())
-    for section, values in sections.items():
-        body[section] = {**body.get(section, {}), **values}
-        body[section] = {k: v for k, v in body[section].items() if v is not None}
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(body))
-    return str(path)
-
-
 def _plan(path: str, tmp_path, **env) -> dict:
-    return json.loads(eyrie_in_process("run", "--config", path, "--plan", "--json", env=_env(tmp_path, **env)).stdout)
+    return json.loads(eyrie_in_process("run", "--config", path, "--plan", "--json", env=plan_env(tmp_path, **env)).stdout)
 
 
 def test_without_mean_tokens_the_mean_is_estimated_from_a_local_dataset(tmp_path):
@@ -50,10 +33,10 @@ def test_without_mean_tokens_the_mean_is_estimated_from_a_local_dataset(tmp_path
     assert plan["mean_tokens_from"].startswith("estimated from the dataset's 306 rows"), plan["mean_tokens_from"]
     assert 64 < plan["mean_tokens"] < 100 and plan["hidden_states_bytes_expected"] < 20e6
     assert plan["fits"] is True and plan["refusals"] == []
-    out = eyrie_in_process("run", "--config", path, "--plan", env=_env(tmp_path)).stdout
+    out = eyrie_in_process("run", "--config", path, "--plan", env=plan_env(tmp_path)).stdout
     assert "estimated from the dataset's 306 rows" in out and "refused below" not in out
     tight = tiny_run_config(tmp_path, "est-tight", extract={"budget": "5MB"})
-    refused = eyrie_in_process("run", "--config", tight, "--plan", env=_env(tmp_path), check=False)
+    refused = eyrie_in_process("run", "--config", tight, "--plan", env=plan_env(tmp_path), check=False)
     assert refused.returncode == 1 and "extract.budget is 5.00 MB" in refused.stderr, refused.stderr
 
 
@@ -61,8 +44,8 @@ def test_without_mean_tokens_a_budget_that_cannot_be_checked_is_refused(tmp_path
     """A hub dataset --plan does not download: no rows to estimate from, and every state (offline) at
     the upper bound over the budget. Refused, naming plan.mean_tokens, not 'refused below' and exit 0.
     (auto and hybrid fill the budget whatever the mean: nothing to refuse there.)"""
-    path = _seed(tmp_path, "no-mean", plan={"mean_tokens": None}, extract={"storage": "offline"})
-    result = eyrie_in_process("run", "--config", path, "--plan", env=_env(tmp_path), check=False)
+    path = seed_variant(tmp_path, "no-mean", plan={"mean_tokens": None}, extract={"storage": "offline"})
+    result = eyrie_in_process("run", "--config", path, "--plan", env=plan_env(tmp_path), check=False)
     assert result.returncode == 1, result.stdout
     assert "plan.mean_tokens" in result.stderr and "mlabonne/open-perfectblend" in result.stderr
 
@@ -70,7 +53,7 @@ def test_without_mean_tokens_a_budget_that_cannot_be_checked_is_refused(tmp_path
 @pytest.mark.parametrize("source", ["./nowhere.jsonl", "nowhere.jsonl", "assets/nowhere.jsonl", "data/x/y"])
 def test_a_missing_dataset_path_is_named_as_one(tmp_path, source):
     path = tiny_run_config(tmp_path, "missing", dataset={"source": source})
-    result = eyrie_in_process("run", "--config", path, "--plan", env=_env(tmp_path), check=False)
+    result = eyrie_in_process("run", "--config", path, "--plan", env=plan_env(tmp_path), check=False)
     assert result.returncode == 1
     assert f"no such file {source} (looked in {os.getcwd()})" in result.stderr, result.stderr
     assert "dataset.limit" not in result.stderr
@@ -78,7 +61,7 @@ def test_a_missing_dataset_path_is_named_as_one(tmp_path, source):
 
 def test_a_hub_shaped_name_not_found_here_is_taken_as_a_hub_id_and_says_so(tmp_path):
     path = tiny_run_config(tmp_path, "hub", dataset={"source": "assets/nowhere"})
-    result = eyrie_in_process("run", "--config", path, "--plan", env=_env(tmp_path), check=False)
+    result = eyrie_in_process("run", "--config", path, "--plan", env=plan_env(tmp_path), check=False)
     assert result.returncode == 1
     assert f"assets/nowhere is not a file or directory in {os.getcwd()}, so it is taken as a Hugging Face hub " \
            "dataset id" in result.stderr, result.stderr
@@ -86,17 +69,17 @@ def test_a_hub_shaped_name_not_found_here_is_taken_as_a_hub_id_and_says_so(tmp_p
 
 def test_the_targets_download_is_counted_in_bytes_and_hours(tmp_path):
     """The seed's target is a hub id: its 540 GB come down before the server answers."""
-    plan = _plan(_seed(tmp_path, "dl"), tmp_path, EYRIE_SERVE_DEADLINE_S="600")
+    plan = _plan(seed_variant(tmp_path, "dl"), tmp_path, EYRIE_SERVE_DEADLINE_S="600")
     assert plan["target_download_bytes"] == parse_size("540GB")
     download = plan["hours"]["download"]
     assert download["bytes_per_s"] == parse_size("500MB") and download["hours"] == round(540 / 0.5 / 3600, 2)
     stages = ("download", "generate", "extract", "train")
     assert plan["hours"]["total"] == round(sum(plan["hours"][s]["hours"] for s in stages), 2)
-    out = eyrie_in_process("run", "--config", _seed(tmp_path, "dl"), "--plan",
-                           env=_env(tmp_path, EYRIE_SERVE_DEADLINE_S="600")).stdout
+    out = eyrie_in_process("run", "--config", seed_variant(tmp_path, "dl"), "--plan",
+                           env=plan_env(tmp_path, EYRIE_SERVE_DEADLINE_S="600")).stdout
     assert "the target's weights 540.00 GB, downloaded from the hub" in out
     assert "longer than EYRIE_SERVE_DEADLINE_S (600 s)" in out
-    unknown = _plan(_seed(tmp_path, "dl-unknown", plan={"download_per_s": None}), tmp_path)
+    unknown = _plan(seed_variant(tmp_path, "dl-unknown", plan={"download_per_s": None}), tmp_path)
     assert unknown["hours"]["download"]["hours"] is None and unknown["hours"]["total"] is None
     local = _plan(tiny_run_config(tmp_path, "local"), tmp_path)  # a local directory: nothing to download
     assert local["target_download_bytes"] == 0 and local["hours"]["download"]["hours"] == 0
@@ -117,7 +100,7 @@ def test_hybrid_and_online_count_the_service_gpu_hours_they_hold(tmp_path):
 @pytest.mark.integration  # it runs a (stand-in) nvidia-smi
 def test_gpu_memory_is_this_hosts_device_where_the_plan_runs_on_one(tmp_path, monkeypatch):
     """A test double for the GPU: an `nvidia-smi` that reports an 80 GB card (81,559 MiB)."""
-    config = load_config(_seed(tmp_path, "device", plan={"gpu_memory": None}))
+    config = load_config(seed_variant(tmp_path, "device", plan={"gpu_memory": None}))
     from eyrie.core.config import load_settings
 
     bin_dir = tmp_path / "bin"
@@ -155,7 +138,7 @@ def test_the_top_level_fits_describes_the_chosen_mode(tmp_path):
     assert plan["all_states_fit"] is False and plan["all_states_fit_expected"] is False
     from eyrie.core.config import load_settings
 
-    offline = project(load_config(_seed(tmp_path, "offline", extract={"storage": "offline"})), load_settings(),
+    offline = project(load_config(seed_variant(tmp_path, "offline", extract={"storage": "offline"})), load_settings(),
                       measure=False)
     assert offline["fits"] is False and offline["fits_expected"] is False  # refused: the mode asked does not fit
 
@@ -172,5 +155,5 @@ def test_eyrie_run_refuses_what_the_estimated_mean_shows_over_the_budget(tmp_pat
     with pytest.raises(EyrieError, match="extract.budget is 5.00 MB"):
         refuse_before_start(load_config(tiny_run_config(tmp_path, "tight", extract={"budget": "5MB"})), load_settings())
     refuse_before_start(load_config(tiny_run_config(tmp_path, "roomy", extract={"budget": "20MB"})), load_settings())
-    unknown = load_config(_seed(tmp_path, "no-mean", plan={"mean_tokens": None}, extract={"storage": "offline"}))
+    unknown = load_config(seed_variant(tmp_path, "no-mean", plan={"mean_tokens": None}, extract={"storage": "offline"}))
     refuse_before_start(unknown, load_settings())  # extract checks the real bytes after generation
