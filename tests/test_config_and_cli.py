@@ -167,6 +167,30 @@ def test_a_sigtermed_demo_stops_everything_it_started_and_named_its_server(env, 
     wait_for(lambda: not _living_in(tmp_path), "no process of the demo left in its directory", timeout=60, every=0.5)
 
 
+def test_a_sigterm_as_the_demo_starts_a_child_waits_until_the_child_is_kept():
+    """The race behind a demo child left running after SIGTERM (CI, stop 34): raised inside Popen,
+    after the fork, the interrupt left that child unknown to the demo, which stopped the others."""
+    import os
+    import signal
+
+    from eyrie.commands.embedded import _Interrupt
+
+    interrupt, kept = _Interrupt(), []
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupt.held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                kept.append("the child")  # Popen returning, and the demo keeping what it returned
+        assert kept == ["the child"]
+        with pytest.raises(KeyboardInterrupt):  # outside a start: at once
+            os.kill(os.getpid(), signal.SIGTERM)
+            kept.append("not reached")
+        assert kept == ["the child"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _living_in(folder) -> list[int]:
     """Processes (not zombies) whose working directory is `folder`."""
     import os

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -60,19 +61,22 @@ def run_demo(config: Path, run: str, dataset: str | None = None) -> int:
     console.print(f"[bold]eyrie demo[/]: `eyrie run --config {config}` as run {run}: Redis "
                   f"{safe_url(settings.redis_url)}, store {store.url}, target {cfg.target.model} on "
                   f"{SERVERS[settings.server]}; logs in {LOGS}/")
-    procs = []
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    procs, interrupt = [], _Interrupt()
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        procs.append(start("inference", ["serve", "--config", str(config)], env))
+        with interrupt.held():
+            procs.append(start("inference", ["serve", "--config", str(config)], env))
         started = time.monotonic()
         inference.wait_ready(conn, 300)
         console.print(f"inference ready in {time.monotonic() - started:.1f} s")
-        for queue, name in workers.items():  # each kept as it starts: a SIGTERM between two stops both
-            procs.append(start(name, ["worker", queue], env))
+        for queue, name in workers.items():
+            with interrupt.held():
+                procs.append(start(name, ["worker", queue], env))
         console.print(pipeline_started(start_and_plan(settings, conn, store, cfg)))
         return follow(conn, store, cfg)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         for proc in reversed(procs):
             stop(proc)
 
@@ -80,8 +84,28 @@ def run_demo(config: Path, run: str, dataset: str | None = None) -> int:
 SERVERS = {"transformers": "transformers serve (CPU)", "vllm": "vLLM (EYRIE_VLLM_COMMAND)"}
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # the demo's children are stopped on the way out
+class _Interrupt:
+    """SIGTERM as Ctrl-C (the demo's children are stopped on the way out), held while a child starts:
+    raised inside Popen, after the fork, it would leave that child running and unknown to the demo."""
+
+    def __init__(self):
+        self.holding, self.pending = False, False
+
+    def __call__(self, signum, frame):
+        if self.holding:
+            self.pending = True
+            return
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def held(self):
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.pending:
+            raise KeyboardInterrupt
 
 
 def demo_config(config: Path, run: str, dataset: str | None):
