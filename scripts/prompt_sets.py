@@ -1,7 +1,9 @@
 """Write assets/prompts/train-mix.jsonl, the real-model example's training prompts, from the committed raw
 sets: GSM8K train questions (7,473) then self-instruct seed tasks (175: the instruction, plus a blank line and
-the first instance's input when it has one). Deterministic, stdlib only; assets/prompts/README.md says where
-each raw file comes from.
+the first instance's input when it has one); and train-mix-1k.jsonl, issue 28's 1,000-prompt point: the first
+900 GSM8K questions with the first 100 seed tasks spread through them (every 10th row), so that every prefix
+holds a 10% self-instruct share. Deterministic, stdlib only; assets/prompts/README.md says where each raw file
+comes from.
 
     python scripts/prompt_sets.py
 """
@@ -13,6 +15,7 @@ PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts"
 GSM8K_TRAIN = PROMPTS / "gsm8k" / "train.jsonl"
 SEED_TASKS = PROMPTS / "self-instruct" / "seed_tasks.jsonl"
 OUT = PROMPTS / "train-mix.jsonl"
+OUT_1K = PROMPTS / "train-mix-1k.jsonl"
 EXPECTED = {"gsm8k": 7_473, "self-instruct": 175}
 
 
@@ -40,8 +43,20 @@ def train_mix() -> list[dict]:
     return gsm8k + seeds
 
 
-if __name__ == "__main__":
-    rows = train_mix()
-    with OUT.open("w", encoding="utf-8", newline="\n") as f:
+def spread(rows: list[dict], size: int, every: int) -> list[dict]:
+    """`size` rows: one self-instruct seed task in every `every`, GSM8K questions between them, each in file order."""
+    gsm8k = iter(r for r in rows if r["source"] == "gsm8k")
+    seeds = iter(r for r in rows if r["source"] == "self-instruct")
+    return [next(seeds) if i % every == every - 1 else next(gsm8k) for i in range(size)]
+
+
+def write(rows: list[dict], out: Path) -> None:
+    with out.open("w", encoding="utf-8", newline="\n") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    print(f"{len(rows)} prompts in {OUT}")
+    print(f"{len(rows)} prompts in {out}")
+
+
+if __name__ == "__main__":
+    mix = train_mix()
+    write(mix, OUT)
+    write(spread(mix, 1000, 10), OUT_1K)
