@@ -337,12 +337,13 @@ def test_a_run_started_twice_does_its_work_once(env, counting_inference, tmp_pat
     env = {**env, "EYRIE_INFERENCE_URL": counting_inference}
     workers.env = env
     workers.start("generate", "generate", "extract", "extract", "train")
-    path = run_config(tmp_path, "twice", train={"epochs": 1})
+    path = run_config(tmp_path, "twice", train={"epochs": 1}, generate={"request_timeout_s": 600})  # below
     both = [subprocess.Popen([str(BIN / "eyrie"), "run", "--config", path], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     assert [p.wait(120) for p in both] == [0, 0], [p.stdout.read() for p in both]
     eyrie("generate", "--dataset", str(TRAIN_PROMPTS), "--limit", str(ROWS), "--run", "twice", "--shard-size", "16",
-          "--max-tokens", "32", "--concurrency", "8", "--timeout", "60", env=env)
+          "--max-tokens", "32", "--concurrency", "8", "--timeout", "600", env=env)  # a request that times out
+    # is sent again (a retry, not a second work unit): on a crowded machine 8 in flight took 50-60 s each
     wait_for(lambda: stage_done("twice", env), "the drafter exported", timeout=600)
     import requests
 

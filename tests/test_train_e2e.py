@@ -169,6 +169,7 @@ def test_a_base_that_does_not_fit_is_refused_before_training(pipeline, tmp_path)
     assert store.get_json(Layout("mismatch").manifest)["train"] is None  # nothing planned, nothing queued
 
 
+@pytest.mark.timeout(1500)  # its own bounds: 600 s to the first checkpoint, 900 s for the resumed worker
 def test_a_killed_trainer_resumes_from_its_last_checkpoint(pipeline):
     env, _ = pipeline
     store = store_of(env)
