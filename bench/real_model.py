@@ -21,10 +21,11 @@ from pathlib import Path
 import redis
 import yaml
 
-from eyrie.commands.embedded import stop as stop_process
+from eyrie.commands.embedded import HeldInterrupt, stop as stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS_START_S = 30
+INTERRUPT = HeldInterrupt()  # SIGTERM as Ctrl-C, held while a child starts (eyrie demo's)
 
 
 def home_dir(given: Path | None) -> Path:
@@ -155,7 +156,8 @@ def continue_pipeline(config: Path, env: dict, logs: Path, p: dict | None) -> in
     try:
         for name, args in services_needed(p, (cfg.get("extract") or {}).get("backend", "hf"), queues):
             print(f"starting {name}: eyrie {' '.join(args).format(config=config)} (log {logs / name}.log)", flush=True)
-            procs.append(start([a.format(config=config) for a in args], env, logs / f"{name}.log"))
+            with INTERRUPT.held():
+                procs.append(start([a.format(config=config) for a in args], env, logs / f"{name}.log"))
         return subprocess.run([sys.executable, "-m", "eyrie.commands.cli", "run", "--config", str(config), "--wait"],
                               cwd=ROOT, env=env).returncode
     finally:
@@ -200,13 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                                     *a.curve_args.split()]) or 0
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # everything started here is stopped on the way out
-
-
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, INTERRUPT)
     try:
         sys.exit(main())
     except KeyboardInterrupt:

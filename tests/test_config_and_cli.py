@@ -173,9 +173,9 @@ def test_a_sigterm_as_the_demo_starts_a_child_waits_until_the_child_is_kept():
     import os
     import signal
 
-    from eyrie.commands.embedded import _Interrupt
+    from eyrie.commands.embedded import HeldInterrupt
 
-    interrupt, kept = _Interrupt(), []
+    interrupt, kept = HeldInterrupt(), []
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         with pytest.raises(KeyboardInterrupt):

@@ -61,7 +61,7 @@ def run_demo(config: Path, run: str, dataset: str | None = None) -> int:
     console.print(f"[bold]eyrie demo[/]: `eyrie run --config {config}` as run {run}: Redis "
                   f"{safe_url(settings.redis_url)}, store {store.url}, target {cfg.target.model} on "
                   f"{SERVERS[settings.server]}; logs in {LOGS}/")
-    procs, interrupt = [], _Interrupt()
+    procs, interrupt = [], HeldInterrupt()
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         with interrupt.held():
@@ -84,9 +84,9 @@ def run_demo(config: Path, run: str, dataset: str | None = None) -> int:
 SERVERS = {"transformers": "transformers serve (CPU)", "vllm": "vLLM (EYRIE_VLLM_COMMAND)"}
 
 
-class _Interrupt:
-    """SIGTERM as Ctrl-C (the demo's children are stopped on the way out), held while a child starts:
-    raised inside Popen, after the fork, it would leave that child running and unknown to the demo."""
+class HeldInterrupt:
+    """SIGTERM as Ctrl-C (the caller stops its children on the way out), held while a child starts:
+    raised inside Popen, after the fork, it would leave that child running and unknown to the caller."""
 
     def __init__(self):
         self.holding, self.pending = False, False
