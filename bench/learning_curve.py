@@ -24,10 +24,10 @@ from eyrie.data.manifest import Layout, load_run_manifest
 from eyrie.data.store import open_store
 from eyrie.runs.pipeline import stored_config
 from eyrie.work.gpu import pick_device
-from eyrie_trainer import engine
+from eyrie_trainer import checkpoints, engine
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
 from eyrie_trainer.evaluate import simulate
-from eyrie_trainer.export import _served_config, _transfer, load_drafter
+from eyrie_trainer.export import _served_config, _transfer, download, load_drafter
 from eyrie_trainer.runner import speculators_options
 from eyrie_trainer.verify import (HELDOUT, Served, answer_limits, benchmark_prompts, benchmark_result, heldout_prompts,
                                   max_model_len, serve_flags)
@@ -59,7 +59,8 @@ def stage_time(shards: list[dict]) -> dict:
     start = min(dt.datetime.fromisoformat(s["started_at"]) for s in shards)
     wall = (max(dt.datetime.fromisoformat(s["finished_at"]) for s in shards) - start).total_seconds()
     done = sum(s["counts"]["done"] for s in shards)
-    return {"wall_s": wall, "prompts": done, "shards": len(shards), "s_per_1k": wall / done * 1000 if done else None}
+    return {"wall_s": wall, "prompts": done, "shards": len(shards), "s_per_1k": wall / done * 1000 if done else None,
+            "finished_at": max(dt.datetime.fromisoformat(s["finished_at"]) for s in shards).isoformat()}
 
 
 def _f(value, spec=".2f") -> str:
@@ -93,7 +94,8 @@ def section(r: dict, svg: str | None = None) -> list[str]:
             _f(t["wall_s"] / 60, ".1f"), per_1k(t["wall_s"], t["prompts"]) if t["prompts"] else "-"))
     for p in r["points"] + ([r["anchor"]] if r.get("anchor") else []):
         who = "speculators' defaults" if p["label"] == "anchor" else "eyrie"
-        out.append(_row(f"train ({who})", f"{p['prompts']} prompts, {p['epochs']} epochs, timed here",
+        timed = "the run's train stage: extraction's end to its last epoch checkpoint" if p.get("from_run") else "timed here"
+        out.append(_row(f"train ({who})", f"{p['prompts']} prompts, {p['epochs']} epochs, {timed}",
                         _f(p["train_s"] / 60, ".1f"), per_1k(p["train_s"], p["prompts"])))
         out.append(_row(f"verify ({who}, {p['prompts']})", f"{answered} prompts, server start in, timed here",
                         _f(p["verify_s"] / 60, ".1f"), per_1k(p["verify_s"], answered)))
@@ -201,6 +203,27 @@ def train(options: dict, device: str, fast_path: bool) -> tuple[dict, float, Pat
         raise SystemExit(f"training was interrupted (rerun the command: it resumes from {save}), or speculators "
                          f"saved no epoch checkpoint in {save}.")
     return path, wall, max(epochs, key=lambda d: int(d.name))
+
+
+def run_point(store, manifest, folder: Path, n: int, params, recipe) -> dict | None:
+    """The whole training pool is the run's own training set: its train stage's exported drafter (the best epoch
+    by held-out τ) and evaluation are the point, not trained again (None: the run has no drafter yet). Train time:
+    the end of extraction to the last epoch checkpoint's upload (data preparation in, evaluation and export not)."""
+    layout = Layout(manifest.run)
+    if not store.exists(layout.drafter_manifest):
+        return None
+    print(f"{n} training prompts: the run's own training set: its exported drafter, not trained again", flush=True)
+    record = download(store, manifest.run, folder / "drafter")
+    evaluation = store.get_json(layout.evaluation)
+    best = next(c for c in evaluation["checkpoints"] if c["label"] == record["checkpoint"])
+    extracted = recorded_stage_times(store, manifest)["extract"]
+    last = max((m for m in checkpoints.stored(store, layout) if m["local_step"] == 0), key=lambda m: m["epoch"])
+    train_s = (dt.datetime.fromisoformat(last["saved_at"]) - dt.datetime.fromisoformat(extracted["finished_at"])
+               ).total_seconds()
+    return {"label": str(n), "prompts": n, "epochs": params.epochs, "train_s": train_s, "recipe": recipe.statement(),
+            "path": record["training_path"], "checkpoint": f"the run's {record['checkpoint']} (best of "
+            f"{len(evaluation['checkpoints'])} by held-out τ)", "drafter": folder / "drafter", "eyrie_tau": best["tau"],
+            "eyrie": {key: best[key] for key in ("per_position_acceptance", "drafts", "samples")}, "from_run": True}
 
 
 def judge(checkpoint: Path, manifest, eval_dir: Path, out: Path, k: int, device: str) -> dict:
@@ -315,6 +338,9 @@ def main(argv: list[str] | None = None) -> None:
     for n, ids in chosen.items():
         params, recipe = slice_params(manifest, [by_id[i] for i in ids], device, a.epochs)
         wanted, folder = set(ids), work / str(n)
+        if n == len(pool) and (point := run_point(store, manifest, folder, n, params, recipe)) is not None:
+            points.append(point)
+            continue
         options = speculators_options(params, manifest, folder / "data", folder, workers, (n, n_eval), device)
         if (point := kept_point(folder, options)) is not None:
             print(f"{n} training prompts: reused (trained and judged in an earlier sitting)", flush=True)

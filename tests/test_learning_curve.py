@@ -107,7 +107,8 @@ def test_stage_time_spans_the_first_start_to_the_last_finish():
                "counts": {"done": 500}},
               {"started_at": "2025-01-01T10:05:00+00:00", "finished_at": "2025-01-01T10:30:00+00:00",
                "counts": {"done": 250}}]
-    assert lc.stage_time(shards) == {"wall_s": 1800.0, "prompts": 750, "shards": 2, "s_per_1k": 2400.0}
+    assert lc.stage_time(shards) == {"wall_s": 1800.0, "prompts": 750, "shards": 2, "s_per_1k": 2400.0,
+                                     "finished_at": "2025-01-01T10:30:00+00:00"}
 
 
 @pytest.mark.parametrize("max_steps", [None, 40])
@@ -169,5 +170,37 @@ def test_stage_times_come_from_the_stores_shard_manifests_or_say_why_not(tmp_pat
             "counts": {"done": 300}})
     store.put_json(layout.extract_shard_manifest(0), store.get_json(layout.generate_shard_manifest(0)))
     times = lc.recorded_stage_times(store, manifest)
-    assert times["generate"] == {"wall_s": 720.0, "prompts": 600, "shards": 2, "s_per_1k": 1200.0}
+    assert times["generate"] == {"wall_s": 720.0, "prompts": 600, "shards": 2, "s_per_1k": 1200.0,
+                                 "finished_at": "2025-01-01T10:12:00+00:00"}
     assert "has not finished" in times["extract"]["n/a"]
+
+
+def test_the_whole_pool_is_the_runs_own_drafter_not_trained_again(tmp_path):
+    store, layout = FileStore(tmp_path / "store"), Layout("r")
+    manifest = SimpleNamespace(run="r", generate_shards=[SimpleNamespace(index=0)])
+    params, recipe = SimpleNamespace(epochs=4), SimpleNamespace(statement=lambda: "lr 1e-3 ...")
+    folder = tmp_path / "900"
+    assert lc.run_point(store, manifest, folder, 900, params, recipe) is None  # no drafter yet: trained here
+    shard = {"started_at": "2025-01-01T10:00:00+00:00", "finished_at": "2025-01-01T10:30:00+00:00",
+             "counts": {"done": 1000}}
+    for stage in ("generate", "extract"):
+        store.put_json(layout.shard_manifest(stage, 0), shard)
+    for epoch, saved in ((0, "10:45:00"), (1, "11:00:00"), (1, "11:05:00")):
+        store.put_json(layout.checkpoint_manifest(f"e{epoch}-{saved[:2]}{saved[3:5]}"), {
+            "label": str(epoch), "epoch": epoch, "local_step": 0 if saved != "11:05:00" else 7, "files": {},
+            "saved_at": f"2025-01-01T{saved}+00:00"})
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"weights")
+    info = store.put_file(layout.drafter_file("model.safetensors"), weights)
+    store.put_json(layout.drafter_manifest, {
+        "files": {"model.safetensors": {"key": info.key, "sha256": info.sha256, "bytes": info.size}},
+        "checkpoint": "1", "training_path": {"path": "safe"}})
+    store.put_json(layout.evaluation, {"checkpoints": [
+        {"label": "0", "tau": 1.9, "per_position_acceptance": [0.5], "drafts": 10, "samples": 2},
+        {"label": "1", "tau": 2.2, "per_position_acceptance": [0.6], "drafts": 12, "samples": 2}]})
+    point = lc.run_point(store, manifest, folder, 900, params, recipe)
+    assert point["from_run"] and point["eyrie_tau"] == 2.2 and point["eyrie"]["drafts"] == 12
+    assert point["train_s"] == 1800.0  # extraction's end to the last epoch checkpoint, not a mid-epoch one
+    assert (folder / "drafter" / "model.safetensors").read_bytes() == b"weights"
+    assert "the run's train stage" in "\n".join(lc.section(result() | {"points": [
+        {**p, "train_s": 1800.0, "from_run": True} for p in result()["points"]]}))
