@@ -205,7 +205,7 @@ def train(options: dict, device: str, fast_path: bool) -> tuple[dict, float, Pat
     return path, wall, max(epochs, key=lambda d: int(d.name))
 
 
-def run_point(store, manifest, folder: Path, n: int, params, recipe) -> dict | None:
+def run_point(store, manifest, folder: Path, n: int) -> dict | None:
     """The whole training pool is the run's own training set: its train stage's exported drafter (the best epoch
     by held-out τ) and evaluation are the point, not trained again (None: the run has no drafter yet). Train time:
     the end of extraction to the last epoch checkpoint's upload (data preparation in, evaluation and export not)."""
@@ -220,7 +220,7 @@ def run_point(store, manifest, folder: Path, n: int, params, recipe) -> dict | N
     last = max((m for m in checkpoints.stored(store, layout) if m["local_step"] == 0), key=lambda m: m["epoch"])
     train_s = (dt.datetime.fromisoformat(last["saved_at"]) - dt.datetime.fromisoformat(extracted["finished_at"])
                ).total_seconds()
-    return {"label": str(n), "prompts": n, "epochs": params.epochs, "train_s": train_s, "recipe": recipe.statement(),
+    return {"label": str(n), "prompts": n, "epochs": manifest.train.epochs, "train_s": train_s, "recipe": manifest.train.recipe,
             "path": record["training_path"], "checkpoint": f"the run's {record['checkpoint']} (best of "
             f"{len(evaluation['checkpoints'])} by held-out τ)", "drafter": folder / "drafter", "eyrie_tau": best["tau"],
             "eyrie": {key: best[key] for key in ("per_position_acceptance", "drafts", "samples")}, "from_run": True}
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     for n, ids in chosen.items():
         params, recipe = slice_params(manifest, [by_id[i] for i in ids], device, a.epochs)
         wanted, folder = set(ids), work / str(n)
-        if n == len(pool) and (point := run_point(store, manifest, folder, n, params, recipe)) is not None:
+        if n == len(pool) and (point := run_point(store, manifest, folder, n)) is not None:
             points.append(point)
             continue
         options = speculators_options(params, manifest, folder / "data", folder, workers, (n, n_eval), device)

@@ -177,10 +177,10 @@ def test_stage_times_come_from_the_stores_shard_manifests_or_say_why_not(tmp_pat
 
 def test_the_whole_pool_is_the_runs_own_drafter_not_trained_again(tmp_path):
     store, layout = FileStore(tmp_path / "store"), Layout("r")
-    manifest = SimpleNamespace(run="r", generate_shards=[SimpleNamespace(index=0)])
-    params, recipe = SimpleNamespace(epochs=4), SimpleNamespace(statement=lambda: "lr 1e-3 ...")
+    manifest = SimpleNamespace(run="r", generate_shards=[SimpleNamespace(index=0)],
+                               train=SimpleNamespace(epochs=4, recipe="lr 1e-3 ..."))
     folder = tmp_path / "900"
-    assert lc.run_point(store, manifest, folder, 900, params, recipe) is None  # no drafter yet: trained here
+    assert lc.run_point(store, manifest, folder, 900) is None  # no drafter yet: trained here
     shard = {"started_at": "2025-01-01T10:00:00+00:00", "finished_at": "2025-01-01T10:30:00+00:00",
              "counts": {"done": 1000}}
     for stage in ("generate", "extract"):
@@ -198,8 +198,9 @@ def test_the_whole_pool_is_the_runs_own_drafter_not_trained_again(tmp_path):
     store.put_json(layout.evaluation, {"checkpoints": [
         {"label": "0", "tau": 1.9, "per_position_acceptance": [0.5], "drafts": 10, "samples": 2},
         {"label": "1", "tau": 2.2, "per_position_acceptance": [0.6], "drafts": 12, "samples": 2}]})
-    point = lc.run_point(store, manifest, folder, 900, params, recipe)
+    point = lc.run_point(store, manifest, folder, 900)
     assert point["from_run"] and point["eyrie_tau"] == 2.2 and point["eyrie"]["drafts"] == 12
+    assert (point["epochs"], point["recipe"]) == (4, "lr 1e-3 ...")  # the run's own plan, as its manifest states it
     assert point["train_s"] == 1800.0  # extraction's end to the last epoch checkpoint, not a mid-epoch one
     assert (folder / "drafter" / "model.safetensors").read_bytes() == b"weights"
     assert "the run's train stage" in "\n".join(lc.section(result() | {"points": [
