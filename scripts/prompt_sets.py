@@ -2,7 +2,9 @@
 sets: GSM8K train questions (7,473) then self-instruct seed tasks (175: the instruction, plus a blank line and
 the first instance's input when it has one); and train-mix-1k.jsonl, issue 28's 1,000-prompt point: the first
 900 GSM8K questions with the first 100 seed tasks spread through them (every 10th row), so that every prefix
-holds a 10% self-instruct share. Deterministic, stdlib only; assets/prompts/README.md says where each raw file
+holds a 10% self-instruct share; and train-mix-2k.jsonl, its 2,000-prompt point: train-mix-1k.jsonl, then 929
+more GSM8K questions with the other 71 seed tasks as every 14th row (the seed tasks run out at 175), so that its
+first 1,000 rows are the 1,000-prompt point's. Deterministic, stdlib only; assets/prompts/README.md says where each raw file
 comes from.
 
     python scripts/prompt_sets.py
@@ -16,6 +18,7 @@ GSM8K_TRAIN = PROMPTS / "gsm8k" / "train.jsonl"
 SEED_TASKS = PROMPTS / "self-instruct" / "seed_tasks.jsonl"
 OUT = PROMPTS / "train-mix.jsonl"
 OUT_1K = PROMPTS / "train-mix-1k.jsonl"
+OUT_2K = PROMPTS / "train-mix-2k.jsonl"
 EXPECTED = {"gsm8k": 7_473, "self-instruct": 175}
 
 
@@ -43,11 +46,12 @@ def train_mix() -> list[dict]:
     return gsm8k + seeds
 
 
-def spread(rows: list[dict], size: int, every: int) -> list[dict]:
-    """`size` rows: one self-instruct seed task in every `every`, GSM8K questions between them, each in file order."""
+def spread(rows: list[dict], blocks: list[tuple[int, int]]) -> list[dict]:
+    """For each (size, every) in `blocks`, `size` rows: one self-instruct seed task in every `every`, GSM8K
+    questions between them; each source in file order, continued from block to block."""
     gsm8k = iter(r for r in rows if r["source"] == "gsm8k")
     seeds = iter(r for r in rows if r["source"] == "self-instruct")
-    return [next(seeds) if i % every == every - 1 else next(gsm8k) for i in range(size)]
+    return [next(seeds) if i % every == every - 1 else next(gsm8k) for size, every in blocks for i in range(size)]
 
 
 def write(rows: list[dict], out: Path) -> None:
@@ -59,4 +63,5 @@ def write(rows: list[dict], out: Path) -> None:
 if __name__ == "__main__":
     mix = train_mix()
     write(mix, OUT)
-    write(spread(mix, 1000, 10), OUT_1K)
+    write(spread(mix, [(1000, 10)]), OUT_1K)
+    write(spread(mix, [(1000, 10), (1000, 14)]), OUT_2K)
