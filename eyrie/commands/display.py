@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
+from eyrie.data.verify_outputs import outputs_summary
 from eyrie.runs.status import overall_state, run_status
 from eyrie.work.status_models import RunStatus, RunSummary, StageStatus, TrainStatus
 
@@ -131,7 +132,7 @@ def render_train(s: TrainStatus) -> None:
         console.print(f"verify: vLLM acceptance length {verify['vllm_acceptance_length']:.3f} "
                       f"(eyrie {verify['eyrie_acceptance_length']:.3f}), per position "
                       + " ".join(f"{p:.2f}" for p in verify["vllm_per_position_acceptance"] if p is not None)
-                      + f"; identical outputs {verify['identical_outputs']}, speedup {verify['speedup']}")
+                      + f"; outputs {verify.get('outputs_verdict') or verify['identical_outputs']}, speedup {verify['speedup']}")
     if s.drafter:
         console.print(f"export: {s.drafter['files']['model.safetensors']['key'].rsplit('/', 1)[0]}/ "
                       f"(`eyrie export --run RUN --out DIR`)")
@@ -182,6 +183,8 @@ def verify_lines(run: str, result: dict) -> list[str]:
                          f"{per_pos:<30} {str(f.get('identical_outputs')):<9} {_num(f['tokens_per_s'].get('1'), 1):>9} "
                          f"{_num(f['speedup'].get('1'), 2):>10} {_num(f['tokens_per_s'].get('8'), 1):>9} "
                          f"{_num(f['speedup'].get('8'), 2):>10}")
+    lines += [f"  {name} K={k}: outputs {outputs_summary(bench, f)}" for name, bench in (result.get("benchmarks") or {}).items()
+              for k, f in bench["k"].items() if not f.get("identical_outputs")]
     return lines
 
 
@@ -285,7 +288,8 @@ def _benchmark_chart(name: str, by_k: dict, out: Console) -> None:
         length, speedup = f["acceptance_length"], f["speedup"]
         out.print(f"  K={k:<3} [{VLLM_STYLE}]{bar(length or 1, 1, int(k) + 1):<40}[/] {length or 0:.3f}  "
                   f"speedup {_num(speedup.get('1'), 2)} / {_num(speedup.get('8'), 2)}"
-                  + ("" if f["identical_outputs"] else "  [red]outputs differ[/]"))
+                  + ("" if f["identical_outputs"] else
+                     f"  [{'red' if f.get('outputs_beyond_variance') else 'yellow'}]outputs {f.get('outputs', 'differ')}[/]"))
         for position, rate in enumerate(f["per_position"] or []):
             out.print(f"    +{position + 1:<3} [{VLLM_STYLE}]{bar(rate or 0, 0, 1):<36}[/] {rate or 0:.3f}")
 

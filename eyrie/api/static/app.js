@@ -175,7 +175,8 @@ function renderBenchmarks(train) {
        el("td", {}, fixed(f.acceptance_length, 3)),
        el("td", {}, (f.per_position || []).map((p) => fixed(p, 2)).join(" ")),
        el("td", {}, fixed(f.speedup["1"], 2)), el("td", {}, fixed(f.speedup["8"], 2)),
-       el("td", {}, String(f.identical_outputs)))));
+       el("td", { class: f.identical_outputs ? "" : (f.outputs_beyond_variance ? "outputs-beyond" : "outputs-within") },
+          f.outputs || String(f.identical_outputs)))));
   document.getElementById("bench-box").hidden = rows.length === 0;
   document.querySelector("#bench tbody").replaceChildren(...rows);
   const skipped = train && train.verify && train.verify.skipped;

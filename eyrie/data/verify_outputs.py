@@ -1,0 +1,38 @@
+"""Whether the drafter changed the target's answers in `eyrie verify`, judged beside the target's own batch variance."""
+
+from __future__ import annotations
+
+IDENTICAL = "identical"
+WITHIN = "within the target's own batch variance"
+BEYOND = "differ beyond the target's own batch variance"
+VERDICTS = [IDENTICAL, WITHIN, BEYOND]  # worst last
+
+
+def differing(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many answers differ, pairwise."""
+    return sum(x != y for x, y in zip(a, b))
+
+
+def outputs_verdict(drafter_differing: int, prompts: int, target_differing: int, serial: int) -> str:
+    """Greedy speculative decoding is lossless up to numerics (vLLM's docs), and the verify forward's batch shape
+    is not the target's alone: where the target by itself answers differently at 1 and at 8 in flight (bf16 on a
+    CPU does, on most prompts), the drafter's differing answers at no larger a share are that variance. Where
+    the target alone is batch-invariant (float32), any difference is beyond it: worth a look."""
+    if not drafter_differing:
+        return IDENTICAL
+    return WITHIN if target_differing / max(serial, 1) >= drafter_differing / prompts else BEYOND
+
+
+def worst(verdicts) -> str:
+    return max(verdicts, key=VERDICTS.index)
+
+
+def outputs_summary(bench: dict, figures: dict) -> str:
+    """One prompt set at one K in words: 'identical', or how many answers differ beside the target's own variance
+    (a result from before the variance was measured: 'differ')."""
+    if figures.get("identical_outputs"):
+        return IDENTICAL
+    if "outputs_verdict" not in figures:
+        return "differ"
+    return (f"{figures['differing_outputs']} of {bench['prompts']} differ: {figures['outputs_verdict']} (alone, "
+            f"{bench['target_differing_1_vs_8']} of {bench['serial_prompts']} differ at 1 vs 8 in flight)")
