@@ -5,7 +5,9 @@ On a run with an exported drafter (EYRIE_* as for every eyrie command). Per dtyp
 with the drafter (eagle3, the run's K), the same prompts greedy at 8 in flight, as `eyrie verify` does; the alone
 server also answers the first --serial prompts one at a time. Counts the outputs that differ and, for each, the first
 token where they part: a difference in exact arithmetic would be a defect, a near-tie flipping with the batch's
-shape is numerics. The target alone at 1 and at 8 in flight tells the two apart without any drafter.
+shape is numerics. The target alone at 1 and at 8 in flight tells the two apart without any drafter. Also vLLM's
+acceptance length of the drafter pass per dtype (its /metrics counters); `--bench heldout`: the run's held-out prompts
+(those eyrie's τ was measured on).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from eyrie.data.manifest import load_run_manifest
 from eyrie.data.store import open_store
 from eyrie.runs.pipeline import stored_config
 from eyrie_trainer.export import download
-from eyrie_trainer.verify import Served, answer_limits, benchmark_prompts, max_model_len, serve_flags
+from eyrie_trainer.verify import (HELDOUT, Served, answer_limits, benchmark_prompts, heldout_prompts, max_model_len,
+                                  serve_flags, spec_counters, summarize)
 
 
 def parted_at(a: list[int], b: list[int]) -> int | None:
@@ -39,7 +42,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True)
     p.add_argument("--dtypes", default="bfloat16,float32")
-    p.add_argument("--bench", default="gsm8k")
+    p.add_argument("--bench", default="gsm8k", help="a benchmark set, or heldout: the run's held-out prompts")
     p.add_argument("--prompts", type=int, default=40)
     p.add_argument("--serial", type=int, default=8, help="prompts the target alone also answers one at a time")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -48,7 +51,8 @@ def main(argv=None) -> None:
     store = open_store(settings)
     manifest = load_run_manifest(store, a.run)
     flags = serve_flags(settings, stored_config(store, a.run))
-    sets = benchmark_prompts(manifest.target.model, [a.bench], a.prompts)
+    sets = ({HELDOUT: heldout_prompts(store, a.run, Path(settings.cache_dir))[:a.prompts]} if a.bench == HELDOUT
+            else benchmark_prompts(manifest.target.model, [a.bench], a.prompts))
     prompts = sets[a.bench]
     limits = answer_limits(sets, a.max_tokens, max_model_len(flags))[a.bench]
     logs, results = Path(tempfile.mkdtemp(prefix="greedy-identity-")), {}
@@ -62,9 +66,12 @@ def main(argv=None) -> None:
                 serial, _ = server.greedy(prompts[:a.serial], limits[:a.serial], 1)
             with Served(settings, manifest.target.model, [*served, "--speculative-config", spec],
                         logs / f"{dtype}-drafter.log") as server:
+                before = spec_counters(server.url)
                 drafted, _ = server.greedy(prompts, limits, 8)
+                counted = summarize(before, spec_counters(server.url), manifest.train.ttt_steps)
             results[dtype] = {"drafter_vs_alone_at_8": compare(alone, drafted),
-                              "alone_at_1_vs_at_8": compare(alone[:a.serial], serial)}
+                              "alone_at_1_vs_at_8": compare(alone[:a.serial], serial),
+                              "vllm_acceptance_length": counted["vllm_acceptance_length"]}
             print(dtype, json.dumps(results[dtype]), flush=True)
     print(json.dumps({"run": a.run, "bench": a.bench, "prompts": len(prompts), "max_tokens": a.max_tokens,
                       "results": results, "logs": str(logs)}, indent=1))
