@@ -132,7 +132,8 @@ def render_train(s: TrainStatus) -> None:
         console.print(f"verify: vLLM acceptance length {verify['vllm_acceptance_length']:.3f} "
                       f"(eyrie {verify['eyrie_acceptance_length']:.3f}), per position "
                       + " ".join(f"{p:.2f}" for p in verify["vllm_per_position_acceptance"] if p is not None)
-                      + f"; outputs {verify.get('outputs_verdict') or verify['identical_outputs']}, speedup {verify['speedup']}")
+                      + f"; outputs {verify.get('outputs_verdict') or ('identical' if verify['identical_outputs'] else 'differ')}, "
+                        f"speedup {verify['speedup']}")
     if s.drafter:
         console.print(f"export: {s.drafter['files']['model.safetensors']['key'].rsplit('/', 1)[0]}/ "
                       f"(`eyrie export --run RUN --out DIR`)")
