@@ -312,6 +312,8 @@ def parse_args(argv: list[str] | None):
                                                  "from its training tokens as the train stage plans a run that size)")
     p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=True, help="speculators' defaults too")
     p.add_argument("--anchor-epochs", type=int, help="the anchor's epochs (default: eyrie's; speculators' own: 20)")
+    p.add_argument("--anchor-steps", type=int, help="the anchor stopped at this many steps (its max_steps; epochs: "
+                                                    "speculators' own unless --anchor-epochs)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learning_curve.json")
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md")
     a = p.parse_args(argv)
@@ -386,10 +388,12 @@ def anchor_run(store, run: str, manifest, work: Path, n: int, samples: list[dict
     machine needs (GIVEN; sdpa + eager loss off a GPU). Which defaults it took is recorded."""
     from speculators.train.config import TrainConfig  # heavy: only for the anchor
 
-    params, _ = slice_params(manifest, samples, device, a.anchor_epochs or a.epochs)
+    steps, own_epochs = getattr(a, "anchor_steps", None), TrainConfig().flatten()["epochs"]
+    params, _ = slice_params(manifest, samples, device, a.anchor_epochs or (own_epochs if steps else a.epochs))
     data, folder, n_eval = work / str(n) / "data", work / "anchor", len(held)
     eyrie = speculators_options(params, manifest, data, folder, workers, (n, n_eval), device)
     options = {key: v for key, v in eyrie.items() if key in GIVEN or (key, v) == ("hidden_states_backend", "fp8")}
+    options |= {"max_steps": steps} if steps else {}  # a budget: speculators decays its learning rate over it
     if (point := kept_point(folder, options)) is not None:
         print(f"anchor: reused (trained and judged in an earlier sitting)", flush=True)
         return point
@@ -402,6 +406,7 @@ def anchor_run(store, run: str, manifest, work: Path, n: int, samples: list[dict
     given = options | ({key: path[key] for key in engine.SAFE_PATH} if path["path"] != "fast" else {})
     flat, own = engine.speculators_config(given).flatten(), TrainConfig().flatten()
     note = ("draft_vocab_size None: the verifier's full vocabulary. " if flat["draft_vocab_size"] is None else "") + (
+        f"max_steps {steps} (--anchor-steps): a step budget for the same CPU time. " if steps else "") + (
         f"Epochs {params.epochs} where speculators' default is {own['epochs']} (--anchor-epochs; default: eyrie's "
         f"for this slice, so both train as long)." if params.epochs != own["epochs"] else "")
     return keep_point(folder, {"label": "anchor", "prompts": n, "epochs": params.epochs, "train_s": wall,
