@@ -32,10 +32,10 @@ PROMPTS = ROOT / "assets" / "prompts" / "train-mix.jsonl"
 
 def setting_env(setting: str) -> dict[str, str]:
     if setting == "default":
-        return {}
+        return {"VLLM_CPU_OMP_THREADS_BIND": "auto"}  # vLLM's own default (eyrie pins by default since issue 28)
     name, value = setting.split("=", 1)
     if name == "omp":
-        return {"OMP_NUM_THREADS": value}
+        return {"OMP_NUM_THREADS": value, "VLLM_CPU_OMP_THREADS_BIND": "auto"}
     if name == "bind":
         first, last = (int(v) for v in value.split("-"))
         return {"VLLM_CPU_OMP_THREADS_BIND": value, "OMP_NUM_THREADS": str(last - first + 1)}

@@ -207,3 +207,19 @@ def test_vllm_serves_in_float32_on_a_cpu_without_native_bf16_unless_told_otherwi
     assert vllm.with_cpu_dtype([*cmd, "--dtype=half"], native_bf16=False) == [*cmd, "--dtype=half"]
     monkeypatch.setattr(vllm, "on_cpu", lambda: False)  # a GPU host: vLLM's own choice
     assert vllm.with_cpu_dtype(cmd, native_bf16=False) == cmd
+
+
+def test_vllm_on_a_cpu_pins_its_threads_to_this_process_cores_unless_told_or_serving_several_ranks(monkeypatch):
+    from eyrie.core import vllm
+
+    monkeypatch.setattr(vllm, "on_cpu", lambda: True)
+    assert vllm.cpu_cores_bind({0, 1}) == "0-1" and vllm.cpu_cores_bind({3}) == "3"
+    assert vllm.cpu_cores_bind({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"  # a cpuset with gaps, as vLLM parses it
+    mine = vllm.cpu_cores_bind()
+    cmd = ["vllm", "serve", "m"]
+    assert vllm.with_cpu_binding(cmd, {"A": "1"}) == {"A": "1", "VLLM_CPU_OMP_THREADS_BIND": mine}
+    assert vllm.with_cpu_binding(cmd, {"VLLM_CPU_OMP_THREADS_BIND": "auto"}) == {"VLLM_CPU_OMP_THREADS_BIND": "auto"}
+    for several in (["--tensor-parallel-size", "2"], ["-pp=2"], ["-tp", "2", "-pp", "2"]):  # one list per rank
+        assert vllm.ranks([*cmd, *several]) >= 2 and vllm.with_cpu_binding([*cmd, *several], {}) == {}
+    monkeypatch.setattr(vllm, "on_cpu", lambda: False)  # a GPU host: nothing to pin
+    assert vllm.with_cpu_binding(cmd, {}) == {}

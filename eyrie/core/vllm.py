@@ -11,6 +11,7 @@ eyrie starts vLLM (serve, serve-extract, verify) finds it the same way without h
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -66,12 +67,43 @@ def with_cpu_dtype(cmd: list[str], native_bf16: bool | None = None) -> list[str]
     return cmd if native else [*cmd, "--dtype", "float32"]
 
 
+def cpu_cores_bind(cores: set[int] | None = None) -> str:
+    """The cores this process may run on, as VLLM_CPU_OMP_THREADS_BIND reads them: '0-1', '0,2-3'."""
+    runs: list[list[int]] = []
+    for core in sorted(os.sched_getaffinity(0) if cores is None else cores):
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
 def serve_env() -> dict[str, str]:
     """vLLM's environment; on the CPU, a KV cache size its CPU build accepts."""
     env = {**os.environ, "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
     if on_cpu():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
     return env
+
+
+RANK_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp")
+
+
+def ranks(cmd: list[str]) -> int:
+    """vLLM's processes that each bind their own cores: tensor x pipeline x data parallel sizes."""
+    sizes = [int(value) for flag, value in zip(cmd, cmd[1:]) if flag in RANK_FLAGS]
+    sizes += [int(arg.split("=", 1)[1]) for arg in cmd if arg.split("=", 1)[0] in RANK_FLAGS and "=" in arg]
+    return math.prod(sizes)
+
+
+def with_cpu_binding(cmd: list[str], env: dict[str, str]) -> dict[str, str]:
+    """On the CPU, vLLM's OpenMP threads pinned to every core this process may use, where one rank serves and
+    VLLM_CPU_OMP_THREADS_BIND is not set: vLLM's own choice ('auto') leaves torch 1 thread of 2 and generated at
+    0.57-0.64x the pinned rate (bench/RESULTS.md, 'threads and binding'). Set it (auto, nobind, 0-31|32-63 per
+    rank) to choose otherwise."""
+    if not on_cpu() or "VLLM_CPU_OMP_THREADS_BIND" in env or ranks(cmd) != 1:
+        return env
+    return {**env, "VLLM_CPU_OMP_THREADS_BIND": cpu_cores_bind()}
 
 
 def available(command: str) -> bool:
@@ -83,8 +115,9 @@ def start_server(cmd: list[str], **popen) -> subprocess.Popen:
     """vLLM in a process group of its own (its API server and engine core stop together), SIGTERMed
     when the process that started it dies: a SIGKILLed eyrie must not leave vLLM serving
     (util-linux's setpriv sets PR_SET_PDEATHSIG, then execs). On a CPU without native bf16 it
-    serves in float32 (with_cpu_dtype)."""
-    cmd = with_cpu_dtype(cmd)
+    serves in float32 (with_cpu_dtype), its threads pinned to this process's cores (with_cpu_binding)."""
+    cmd, env = with_cpu_dtype(cmd), popen.pop("env", None)
+    popen["env"] = with_cpu_binding(cmd, dict(os.environ) if env is None else env)
     setpriv = shutil.which("setpriv")
     argv = [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
     return subprocess.Popen(argv, start_new_session=True, **popen)
