@@ -205,6 +205,11 @@ def train(options: dict, device: str, fast_path: bool) -> tuple[dict, float, Pat
     return path, wall, max(epochs, key=lambda d: int(d.name))
 
 
+def steps_of(checkpoint: Path) -> int | None:
+    state = checkpoint / "training_state.json"  # speculators' record of where a checkpoint stands
+    return json.loads(state.read_text())["global_step"] if state.exists() else None
+
+
 def run_point(store, manifest, folder: Path, n: int) -> dict | None:
     """The whole training pool is the run's own training set: its train stage's exported drafter (the best epoch
     by held-out τ) and evaluation are the point, not trained again (None: the run has no drafter yet). Train time:
@@ -334,8 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     (pool, chosen), work = slices(samples, held, a.sizes), Path(settings.cache_dir) / "bench" / a.run
     eval_dir = Path(settings.cache_dir) / "runs" / a.run / "data" / "heldout"  # where eyrie verify reads it too
     n_eval = materialize(store, a.run, eval_dir, lambda s: s["sample_id"] in held)
-    fast = {"on": True, "off": False}.get(settings.train_fast_path, device.startswith("cuda"))  # as the train stage
-    workers = settings.train_loader_workers if settings.train_loader_workers is not None else 2 * (device != "cpu")
+    fast, workers = engine.fast_path(settings, device), engine.loader_workers(settings, device)  # as the train stage
     by_id, points, largest, measured_at = {s["sample_id"]: s for s in samples}, [], max(chosen), work / "vllm"
     for n, ids in chosen.items():
         params, recipe = slice_params(manifest, [by_id[i] for i in ids], device, a.epochs)
@@ -410,7 +414,7 @@ def anchor_run(store, run: str, manifest, work: Path, n: int, samples: list[dict
         f"Epochs {params.epochs} where speculators' default is {own['epochs']} (--anchor-epochs; default: eyrie's "
         f"for this slice, so both train as long)." if params.epochs != own["epochs"] else "")
     return keep_point(folder, {"label": "anchor", "prompts": n, "epochs": params.epochs, "train_s": wall,
-                               "path": path, "note": note, "given": given,
+                               "steps": steps_of(ckpt), "path": path, "note": note, "given": given,
                                "defaults": {key: flat[key] for key in NOTABLE if key not in given},
                                **judge(ckpt, manifest, eval_dir, folder / "drafter", a.k, device)})
 

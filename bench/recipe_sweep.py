@@ -20,6 +20,7 @@ from eyrie.core.stage_settings import TrainSettings
 from eyrie.data.manifest import load_run_manifest
 from eyrie.data.store import open_store
 from eyrie.work.gpu import pick_device
+from eyrie_trainer import engine
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
 from eyrie_trainer.runner import speculators_options
 
@@ -60,11 +61,6 @@ def describe(p) -> str:
             + f", draft vocabulary {p.draft_vocab:,}, TTT {p.ttt_steps}")
 
 
-def steps_of(checkpoint: Path) -> int | None:
-    state = checkpoint / "training_state.json"  # speculators' record of where a checkpoint stands
-    return json.loads(state.read_text())["global_step"] if state.exists() else None
-
-
 def recipe_point(label: str, params, manifest, store, run: str, data: Path, folder: Path, rows: tuple[int, int],
                  eval_dir: Path, device: str, workers: int, fast: bool, a, measured_at: Path) -> dict:
     options = speculators_options(params, manifest, data, folder, workers, rows, device)
@@ -75,7 +71,7 @@ def recipe_point(label: str, params, manifest, store, run: str, data: Path, fold
     print(f"recipe {label}: training ({describe(params)}; {device})", flush=True)
     path, wall, ckpt = lc.train(options, device, fast)
     return lc.keep_point(folder, {"label": label, "prompts": rows[0], "epochs": params.epochs, "train_s": wall,
-                                  "steps": steps_of(ckpt), "recipe": describe(params), "path": path,
+                                  "steps": lc.steps_of(ckpt), "recipe": describe(params), "path": path,
                                   **lc.judge(ckpt, manifest, eval_dir, folder / "drafter", a.k, device)})
 
 
@@ -131,8 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     data, wanted, measured_at = work / str(n) / "data", set(pool), work / "vllm"
     materialize(store, a.run, data, lambda s: s["sample_id"] in wanted, validation=lambda s: s["sample_id"] in held,
                 linked_from=eval_dir)
-    fast = {"on": True, "off": False}.get(settings.train_fast_path, device.startswith("cuda"))  # as the train stage
-    workers = settings.train_loader_workers if settings.train_loader_workers is not None else 2 * (device != "cpu")
+    fast, workers = engine.fast_path(settings, device), engine.loader_workers(settings, device)  # as the train stage
     own = lc.run_point(store, manifest, work / str(n), n)
     if own is None:
         raise SystemExit(f"run {a.run} has no exported drafter yet: let the pipeline finish training first.")

@@ -4,7 +4,8 @@ the first instance's input when it has one); and train-mix-1k.jsonl, issue 28's 
 900 GSM8K questions with the first 100 seed tasks spread through them (every 10th row), so that every prefix
 holds a 10% self-instruct share; and train-mix-2k.jsonl, its 2,000-prompt point: train-mix-1k.jsonl, then 929
 more GSM8K questions with the other 71 seed tasks as every 14th row (the seed tasks run out at 175), so that its
-first 1,000 rows are the 1,000-prompt point's. Deterministic, stdlib only; assets/prompts/README.md says where each raw file
+first 1,000 rows are the 1,000-prompt point's; and train-mix-2200.jsonl, the point with 2,000 trained prompts and
+200 held out: train-mix-2k.jsonl, then the next 200 GSM8K questions. Deterministic, stdlib only; assets/prompts/README.md says where each raw file
 comes from.
 
     python scripts/prompt_sets.py
@@ -19,6 +20,7 @@ SEED_TASKS = PROMPTS / "self-instruct" / "seed_tasks.jsonl"
 OUT = PROMPTS / "train-mix.jsonl"
 OUT_1K = PROMPTS / "train-mix-1k.jsonl"
 OUT_2K = PROMPTS / "train-mix-2k.jsonl"
+OUT_2200 = PROMPTS / "train-mix-2200.jsonl"
 EXPECTED = {"gsm8k": 7_473, "self-instruct": 175}
 
 
@@ -47,11 +49,12 @@ def train_mix() -> list[dict]:
 
 
 def spread(rows: list[dict], blocks: list[tuple[int, int]]) -> list[dict]:
-    """For each (size, every) in `blocks`, `size` rows: one self-instruct seed task in every `every`, GSM8K
-    questions between them; each source in file order, continued from block to block."""
+    """For each (size, every) in `blocks`, `size` rows: one self-instruct seed task in every `every` (None: none),
+    GSM8K questions between them; each source in file order, continued from block to block."""
     gsm8k = iter(r for r in rows if r["source"] == "gsm8k")
     seeds = iter(r for r in rows if r["source"] == "self-instruct")
-    return [next(seeds) if i % every == every - 1 else next(gsm8k) for size, every in blocks for i in range(size)]
+    return [next(seeds) if every and i % every == every - 1 else next(gsm8k)
+            for size, every in blocks for i in range(size)]
 
 
 def write(rows: list[dict], out: Path) -> None:
@@ -65,3 +68,4 @@ if __name__ == "__main__":
     write(mix, OUT)
     write(spread(mix, [(1000, 10)]), OUT_1K)
     write(spread(mix, [(1000, 10), (1000, 14)]), OUT_2K)
+    write(spread(mix, [(1000, 10), (1000, 14), (200, None)]), OUT_2200)

@@ -107,8 +107,10 @@ def test_train_mix_is_read_as_7648_prompts_by_the_dataset_reader():
 
 
 def test_the_learning_curves_prompt_sets_nest_and_hold_their_self_instruct_share():
-    rows = {n: TRAIN_MIX.with_name(f"train-mix-{n}.jsonl").read_text(encoding="utf-8").splitlines() for n in ("1k", "2k")}
+    rows = {n: TRAIN_MIX.with_name(f"train-mix-{n}.jsonl").read_text(encoding="utf-8").splitlines() for n in ("1k", "2k", "2200")}
     assert rows["2k"][:1000] == rows["1k"]  # the 2,000-prompt point holds the 1,000-prompt point's prompts
+    assert rows["2200"][:2000] == rows["2k"]  # and 200 more GSM8K questions make 2,000 trained with 200 held out
+    assert {json.loads(r)["source"] for r in rows["2200"][2000:]} == {"gsm8k"} and len(set(rows["2200"])) == 2200
     sources = [json.loads(line)["source"] for line in rows["2k"]]
     assert (sources.count("gsm8k"), sources.count("self-instruct"), len({json.loads(r)["id"] for r in rows["2k"]})) == (1829, 171, 2000)
     assert sources[9] == sources[999] == sources[1013] == "self-instruct" and sources[1012] == "gsm8k"

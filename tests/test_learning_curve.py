@@ -125,7 +125,7 @@ def test_each_slice_trains_with_the_run_plan_and_the_recipe_its_own_tokens_choos
     assert "training tokens" in recipe.statement()
     assert lc.slice_params(manifest, [{"seq_len": 300}] * 250, "cpu", 3)[0].epochs == 3  # --epochs: those
     runner = SimpleNamespace(params=small, manifest=manifest, work=tmp_path, rows=(250, 8),
-                             _loader_workers=lambda device: 0)
+                             settings=SimpleNamespace(train_loader_workers=0))
     data = tmp_path / "data"
     options = speculators_options(small, manifest, data, tmp_path, 0, (250, 8), "cpu")
     assert options == TrainRunner._options(runner, data, "cpu") and options["epochs"] == small.epochs

@@ -56,6 +56,17 @@ def test_changed_internals_fail_loudly(monkeypatch):
         engine.check_internals()
 
 
+def test_the_fast_path_and_loader_workers_follow_the_settings_else_the_device():
+    from types import SimpleNamespace
+
+    auto, off = SimpleNamespace(train_fast_path="auto", train_loader_workers=None), SimpleNamespace(
+        train_fast_path="off", train_loader_workers=3)
+    assert (engine.fast_path(auto, "cuda:0"), engine.fast_path(auto, "cpu"), engine.fast_path(off, "cuda:0")) == (
+        True, False, False)
+    assert (engine.loader_workers(auto, "cuda:0"), engine.loader_workers(auto, "cpu"),
+            engine.loader_workers(off, "cpu")) == (2, 0, 3)  # a 2-core host keeps its cores for the step
+
+
 def test_fast_path_falls_back_to_sdpa_and_eager_by_itself(hs_dir, tmp_path):
     hooks, seen = recording_hooks()
     said = []

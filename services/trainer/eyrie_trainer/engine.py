@@ -95,6 +95,18 @@ def _newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
     return ortho.T if tall else ortho
 
 
+def fast_path(settings, device: str) -> bool:
+    """Whether to try speculators' fast path (flex attention, fused loss): EYRIE_TRAIN_FAST_PATH, auto on CUDA."""
+    return {"on": True, "off": False}.get(settings.train_fast_path, device.startswith("cuda"))
+
+
+def loader_workers(settings, device: str) -> int:
+    """Data-loader processes: EYRIE_TRAIN_LOADER_WORKERS, else 2 on CUDA and 0 elsewhere (on a 2-core host a
+    worker process takes a core from the training step)."""
+    workers = settings.train_loader_workers
+    return workers if workers is not None else (2 if device.startswith("cuda") else 0)
+
+
 def autocast_dtype(device: str) -> str:
     """speculators' hidden_states_dtype (its autocast and loader dtype; master weights are fp32
     either way): bf16, its default, where the device computes it natively, else fp32."""

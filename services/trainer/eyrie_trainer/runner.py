@@ -114,7 +114,7 @@ class TrainRunner(StageTask):
             settings = {**self._options(train_dir, device), **self._on_missing(), **base}
             if settings["hidden_states_dtype"] == "float32":
                 self._say("training in fp32: this CPU has no native bf16 (bf16 autocast would be ~60x slower here)")
-            path = engine.train_with_fallback(settings, device, self._fast_path(device), hooks, self._say)
+            path = engine.train_with_fallback(settings, device, engine.fast_path(self.settings, device), hooks, self._say)
             path["dtype"] = settings["hidden_states_dtype"]
         finally:
             self.uploads.drain()  # every checkpoint saved is in the store before the task ends
@@ -188,7 +188,7 @@ class TrainRunner(StageTask):
         return {"from_pretrained": str(path), "d2t_path": str(d2t), "t2d_path": str(t2d)}
 
     def _options(self, train_dir: Path, device: str) -> dict:
-        return speculators_options(self.params, self.manifest, train_dir, self.work, self._loader_workers(device),
+        return speculators_options(self.params, self.manifest, train_dir, self.work, engine.loader_workers(self.settings, device),
                                    self.rows, device)
 
     def _on_missing(self) -> dict:
@@ -203,13 +203,6 @@ class TrainRunner(StageTask):
     def _argv(self, train_dir: Path, device: str) -> list[str]:
         """The same settings as a `speculators train` command line (bench/train_throughput.py)."""
         return engine.as_argv(self._options(train_dir, device))
-
-    def _loader_workers(self, device: str) -> int:
-        workers = self.settings.train_loader_workers
-        return workers if workers is not None else (2 if device.startswith("cuda") else 0)
-
-    def _fast_path(self, device: str) -> bool:
-        return {"on": True, "off": False}.get(self.settings.train_fast_path, device.startswith("cuda"))
 
     def _on_start(self, steps_per_epoch: int, global_step: int) -> None:
         total = steps_per_epoch * self.params.epochs
