@@ -226,9 +226,16 @@ def run_point(store, manifest, folder: Path, n: int) -> dict | None:
     train_s = (dt.datetime.fromisoformat(last["saved_at"]) - dt.datetime.fromisoformat(extracted["finished_at"])
                ).total_seconds()
     return {"label": str(n), "prompts": n, "epochs": manifest.train.epochs, "train_s": train_s, "recipe": manifest.train.recipe,
+            "steps": _stored_steps(store, layout, record["checkpoint"], folder / "checkpoint-state"),
             "path": record["training_path"], "checkpoint": f"the run's {record['checkpoint']} (best of "
             f"{len(evaluation['checkpoints'])} by held-out τ)", "drafter": folder / "drafter", "eyrie_tau": best["tau"],
             "eyrie": {key: best[key] for key in ("per_position_acceptance", "drafts", "samples")}, "from_run": True}
+
+
+def _stored_steps(store, layout: Layout, label: str, folder: Path) -> int | None:
+    """Optimizer steps at a run's stored checkpoint (speculators' training_state.json, as uploaded)."""
+    saved = [m for m in checkpoints.stored(store, layout) if m["label"] == label and "training_state.json" in m["files"]]
+    return steps_of(checkpoints.fetch(store, layout, saved[-1], folder, ["training_state.json"])) if saved else None
 
 
 def judge(checkpoint: Path, manifest, eval_dir: Path, out: Path, k: int, device: str) -> dict:

@@ -199,8 +199,9 @@ def test_a_worker_killed_while_on_a_shard_it_took_on_loses_and_duplicates_nothin
     worker.wait()
     assert requests.get(f"{url}/stats").json()["total"] < n, "finished before the kill: proves nothing"
     deadline = time.monotonic() + 60
-    while conn.exists(keys.task_lease("generate-took-00000"), keys.task_lease("generate-took-00001")) and \
-            time.monotonic() < deadline:
+    # the dead worker's leases and its keep-alive (which a worker's start-up reclaim checks) lapsed
+    while conn.exists(keys.task_lease("generate-took-00000"), keys.task_lease("generate-took-00001"),
+                      keys.job_alive("generate-took-00000")) and time.monotonic() < deadline:
         time.sleep(0.5)
     if recovery == "rerun":  # shard 1's job, marked started by the dead task, is abandoned: replaced
         eyrie(*args, env=env)
@@ -213,3 +214,28 @@ def test_a_worker_killed_while_on_a_shard_it_took_on_loses_and_duplicates_nothin
     # asked twice: answers not yet flushed at the kill (under FLUSH_EVERY in each of the two open
     # shards) and the requests then in flight (at most C)
     assert max(asked.values()) <= 2 and sum(asked.values()) - n <= 2 * FLUSH_EVERY + 8
+
+
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_a_shard_taken_out_of_the_queue_by_a_chain_that_died_before_marking_it_started_is_requeued(env, tmp_path):
+    """The kill window of the test above: the claim listed and the job out of the queue, its RQ
+    state still `queued`. Recovery puts it back in the queue; a job waiting there is never doubled."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from eyrie.work.queue import enqueue, queue
+    from eyrie.stages import GENERATE
+    from eyrie_generator.chain import recover_claims
+
+    eyrie("generate", "--dataset", str(write_prompts(tmp_path / "p.jsonl", 60)), "--run", "out",
+          "--shard-size", "20", env=env)
+    conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
+    waiting = queue(conn, GENERATE.queue)
+    assert not enqueue(conn, GENERATE, {"run": "out", "shard": 1}, 1)  # queued: not enqueued twice
+    conn.sadd(keys.generate_claims("generate-out-00000"), 1)  # what _take_next does first
+    assert waiting.remove("generate-out-00001")  # then: out of the queue; then the death
+    assert Job.fetch("generate-out-00001", connection=conn, serializer=JSONSerializer).get_status() == "queued"
+
+    assert recover_claims(conn, open_store(load_settings()), "out", "generate-out-00000") == 1
+    assert "generate-out-00001" in waiting.job_ids and waiting.job_ids.count("generate-out-00001") == 1
+    assert not conn.exists(keys.generate_claims("generate-out-00000"))

@@ -2,6 +2,7 @@
 of a slice larger than the pool, the RESULTS.md section, the SVG plot, stage times from shard manifests, and the
 training options it gives speculators (the train stage's own)."""
 
+import json
 import sys
 import xml.etree.ElementTree as ET
 from types import SimpleNamespace
@@ -185,9 +186,13 @@ def test_the_whole_pool_is_the_runs_own_drafter_not_trained_again(tmp_path):
              "counts": {"done": 1000}}
     for stage in ("generate", "extract"):
         store.put_json(layout.shard_manifest(stage, 0), shard)
+    state = tmp_path / "training_state.json"
+    state.write_text(json.dumps({"global_step": 42}))
+    info = store.put_file(layout.checkpoint_file("1", state.name), state)
     for epoch, saved in ((0, "10:45:00"), (1, "11:00:00"), (1, "11:05:00")):
+        files = {state.name: {"sha256": info.sha256, "bytes": info.size}} if saved == "11:00:00" else {}
         store.put_json(layout.checkpoint_manifest(f"e{epoch}-{saved[:2]}{saved[3:5]}"), {
-            "label": str(epoch), "epoch": epoch, "local_step": 0 if saved != "11:05:00" else 7, "files": {},
+            "label": str(epoch), "epoch": epoch, "local_step": 0 if saved != "11:05:00" else 7, "files": files,
             "saved_at": f"2025-01-01T{saved}+00:00"})
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"weights")
@@ -200,6 +205,7 @@ def test_the_whole_pool_is_the_runs_own_drafter_not_trained_again(tmp_path):
         {"label": "1", "tau": 2.2, "per_position_acceptance": [0.6], "drafts": 12, "samples": 2}]})
     point = lc.run_point(store, manifest, folder, 900)
     assert point["from_run"] and point["eyrie_tau"] == 2.2 and point["eyrie"]["drafts"] == 12
+    assert point["steps"] == 42  # the best checkpoint's optimizer steps, from its stored training state
     assert (point["epochs"], point["recipe"]) == (4, "lr 1e-3 ...")  # the run's own plan, as its manifest states it
     assert point["train_s"] == 1800.0  # extraction's end to the last epoch checkpoint, not a mid-epoch one
     assert (folder / "drafter" / "model.safetensors").read_bytes() == b"weights"

@@ -135,10 +135,14 @@ def enqueue_task(conn: redis.Redis, name: str, func: str, payload: dict, job_id:
     """Enqueue one task unless a live one with the same id exists. True if enqueued now.
 
     A job that RQ still lists as started but whose lease is gone belonged to a dead worker:
-    it is replaced, so a crash never strands a task until RQ's own cleanup notices.
+    it is replaced, so a crash never strands a task until RQ's own cleanup notices. So is a job
+    marked queued but in no queue: a chain that took it out to take its shard on died before
+    marking it started (eyrie_generator.chain).
     """
     state = job_state(conn, job_id)
-    if state in (JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value):
+    if state in (JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value):
+        return False
+    if state == JobStatus.QUEUED.value and _listed(conn, name, job_id):
         return False
     if state == JobStatus.STARTED.value and not _abandoned(conn, job_id):
         return False
@@ -164,6 +168,12 @@ def _enqueue(conn, name: str, func: str, payload: dict, job_id: str, timeout_s: 
         description=f"{name} {job_id}",
     )
     dispatch(conn, name, payload.get("run", ""))  # on Kubernetes, a GPU stage's Job for Kueue to admit
+
+
+def _listed(conn: redis.Redis, name: str, job_id: str) -> bool:
+    """In the queue, or in RQ's intermediate list: a worker is taking it off the queue now."""
+    waiting = queue(conn, name)
+    return any(conn.lpos(key, job_id) is not None for key in (waiting.key, waiting.intermediate_queue_key))
 
 
 def _abandoned(conn: redis.Redis, job_id: str) -> bool:

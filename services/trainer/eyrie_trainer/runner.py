@@ -114,7 +114,8 @@ class TrainRunner(StageTask):
             settings = {**self._options(train_dir, device), **self._on_missing(), **base}
             if settings["hidden_states_dtype"] == "float32":
                 self._say("training in fp32: this CPU has no native bf16 (bf16 autocast would be ~60x slower here)")
-            path = engine.train_with_fallback(settings, device, engine.fast_path(self.settings, device), hooks, self._say)
+            fast = engine.fast_path(self.settings, device)
+            path = engine.train_with_fallback(settings, device, fast, hooks, self._say)
             path["dtype"] = settings["hidden_states_dtype"]
         finally:
             self.uploads.drain()  # every checkpoint saved is in the store before the task ends
@@ -188,8 +189,8 @@ class TrainRunner(StageTask):
         return {"from_pretrained": str(path), "d2t_path": str(d2t), "t2d_path": str(t2d)}
 
     def _options(self, train_dir: Path, device: str) -> dict:
-        return speculators_options(self.params, self.manifest, train_dir, self.work, engine.loader_workers(self.settings, device),
-                                   self.rows, device)
+        workers = engine.loader_workers(self.settings, device)
+        return speculators_options(self.params, self.manifest, train_dir, self.work, workers, self.rows, device)
 
     def _on_missing(self) -> dict:
         """What speculators does for a sample without a states file: ask the extraction service where
