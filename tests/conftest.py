@@ -189,12 +189,36 @@ def env(redis_url, store_env, monkeypatch) -> dict:
 
 
 def eyrie(*args: str, env: dict, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run the real `eyrie` command line."""
-    result = subprocess.run([str(BIN / "eyrie"), *args], env=env, capture_output=True, text=True,
-                            timeout=timeout)
+    """Run the real `eyrie` command line. Past `timeout`, it fails with where it hung: every thread's
+    stack (eyrie's SIGUSR1 handler) and its process tree, then it and its children are killed."""
+    with subprocess.Popen([str(BIN / "eyrie"), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(hung(proc, f"eyrie {' '.join(args)}", timeout)) from None
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if check and result.returncode != 0:
         raise AssertionError(f"eyrie {' '.join(args)} -> {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result
+
+
+def hung(proc: subprocess.Popen, what: str, timeout: float) -> str:
+    import psutil
+
+    children = psutil.Process(proc.pid).children(recursive=True)
+    tree = [f"  {c.pid} {c.status()} cpu {sum(c.cpu_times()[:2]):.0f} s: {' '.join(c.cmdline())[:120]}"
+            for c in children]
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(3)
+    for process in [*children, psutil.Process(proc.pid)]:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    out, err = proc.communicate()
+    return (f"{what} still ran after {timeout:g} s (killed). Its children:\n" + "\n".join(tree or ["  none"]) +
+            f"\nstdout, last lines:\n{out[-2000:]}\nstderr, last lines (every thread's stack at the end):\n{err[-8000:]}")
 
 
 def eyrie_in_process(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:

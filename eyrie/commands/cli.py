@@ -13,7 +13,7 @@ from typing import Optional
 import orjson
 import typer
 
-from eyrie.commands.cli_app import app, command, context
+from eyrie.commands.cli_app import app, command, context, set_up_process
 from eyrie.commands.cli_options import checked, model_options
 from eyrie.core.errors import EyrieError
 from eyrie.core.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
@@ -387,12 +387,12 @@ def demo(run: str = typer.Option("demo", help="Run name (the config's is replace
     raise typer.Exit(run_demo(config, run, dataset))
 
 
-# the control commands (api, runs, watch, show, cancel, retry, logs, audit), registered on the same
-# app (eyrie.commands.cli_app) after these, so that `eyrie --help` lists them after the pipeline's
+# the control commands (api, runs, watch, show, cancel, retry, logs, audit): on the same app, listed after these
 from eyrie.commands import cli_control  # noqa: E402,F401
 
 
 def main() -> None:
+    set_up_process()
     app()
 
 

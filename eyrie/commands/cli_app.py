@@ -5,7 +5,10 @@ a command's context (settings, Redis, the store). Its imports of the rest stand 
 
 from __future__ import annotations
 
+import faulthandler
 import functools
+import logging
+import signal
 
 import click
 import typer
@@ -56,3 +59,13 @@ def context():
 
     settings = load_settings()
     return settings, connect(settings.redis_url), open_store(settings)
+
+
+def set_up_process() -> None:
+    """`kill -USR1 <pid>` prints where every thread of an eyrie process is (a stuck worker tells
+    where it waits); eyrie's warnings always reach stderr (Python's fallback printer goes quiet
+    as soon as anything, such as the trainer's metrics hook on the root logger, adds a handler)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    own = logging.getLogger("eyrie")
+    own.addHandler(logging.StreamHandler())
+    own.propagate = False

@@ -28,12 +28,14 @@ from eyrie_trainer.data import done_samples, fetch_heldout_states, heldout_ids, 
 from eyrie_trainer.events import EventUploads
 from eyrie_trainer.export import evaluate_and_export
 from eyrie_trainer.ledger import TrainedSamples
+from eyrie_trainer.stall import StallWatch
 
 log = logging.getLogger("eyrie.trainer")
 # speculators backs a failed request to the extraction service off 2, 4, ..., 128 s (~4 min) and
 # tries the whole round 3 times (its generation_validation_retries 2): an outage of ~12 min makes
 # training wait; past it the sample is dropped, and 20 in a row stop training
 SERVICE_RETRIES = 7
+STALL_RETRIES = 2  # a training that stalls again after two resumes is not a passing hang
 
 
 class TaskLost(RuntimeError):
@@ -114,8 +116,7 @@ class TrainRunner(StageTask):
             settings = {**self._options(train_dir, device), **self._on_missing(), **base}
             if settings["hidden_states_dtype"] == "float32":
                 self._say("training in fp32: this CPU has no native bf16 (bf16 autocast would be ~60x slower here)")
-            fast = engine.fast_path(self.settings, device)
-            path = engine.train_with_fallback(settings, device, fast, hooks, self._say)
+            path = self._train(settings, device, hooks)
             path["dtype"] = settings["hidden_states_dtype"]
         finally:
             self.uploads.drain()  # every checkpoint saved is in the store before the task ends
@@ -187,6 +188,26 @@ class TrainRunner(StageTask):
                                self.manifest.target.trust_remote_code)
         d2t, t2d = save_vocab_mapping(path, self.work / "base-vocab")
         return {"from_pretrained": str(path), "d2t_path": str(d2t), "t2d_path": str(t2d)}
+
+    def _train(self, settings: dict, device: str, hooks: engine.Hooks) -> dict:
+        """speculators' training, watched: stalled (no step, no new epoch for train_stall_s), it resumes
+        from its last checkpoint, STALL_RETRIES times at most."""
+        fast, stalls, limit_s = engine.fast_path(self.settings, device), 0, self.settings.train_stall_s
+        while True:
+            watch = StallWatch(limit_s, lambda: (hooks.state.get("steps"), hooks.state.get("epoch")), self._say)
+            try:
+                with watch:
+                    return engine.train_with_fallback(settings, device, fast, hooks, self._say)
+            except Exception as exc:
+                if not watch.ended:
+                    raise
+                stalls += 1
+                if stalls > STALL_RETRIES:
+                    raise EyrieError(f"training stalled {stalls} times (no step for {limit_s:g} s); the last "
+                                     f"ended in {type(exc).__name__}: {str(exc)[:200]}",
+                                     "read the stacks in the trainer's log; raise EYRIE_TRAIN_STALL_S if a step "
+                                     "or a validation pass really takes that long.") from exc
+                self._say(f"resuming from the last checkpoint after the stall ({type(exc).__name__})")
 
     def _options(self, train_dir: Path, device: str) -> dict:
         workers = engine.loader_workers(self.settings, device)
