@@ -19,6 +19,16 @@ from eyrie.work import keys
 from eyrie_generator.shard import FLUSH_EVERY
 
 
+def kill_worker(worker) -> None:
+    """SIGKILL a worker and its work horse (RQ starts the horse in a session of its own), the worker
+    first: killed after its horse, it could see the horse die and schedule the task's retry, RQ's
+    own recovery, which a burst worker started before the retry is due does not run."""
+    horses = psutil.Process(worker.pid).children(recursive=True)
+    for proc in [psutil.Process(worker.pid), *horses]:
+        proc.send_signal(signal.SIGKILL)
+    worker.wait()
+
+
 def write_prompts(path, n, prefix="q"):
     with open(path, "w") as f:
         for i in range(n):
@@ -94,18 +104,18 @@ def test_sigkilled_worker_then_rerun_gives_exactly_one_record_per_sample(env, st
     while not store.list(layout.generate_parts(0)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert store.list(layout.generate_parts(0)), "no part was flushed before the kill"
-    for proc in psutil.Process(worker.pid).children(recursive=True) + [psutil.Process(worker.pid)]:
-        proc.send_signal(signal.SIGKILL)  # the worker and its work horse, mid-shard
-    worker.wait()
+    kill_worker(worker)  # mid-shard
     answered_before = requests.get(f"{url}/stats").json()["total"]
     assert answered_before < n, "the worker finished before it was killed: the test proves nothing"
 
     conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
-    deadline = time.monotonic() + 60  # a dead worker's lease lapses within LEASE_TTL_S
-    while conn.exists(keys.task_lease("generate-crash-00000")) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60  # a dead worker's lease and keep-alive lapse within LEASE_TTL_S
+    while conn.exists(keys.task_lease("generate-crash-00000"), keys.job_alive("generate-crash-00000")) and \
+            time.monotonic() < deadline:
         time.sleep(0.5)
     if recovery == "rerun":  # the same command again: continues, re-enqueues what is missing
-        assert "1 tasks enqueued now" in eyrie(*args, env=env).stdout
+        before = tasks_state(conn, "crash", 2)
+        assert "1 tasks enqueued now" in eyrie(*args, env=env).stdout, before
     # else: a new worker finds the dead worker's task (RQ still lists it as started) and takes it
     eyrie("worker", "generate", "--burst", env=env, timeout=600)
 
@@ -178,6 +188,21 @@ def test_lanes_move_on_to_the_next_shard_while_the_last_answers_arrive(env, stub
     assert status["state"] == "done" and status["shards_done"] == 4
 
 
+def tasks_state(conn, run: str, shards: int) -> dict:
+    """Each generate task's RQ state, lease and keep-alive TTLs (ms) and claims, and the queue: what a
+    failed recovery test prints."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    state = {"queue": [j.decode() for j in conn.lrange("rq:queue:eyrie-generate", 0, -1)]}
+    for shard in range(shards):
+        task = f"generate-{run}-{shard:05d}"
+        job = Job.fetch(task, connection=conn, serializer=JSONSerializer) if conn.exists(f"rq:job:{task}") else None
+        state[task] = (job and job.get_status(), conn.pttl(keys.task_lease(task)), conn.pttl(keys.job_alive(task)),
+                       sorted(int(c) for c in conn.smembers(keys.generate_claims(task))))
+    return state
+
+
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
 @pytest.mark.parametrize("recovery", ["rerun", "worker"])
 def test_a_worker_killed_while_on_a_shard_it_took_on_loses_and_duplicates_nothing(env, stub_server, tmp_path,
@@ -194,22 +219,23 @@ def test_a_worker_killed_while_on_a_shard_it_took_on_loses_and_duplicates_nothin
     while not conn.sismember(keys.generate_claims("generate-took-00000"), 1) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert conn.sismember(keys.generate_claims("generate-took-00000"), 1), "shard 1 was never taken on"
-    for proc in psutil.Process(worker.pid).children(recursive=True) + [psutil.Process(worker.pid)]:
-        proc.send_signal(signal.SIGKILL)
-    worker.wait()
+    kill_worker(worker)
     assert requests.get(f"{url}/stats").json()["total"] < n, "finished before the kill: proves nothing"
     deadline = time.monotonic() + 60
     # the dead worker's leases and its keep-alive (which a worker's start-up reclaim checks) lapsed
     while conn.exists(keys.task_lease("generate-took-00000"), keys.task_lease("generate-took-00001"),
                       keys.job_alive("generate-took-00000")) and time.monotonic() < deadline:
         time.sleep(0.5)
+    said = [f"after the kill: {tasks_state(conn, 'took', 3)}", f"dead worker: {worker.stdout.read()[-2000:]}"]
     if recovery == "rerun":  # shard 1's job, marked started by the dead task, is abandoned: replaced
-        eyrie(*args, env=env)
-    eyrie("worker", "generate", "--burst", env=env, timeout=600)
+        said.append(eyrie(*args, env=env).stdout)
+    said.append(f"before recovery: {tasks_state(conn, 'took', 3)}")
+    said.append(eyrie("worker", "generate", "--burst", env=env, timeout=600).stdout)
     if recovery == "worker":  # the dead task is requeued and, first, requeues what it had taken on
-        eyrie("worker", "generate", "--burst", env=env, timeout=600)
+        said.append(eyrie("worker", "generate", "--burst", env=env, timeout=600).stdout)
     recs = records("took")
-    assert sorted(r["row"] for r in recs) == list(range(n)) and all(r["status"] == "done" for r in recs)
+    assert sorted(r["row"] for r in recs) == list(range(n)) and all(r["status"] == "done" for r in recs), \
+        "\n".join(said + [f"at the end: {tasks_state(conn, 'took', 3)}"])
     asked = requests.get(f"{url}/stats").json()["requests"]
     # asked twice: answers not yet flushed at the kill (under FLUSH_EVERY in each of the two open
     # shards) and the requests then in flight (at most C)
