@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import TINY, eyrie
 from eyrie.core.config import load_settings
@@ -16,8 +16,15 @@ from eyrie.data.store import open_store
 from eyrie.work import keys
 
 PROMPTS = [{"conversations": [{"from": "human", "value": q}]} for q in
-           ("What is 4 plus 7?", "Say hello to Rosa.", "Add 8 and 4.", "What is the opposite of dark?",
+           ("What is 4 plus 7?", "Say hello to Rosa.", "What is the opposite of dark?",
             "Repeat the word apple.", "What is 2 plus 3?")]
+PROMPTS.insert(2, {"conversations": [{"from": "human", "value": "Add 8 and 4."},  # both answers the target's
+                                     {"from": "gpt", "value": "DATASET-SENTINEL"},
+                                     {"from": "human", "value": "Now say hello to Mia."}]})
+
+
+def runs_of_ones(mask: list[int]) -> int:
+    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
 
 
 @pytest.fixture
@@ -53,7 +60,7 @@ def test_extract_into_speculators_layout(generated, tmp_path):
 
     dataset = ArrowDataset(max_len=512, datapath=str(dest), on_missing="raise")
     assert len(dataset) == 6
-    model = AutoModelForCausalLM.from_pretrained(TINY)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(TINY), AutoTokenizer.from_pretrained(TINY)
     for i in range(6):
         item = dataset[i]
         ids = item["input_ids"].tolist()
@@ -66,6 +73,10 @@ def test_extract_into_speculators_layout(generated, tmp_path):
         torch.testing.assert_close(model.model.norm(last), ref[-1][0], atol=3e-2, rtol=3e-2)
         mask = item["loss_mask"].tolist()
         assert mask[0] == 0 and mask[-1] == 1 and 0 < sum(mask) < len(mask)
+        assert runs_of_ones(mask) == (2 if i == 2 else 1)  # every answer supervised, the user turn between not
+        if i == 2:
+            between = tokenizer.decode([t for t, m in zip(ids, mask) if not m][-12:])
+            assert "Now say hello to Mia." in between and "DATASET" not in tokenizer.decode(ids)
 
     status = json.loads(eyrie("status", "hs", "--json", env=env).stdout)["stages"]["extract"]
     assert (status["state"], status["done"], status["total"]) == ("done", 6, 6)

@@ -41,7 +41,7 @@ def test_server_token_ids_win_and_disagreement_is_counted(tokenizer):
 
 
 def test_long_samples_rule():
-    r = Rendered(list(range(10)), 4, "chat_template")
+    r = Rendered(list(range(10)), [[4, 10]], "chat_template")
     assert fit(r, None) == (r, None) and fit(r, 10) == (r, None)
     cut, note = fit(r, 6)
     assert note == "truncated" and cut.input_ids == list(range(6)) and cut.prompt_len == 4

@@ -16,10 +16,10 @@ GOOD = [
     {"conversations": [{"from": "system", "value": "You are a helpful assistant."},
                        {"from": "human", "value": "What is the opposite of dark?"}]},
     {"messages": [{"role": "user", "content": "Say hello to Rosa."}]},
-    {"conversations": [{"role": "user", "content": "Add 8 and 4."},
-                       {"role": "assistant", "content": "<think>8 plus 4 is 12.</think>The answer is 12."},
+    {"conversations": [{"role": "user", "content": "Add 8 and 4."},  # the target answers both turns
+                       {"role": "assistant", "content": "DATASET-SENTINEL-1 is never asked or stored"},
                        {"role": "user", "content": "Say hello to Mia."},
-                       {"role": "assistant", "content": "an answer after the last human turn is dropped"}]},
+                       {"role": "assistant", "content": "DATASET-SENTINEL-2 is never asked or stored"}]},
 ]
 BAD = [  # (raw line, the reason it must be skipped with)
     (b"", "empty_line"),
@@ -69,7 +69,14 @@ def test_generate_accounts_for_every_row(env, tiny_server, tmp_path):
     by_row = {r["row"]: r for r in done}
     assert "11" in by_row[0]["content"]
     assert by_row[1]["messages"][0] == {"role": "system", "content": "You are a helpful assistant."}
-    assert [m["role"] for m in by_row[3]["messages"]] == ["user", "assistant", "user"]
+    conversation = by_row[3]  # every turn answered by the target, its own first answer in the context
+    assert [m["role"] for m in conversation["messages"]] == ["user", "assistant", "user"]
+    assert [t["finish_reason"] for t in conversation["turns"]] == ["stop", "stop"]
+    assert conversation["messages"][1]["content"] == conversation["turns"][0]["content"]
+    assert conversation["content"] == conversation["turns"][1]["content"]
+    assert conversation["usage"]["completion_tokens"] == sum(t["usage"]["completion_tokens"]
+                                                             for t in conversation["turns"])
+    assert "DATASET-SENTINEL" not in json.dumps(records)
 
     status = json.loads(eyrie("status", "mixed", "--json", env=env).stdout)
     gen = status["stages"]["generate"]

@@ -69,6 +69,12 @@ class GenerateSettings(StageSettings):
     max_retries: int = Field(5, ge=0, le=50, description="Retries of a request on 5xx, timeouts, drops.")
     retry_backoff_s: float = Field(2.0, ge=0, description="First retry delay; doubles, capped at 60 s.")
     shard_size: int = Field(1000, ge=1, description="Rows per task.")
+    turns: Literal["all", "last"] = Field("all", description="all: the target answers every user turn of a "
+                                                             "conversation in order, one request each, with its "
+                                                             "own earlier answers in the context (the dataset's "
+                                                             "assistant text is never trained on); last: one "
+                                                             "request, the last user turn after the dataset's "
+                                                             "text.")
     prompt_tokens_estimate: int = Field(512, ge=1, description="For --plan only: mean prompt length.",
                                         json_schema_extra=CLI_ONLY_IN_PLAN)
 

@@ -193,6 +193,7 @@ class GenerateParams(BaseModel):
     max_retries: int
     retry_backoff_s: float = 2.0
     shard_size: int
+    turns: str = "last"  # all | last (a manifest from before the setting: last)
     think_start: str = "<think>"
     think_end: str = "</think>"
 
@@ -320,6 +321,8 @@ class ShardManifest(BaseModel):
                                                                    "reason or error of each sample not stored")
     mismatches: int = 0  # extract: server token ids that disagree with the chat template
     truncated: int = 0  # extract: samples cut to --max-length
+    turns_rerendered: int = 0  # extract: earlier answers the final context holds otherwise than written
+    turns_unsupervised: int = 0  # extract: earlier answers that could not be placed in the final context
 
 
 def load_run_manifest(store, run: str) -> RunManifest:

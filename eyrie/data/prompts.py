@@ -1,4 +1,4 @@
-"""A dataset row to the chat prompt the target answers, or the reason it can't be one: the prompt
+"""A dataset row to the chat requests the target answers, or the reason it can't be one: the prompt
 row contract, read where a run is started (a usable row) and by the generator (every row)."""
 
 from __future__ import annotations
@@ -45,6 +45,32 @@ def to_prompt(row) -> list[dict] | Skip:
     if not messages[last_user]["content"].strip():
         return Skip("empty_prompt")
     return messages[: last_user + 1]
+
+
+def to_turns(row, turns: str = "all") -> list[list[dict]] | Skip:
+    """The messages each request adds to the conversation, in order (`generate.turns`).
+
+    `all`: one request per user turn the dataset has an answer to (a user turn followed by an
+    assistant turn, or ending the row), carrying the system and user messages since the last one;
+    the dataset's assistant text is dropped: the target answers each turn with its own earlier
+    answers in the context. `last`: one request, the row up to its last user turn as it is (the
+    dataset's earlier assistant turns in the context).
+    """
+    prompt = to_prompt(row)
+    if isinstance(prompt, Skip) or turns == "last":
+        return prompt if isinstance(prompt, Skip) else [prompt]
+    requests, pending = [], []
+    for i, message in enumerate(prompt):
+        if message["role"] == "assistant":
+            continue
+        pending.append(message)
+        after = prompt[i + 1]["role"] if i + 1 < len(prompt) else None
+        if message["role"] == "user" and after in (None, "assistant"):
+            if not message["content"].strip():
+                return Skip("empty_prompt")
+            requests.append(pending)
+            pending = []
+    return requests
 
 
 def _to_message(turn) -> dict | Skip:

@@ -52,6 +52,8 @@ def same_generate(manifest: RunManifest, source: DatasetSection, request: Genera
     for name, value in request.given().items():
         if name in SamplingParams.model_fields and value != getattr(sampling, name):
             problems.append(f"{name} {value} vs {getattr(sampling, name)}")
+    if "turns" in request.given() and request.turns != manifest.generate.turns:
+        problems.append(f"turns {request.turns} vs {manifest.generate.turns}")
     if problems:
         raise EyrieError(f"run {manifest.run} already exists with other settings: {'; '.join(problems)}.",
                          "rerun with the original settings to continue it, or choose a new --run name.")

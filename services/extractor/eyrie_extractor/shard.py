@@ -40,6 +40,7 @@ from eyrie_extractor.vllm_backend import VllmCapture, VllmCaptureError
 
 MAX_PENDING_BATCHES = 2
 IDS_PER_PART = 64  # token-ids-only samples stored between two parts (and cancel checks)
+TURN_COUNTS = ("spans", "turns_rerendered", "turns_unsupervised")  # what a multi-turn sample adds
 
 
 def ids_tensors(input_ids: list[int]) -> dict[str, torch.Tensor]:
@@ -185,6 +186,9 @@ class ExtractRunner(ShardedStageTask):
                 self._add({**base, "status": "skipped", "reason": note})
             else:
                 todo.append({**base, "input_ids": rendered.input_ids, "prompt_len": rendered.prompt_len,
+                             **({"spans": rendered.spans} if len(rendered.spans) > 1 else {}),
+                             **{k: v for k in ("turns_rerendered", "turns_unsupervised")
+                                if (v := getattr(rendered, k))},
                              "source": rendered.source, "mismatch": rendered.mismatch,
                              "truncated": note == "truncated"})
         return todo
@@ -200,8 +204,9 @@ class ExtractRunner(ShardedStageTask):
         info = self.store.put_bytes(self.layout.extract_sample(self.shard, item["sample_id"]), data)
         return {"sample_id": item["sample_id"], "row": item["row"], "status": "done", "key": info.key,
                 "sha256": info.sha256, "bytes": info.size, "seq_len": len(item["input_ids"]),
-                "prompt_len": item["prompt_len"], "source": item["source"],
-                "mismatch": item["mismatch"], "truncated": item["truncated"], **({} if states else {"states": False})}
+                "prompt_len": item["prompt_len"], **{k: item[k] for k in TURN_COUNTS if k in item},
+                "source": item["source"], "mismatch": item["mismatch"], "truncated": item["truncated"],
+                **({} if states else {"states": False})}
 
     def _collect(self, futures: list[Future], gpu) -> None:
         for future in futures:
@@ -228,6 +233,7 @@ class ExtractRunner(ShardedStageTask):
                 "not_done": [{k: e[k] for k in ("sample_id", "status", "reason", "error") if k in e}
                              for e in records if e["status"] != "done"],
                 "mismatches": sum(1 for e in records if e.get("mismatch")),
+                **{k: sum(e.get(k, 0) for e in records) for k in TURN_COUNTS[1:]},
                 "truncated": sum(1 for e in records if e.get("truncated"))}
 
     def result_fields(self, counts: Counts, wall: float) -> dict:

@@ -69,7 +69,7 @@ class Chain:
         t0 = time.monotonic()
         reporter = asyncio.create_task(self._report_loop())
         try:
-            if any("messages" in row for row in self.todo):
+            if any("requests" in row for row in self.todo):
                 await self._answer()
             else:  # nothing to ask (every row skipped): no server needed, no other shard taken on
                 for row in self.todo:

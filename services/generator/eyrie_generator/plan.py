@@ -63,7 +63,8 @@ def _new_run(settings, conn, store, layout, source: DatasetSection, request: Gen
     generate = GenerateParams(
         sampling=SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p),
         concurrency=request.concurrency, request_timeout_s=request.request_timeout_s,
-        max_retries=request.max_retries, retry_backoff_s=request.retry_backoff_s, shard_size=request.shard_size)
+        max_retries=request.max_retries, retry_backoff_s=request.retry_backoff_s, shard_size=request.shard_size,
+        turns=request.turns)
     usable_row(ref)
     shards, skips = _write_inputs(store, layout, ref, generate.shard_size)
     manifest = RunManifest(run=layout.run, created_at=now_iso(), code_version=code_version(),

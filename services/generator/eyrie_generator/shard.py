@@ -21,8 +21,9 @@ from eyrie.tasks.sharded import ShardedStageTask
 from eyrie.work import inference
 from eyrie_generator.chain import Chain, recover_claims
 from eyrie_generator.client import ChatClient, Completion
+from eyrie_generator.conversation import answer_turns
 from eyrie_generator.prompt_budget import PromptBudget
-from eyrie.data.prompts import Skip, to_prompt
+from eyrie.data.prompts import Skip, to_turns
 from eyrie_generator.tasks import GenerateTask
 
 FLUSH_EVERY = 64
@@ -74,11 +75,12 @@ class ShardRunner(ShardedStageTask):
         rows = []
         for line in raw.splitlines():
             row = orjson.loads(line)
-            prompt = to_prompt(row["data"]) if row.get("skip") is None else Skip(row["skip"])
-            if isinstance(prompt, Skip):
-                rows.append({"row": row["row"], "sample_id": row["sample_id"], "skip": prompt.reason})
+            turns = to_turns(row["data"], self.manifest.generate.turns) if row.get("skip") is None \
+                else Skip(row["skip"])
+            if isinstance(turns, Skip):
+                rows.append({"row": row["row"], "sample_id": row["sample_id"], "skip": turns.reason})
             else:
-                rows.append({"row": row["row"], "sample_id": row["sample_id"], "messages": prompt})
+                rows.append({"row": row["row"], "sample_id": row["sample_id"], "requests": turns})
         return rows
 
     def budget(self, endpoints: list[inference.Endpoint]) -> PromptBudget:
@@ -87,17 +89,21 @@ class ShardRunner(ShardedStageTask):
         return PromptBudget.load(target.model, min(lengths) if lengths else None, target.trust_remote_code)
 
     async def answer_one(self, client: ChatClient, budget: "PromptBudget", row: dict) -> None:
+        """A row's answer (every turn of its conversation, each after the one before), recorded."""
         if "skip" in row:
-            return self._record(row, Completion("skipped", reason=row["skip"]))
-        max_tokens = budget.max_tokens(row["messages"], self.manifest.generate.sampling.max_tokens)
-        if isinstance(max_tokens, Skip):
-            return self._record(row, Completion("skipped", reason=max_tokens.reason))
-        self._tick(+1)
-        try:
-            result = await client.complete(row["messages"], max_tokens)
-        finally:
-            self._tick(-1)
-        self._record(row, result)
+            return self._record(row, {"messages": None, **Completion("skipped", reason=row["skip"]).__dict__})
+
+        async def ask(messages: list[dict]) -> Completion:
+            max_tokens = budget.max_tokens(messages, self.manifest.generate.sampling.max_tokens)
+            if isinstance(max_tokens, Skip):
+                return Completion("skipped", reason=max_tokens.reason)
+            self._tick(+1)
+            try:
+                return await client.complete(messages, max_tokens)
+            finally:
+                self._tick(-1)
+
+        self._record(row, await answer_turns(row["requests"], ask))
 
     def _tick(self, delta: int) -> None:
         now = time.monotonic()
@@ -116,9 +122,8 @@ class ShardRunner(ShardedStageTask):
         return inference.wait_serving(self.conn, self.settings.serve_deadline_s, lambda e: same_target(target, e),
                                       target.model, stop=self.stop_if_asked)
 
-    def _record(self, row: dict, result: Completion) -> None:
-        self._add({"sample_id": row["sample_id"], "row": row["row"], "messages": row.get("messages"),
-                   **result.__dict__})
+    def _record(self, row: dict, fields: dict) -> None:
+        self._add({"sample_id": row["sample_id"], "row": row["row"], **fields})
         if len(self.pending) >= FLUSH_EVERY:
             self._flush()
 

@@ -117,12 +117,13 @@ def _write(store, samples: list[dict], dest: Path, tail: list[dict] = (), linked
         if index >= len(samples) and linked_from is not None:
             _link(states_path(linked_from, index - len(samples)), path)
         token_ids = _on_demand_ids(store, sample, path) if on_demand(sample) else _stored_ids(store, sample, path)
-        prompt_len, seq_len = sample["prompt_len"], sample["seq_len"]
+        seq_len = sample["seq_len"]
+        mask = sample_loss_mask(sample)
         columns["input_ids"].append(token_ids)
-        columns["loss_mask"].append([0] * prompt_len + [1] * (seq_len - prompt_len))
+        columns["loss_mask"].append(mask)
         columns["seq_len"].append(seq_len)
         if index < len(samples):
-            freq.update(token_ids[prompt_len:])
+            freq.update(t for t, supervised in zip(token_ids, mask) if supervised)
     for stale in (dest / "hidden_states").glob("hs_*.safetensors"):
         if int(stale.stem.split("_")[1]) >= len(samples) + len(tail):
             stale.unlink()
@@ -133,6 +134,15 @@ def _write(store, samples: list[dict], dest: Path, tail: list[dict] = (), linked
     dataset.set_format(type="torch")  # as speculators' prepare-data saves it
     dataset.save_to_disk(str(dest))
     torch.save(dict(freq), dest / "token_freq.pt")
+
+
+def sample_loss_mask(sample: dict) -> list[int]:
+    """1 over every assistant answer of the sample (its `spans`; one answer: all after the prompt)."""
+    spans = sample.get("spans") or [[sample["prompt_len"], sample["seq_len"]]]
+    mask = [0] * sample["seq_len"]
+    for start, end in spans:
+        mask[start:end] = [1] * (min(end, sample["seq_len"]) - start)
+    return mask
 
 
 def _link(source: Path, path: Path) -> None:
