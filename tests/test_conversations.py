@@ -4,6 +4,7 @@ the loss mask that covers every answer and never a user turn. No server: `ask` s
 chat client, whose real requests the generate e2e tests make."""
 
 import asyncio
+import json
 
 import pytest
 from transformers import AutoTokenizer
@@ -147,3 +148,15 @@ def test_long_samples_rule_keeps_the_spans_inside():
     cut, _ = fit(r, 5)
     assert cut.spans == [[2, 4]]
     assert fit(r, 2) == (None, "prompt_exceeds_max_length")
+
+
+def test_the_plan_says_what_generating_costs_in_requests(tmp_path):
+    from eyrie.data.dataset import resolve
+    from eyrie.runs.plan_inputs import requests
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps(r) for r in [ROW, {"messages": [{"role": "user", "content": "q"}]}]) + "\n")
+    ref = resolve(str(rows))
+    assert requests(2, ref, "all")["statement"] == "generate.turns all: ~4 requests (2.00 a row, one per user turn)"
+    assert requests(2, ref, "last")["requests"] == 2
+    assert requests(2, None, "all")["statement"] == "generate.turns all: one per user turn"  # a hub dataset

@@ -13,6 +13,7 @@ from eyrie.core.errors import EyrieError
 from eyrie.core.target import load_tokenizer
 from eyrie.data.dataset import iter_rows, looks_like_path, resolve
 from eyrie.data.manifest import DatasetRef
+from eyrie.data.prompts import Skip, to_turns
 
 SAMPLE_ROWS = 1000  # the mean is estimated from the dataset's first rows, at most this many
 CHARS_PER_TOKEN = 4  # where the target's tokenizer is not on this host (English text: about 4)
@@ -56,6 +57,21 @@ def estimated_mean(config, ref: DatasetRef, max_tokens: int) -> tuple[int, str] 
     rows = f"the dataset's {ref.row_end - ref.row_start:,} rows" if len(pairs) == ref.row_end - ref.row_start \
         else f"{len(pairs):,} of the dataset's first rows"
     return round(prompt + answer), f"estimated from {rows}: prompts {prompt:,.0f} tokens ({counted}) + {answered}"
+
+
+def requests(rows: int, ref: DatasetRef | None, turns: str) -> dict:
+    """What generating costs in requests (`generate.turns`: all asks each user turn), counted on the
+    dataset's first rows where it is here."""
+    every = "one per user turn" if turns == "all" else "one per row"
+    per_row = None
+    if ref is not None:
+        read = ref.model_copy(update={"row_end": min(ref.row_end, ref.row_start + SAMPLE_ROWS)})
+        counts = [len(asked) for _, row, problem in iter_rows(read)
+                  if not problem and not isinstance(asked := to_turns(row, turns), Skip)]
+        per_row = fmean(counts) if counts else None
+    total = None if per_row is None else round(rows * per_row)
+    said = f"~{total:,} requests ({per_row:.2f} a row, {every})" if per_row else f"{every}"
+    return {"turns": turns, "per_row": per_row, "requests": total, "statement": f"generate.turns {turns}: {said}"}
 
 
 def _prompt_and_answer(row) -> tuple[str, str] | None:

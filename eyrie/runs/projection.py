@@ -24,7 +24,7 @@ from eyrie.data.store import open_store
 from eyrie.runs.pipeline import RunConfig
 from eyrie.runs.plan_checks import (budget_verdict, gpu_lines, gpu_plan, on_demand_quota, over_budget, refuse,
                                    storage_refusal, unknown_mean)
-from eyrie.runs.plan_inputs import dataset_rows, estimated_mean
+from eyrie.runs.plan_inputs import dataset_rows, estimated_mean, requests
 from eyrie.runs.reuse import states_to_reuse
 from eyrie.runs.storage_plan import sharing_lines, storage_lines, storage_plan, target_weights
 from eyrie.stages.extract import Extract
@@ -92,7 +92,7 @@ def project(config: RunConfig, settings, measure: bool = True) -> dict:
          "architecture": architecture, "aux_layers": aux, "samples": n, "max_tokens": max_tokens,
          "concurrency": generate.concurrency, "prompt_tokens_estimate": prompt,
          "mean_tokens": mean, "mean_tokens_from": mean_from, "stored_mean_tokens": stored,
-         "tokens_upper_bound": tokens, "dataset_from": rows_from,
+         "tokens_upper_bound": tokens, "dataset_from": rows_from, "requests": requests(n, dataset, generate.turns),
          "hidden_states_bytes": sizes, "hidden_states_bytes_expected": expected,
          "records_bytes": n * max_tokens * RECORD_BYTES_PER_TOKEN, "dtype": config.extract.dtype,
          "budget_bytes": budget, "all_states_fit": None if budget is None else every <= budget,
@@ -300,8 +300,8 @@ def render(p: dict) -> list[str]:
     lines = [f"run {p['run']}: plan (no server, no GPU)",
              f"  target {p['target']}: hidden {p['hidden_size']}, {p['num_layers']} layers, vocab "
              f"{p['vocab_size']:,} (from {p['shape_from']}); architecture {p['architecture'] or 'unknown'}",
-             f"  samples {p['samples']:,} ({p['dataset_from']}); at most {p['tokens_upper_bound']:,} tokens (prompt "
-             f"estimate + max_tokens {p['max_tokens']:,} each)"
+             f"  samples {p['samples']:,} ({p['dataset_from']}); {p['requests']['statement']}; at most "
+             f"{p['tokens_upper_bound']:,} tokens (prompt estimate + max_tokens {p['max_tokens']:,} each)"
              + (f"; expected mean {p['mean_tokens']:,} tokens a sample ({p['mean_tokens_from']})" if p["mean_tokens"]
                 else "; the mean sample length is unknown (a hub dataset: set plan.mean_tokens)"),
              f"  hidden states: layers {p['aux_layers']} + last; at most "
