@@ -174,6 +174,10 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--curve-args", default="", help="further bench/learning_curve.py options, e.g. '--prompts 80'")
     p.add_argument("--results", type=Path, help="the RESULTS.md the curve's section goes into (default: HOME/results/RESULTS.md; "
                                                 "bench/RESULTS.md to record it in the repository)")
+    p.add_argument("--save-answers", type=Path, metavar="ARCHIVE", help="save the run's generated answers (its plan "
+                   "and generate objects, finished or not) to ARCHIVE (.tar.xz) and exit (bench/answers_carry.py)")
+    p.add_argument("--restore-answers", type=Path, metavar="ARCHIVE", help="before continuing, restore answers a "
+                   "sitting saved, where the store does not have the run yet")
     return p.parse_args(argv)
 
 
@@ -187,9 +191,17 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(env)  # this process's own reads (the store, the learning curve)
         from eyrie.core.config import load_settings
         from eyrie.data.store import open_store
+        from answers_carry import restore_answers, save_answers
 
         store = open_store(load_settings())
         print(f"home {home}: Redis {url} ({'started here' if started else 'already running'}), store {store.url}")
+        if a.save_answers:
+            print(f"saved {save_answers(store, run, a.save_answers)} objects of run {run} to {a.save_answers}")
+            return 0
+        if a.restore_answers:
+            restored = restore_answers(store, run, a.restore_answers)
+            print(f"restored {restored} objects of run {run} from {a.restore_answers}" if restored
+                  else f"run {run} is in the store already: {a.restore_answers} not restored")
         before = progress(store, run)
         print(reused_line(before), flush=True)
         code = 0 if before and before["verify"] else continue_pipeline(config, env, home / "logs", before)
