@@ -29,7 +29,8 @@ from eyrie_trainer.data import done_samples, heldout_ids, materialize
 from eyrie_trainer.evaluate import simulate
 from eyrie_trainer.export import _served_config, _transfer, download, load_drafter
 from eyrie_trainer.runner import speculators_options
-from eyrie_trainer.verify import (HELDOUT, Served, answer_limits, benchmark_prompts, benchmark_result, heldout_prompts,
+from eyrie.data.verify_outputs import TURN_LABELS, set_blocks
+from eyrie_trainer.verify import (HELDOUT, Served, answer_limits, benchmark_result, benchmark_sets, heldout_prompts,
                                   max_model_len, serve_flags)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,7 +74,8 @@ def _row(*cells) -> str:
 
 def section(r: dict, svg: str | None = None) -> list[str]:
     """The RESULTS.md section from the JSON result: the curve, the stage times, the anchor."""
-    sets, m, answered = list(r["sets"]), r["machine"], sum(r["sets"].values())
+    sets, m = list(r["sets"]), r["machine"]
+    answered = sum(n for s, n in r["sets"].items() if not s.endswith(TURN_LABELS["both"]))  # both turns: counted each
     gpu, per_1k = f", {m['gpu']}" if m["gpu"] else "", lambda s, n: _f(s / 60 / n * 1000, ".1f")
     out = [f"# Learning curve: {r['target_name']} (bench/learning_curve.py)", "",
            f"- Machine: {m['cpus']} CPUs ({m['cpu']}), {m['memory_gib']} GiB RAM{gpu}; {r['date']}; commit "
@@ -276,17 +278,21 @@ def forget_measured(cache: Path, label: str) -> None:
 
 def verify_all(settings, store, a, manifest, drafters: dict[str, Path], logs: Path) -> tuple[dict, dict, dict]:
     """vLLM: the target alone once, then each drafter; per drafter its wall seconds and figures per set (each kept
-    in logs/measured.json: a rerun measures only what is missing)."""
+    in logs/measured.json: a rerun measures only what is missing). MT-Bench is asked its second turns too, as
+    `eyrie verify` asks them: its second turn and both turns are sets of their own here ('mt-bench turn 2',
+    'mt-bench turns 1+2'; 'mt-bench' is its first turn)."""
     target, flags = manifest.target.model, serve_flags(settings, stored_config(store, a.run))
-    sets = {HELDOUT: heldout_prompts(store, a.run, Path(settings.cache_dir))[:a.prompts],
-            **benchmark_prompts(target, [b for b in a.bench.split(",") if b], a.prompts)}
+    benches, second_turns = benchmark_sets(target, [b for b in a.bench.split(",") if b], a.prompts, a.max_tokens,
+                                           max_model_len(flags))
+    sets = {HELDOUT: heldout_prompts(store, a.run, Path(settings.cache_dir))[:a.prompts], **benches}
     limits = answer_limits(sets, a.max_tokens, max_model_len(flags))
     logs.mkdir(parents=True, exist_ok=True)
-    cache, key = logs / "measured.json", {"sets": sets, "limits": limits, "flags": flags, "k": a.k}
+    cache = logs / "measured.json"
+    key = {"sets": sets, "limits": limits, "flags": flags, "k": a.k, "second_turns": list(second_turns)}
 
     def alone_measure():
         with Served(settings, target, flags, logs / "target.log") as server:
-            return server.measure(sets, limits, SERIAL)
+            return server.measure(sets, limits, SERIAL, second_turns)
 
     alone, results = measured(cache, key, "target alone", alone_measure), {}
     for label, folder in drafters.items():
@@ -295,12 +301,14 @@ def verify_all(settings, store, a, manifest, drafters: dict[str, Path], logs: Pa
             print(f"vLLM: {target} with drafter {label} (eagle3, K={a.k})", flush=True)
             started = time.monotonic()
             with Served(settings, target, [*flags, "--speculative-config", spec], logs / f"{label}.log") as server:
-                drafted = server.measure(sets, limits, SERIAL)
+                drafted = server.measure(sets, limits, SERIAL, second_turns)
             return {"verify_s": time.monotonic() - started, "sets": {
-                name: benchmark_result(alone[name], {a.k: drafted[name]}, len(sets[name]))["k"][str(a.k)]
-                for name in sets}}
+                shown: figures["k"][str(a.k)] for shown, figures in set_blocks(
+                    {name: benchmark_result(alone[name], {a.k: drafted[name]}, len(sets[name])) for name in sets})}}
         results[label] = measured(cache, key, label, drafted_measure)
-    return {n: len(p) for n, p in sets.items()}, {n: alone[n]["tokens_per_s"] for n in sets}, results
+    alone_only = set_blocks({name: benchmark_result(alone[name], {}, len(sets[name])) for name in sets})
+    return ({shown: figures["prompts"] for shown, figures in alone_only},
+            {shown: figures["tokens_per_s_target"] for shown, figures in alone_only}, results)
 
 
 def recorded_stage_times(store, manifest) -> dict:

@@ -165,6 +165,15 @@ def continue_pipeline(config: Path, env: dict, logs: Path, p: dict | None) -> in
             stop(proc)
 
 
+def print_verified(store, run: str) -> None:
+    """The pipeline's verify figures as `eyrie verify` prints them: a line per set and K (MT-Bench per turn too)."""
+    from eyrie.commands.display import verify_lines
+
+    verified = (progress(store, run) or {}).get("verify")
+    if verified and not verified.get("skipped"):
+        print("\n".join(verify_lines(run, verified)), flush=True)
+
+
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, default=ROOT / "examples" / "run.smollm2.yaml", help="the run config")
@@ -205,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         before = progress(store, run)
         print(reused_line(before), flush=True)
         code = 0 if before and before["verify"] else continue_pipeline(config, env, home / "logs", before)
+        print_verified(store, run)
         if code or not a.sizes:
             return code
         import learning_curve

@@ -38,6 +38,17 @@ def test_prompts_are_what_each_set_asks():
     assert humaneval.endswith("\n```")
 
 
+def test_mt_bench_carries_each_questions_second_turn_and_the_other_sets_none():
+    rows = [json.loads(line) for line in (ROOT / "services" / "trainer" / "eyrie_trainer" / "benchmarks" / "data" /
+                                           "mt-bench" / "question.jsonl").read_text().splitlines()]
+    bench = load_benchmark("mt-bench")
+    assert [p[0]["content"] for p in bench.prompts] == [r["turns"][0] for r in rows]  # the first turns, as before
+    assert bench.second_turns == [r["turns"][1] for r in rows] and len(bench.second_turns) == 80
+    assert bench.second_turns[0].startswith("Rewrite your previous response. Start every sentence with the letter A.")
+    assert load_benchmark("mt-bench", limit=3).second_turns == bench.second_turns[:3]
+    assert load_benchmark("gsm8k", limit=3).second_turns == [] and load_benchmark("humaneval", limit=3).second_turns == []
+
+
 def test_limit_takes_the_first_rows_in_file_order():
     assert load_benchmark("gsm8k", limit=5).prompts == load_benchmark("gsm8k").prompts[:5]
     assert len(load_benchmark("mt-bench", limit=1000).prompts) == 80
@@ -61,6 +72,8 @@ def test_a_local_jsonl_file(tmp_path):
         *([{"role": "user", "content": text}] for text in "cefg"),
     ]
     assert load_benchmark(str(path), limit=2).prompts == bench.prompts[:2]
+    assert bench.second_turns == [None, None, None, None, "h"]  # a row's second `turns` entry: its second turn
+    assert load_benchmark(str(path), limit=2).second_turns == []  # none in those rows: a set without second turns
 
 
 def test_unknown_name_says_what_is_accepted():

@@ -13,6 +13,7 @@ import pytest
 import redis
 import yaml
 
+from eyrie.commands.display import verify_lines
 from eyrie.work import keys
 
 from conftest import BIN, OFFLINE, ROOT, TRAIN_PROMPTS, eyrie, stop, tiny_run_config, wait_for
@@ -49,13 +50,15 @@ STAGES = ("generate", "extract", "train", "verify")
 def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, tmp_path, workers, browser):
     """generate -> extract -> train (evaluate, export) -> verify: the exported drafter served by
     real vLLM (CPU build) with EAGLE-3, greedy outputs identical to the target's alone, and vLLM's
-    own acceptance length close to eyrie's (the same bookkeeping)."""
+    own acceptance length close to eyrie's (the same bookkeeping); MT-Bench's first 3 questions asked
+    both turns by each server (the second after its own first answer)."""
     env = vllm_env(tmp_path / "vllm-cache", {**env, "EYRIE_VLLM_ARGS": " ".join(SMALL[2:]),
                                              "EYRIE_MAX_MODEL_LEN": SMALL[1]})
     workers.env = env
     workers.start("generate", "extract", "train", "verify")
     serve = {"max_model_len": int(SMALL[1]), "extra_args": SMALL[2:]}  # verify serves as the run config says
-    path = tiny_run_config(tmp_path, "chain", verify={"enabled": True}, serve=serve)
+    verify_section = {"enabled": True, "benchmarks": [mt_bench(tmp_path, 3)]}
+    path = tiny_run_config(tmp_path, "chain", verify=verify_section, serve=serve)
     out = eyrie("run", "--config", path, "--wait", env=env, timeout=900).stdout
     assert "4 generate tasks enqueued now" in out
     status = json.loads(eyrie("status", "chain", "--json", env=env).stdout)
@@ -72,15 +75,39 @@ def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, t
     assert verify["eyrie_acceptance_length"] == train["drafter"]["tau"]
     assert verify["relative_difference"] <= 0.05, verify
     assert verify["tokens_per_s_target"] > 0 and verify["speedup"] > 0
+    check_mt_bench_was_asked_both_turns(verify)
     check_the_charts_eyrie_show_draws(env, train, verify)
     check_the_dashboard_draws_vllms_figures(env, browser, tmp_path)
 
     again = eyrie("run", "--config", path, env=env).stdout
     assert "0 generate tasks enqueued now" in again and "stages follow by themselves" in again
-    changed = eyrie("run", "--config", tiny_run_config(tmp_path, "chain", train={"epochs": 4}, verify={"enabled": True},
+    changed = eyrie("run", "--config", tiny_run_config(tmp_path, "chain", train={"epochs": 4}, verify=verify_section,
                                                        serve=serve),
                     env=env, check=False)
     assert changed.returncode == 1 and "differs in: train, of stages already planned" in changed.stderr
+
+
+def mt_bench(tmp_path, questions: int) -> str:
+    """MT-Bench's first questions, as a file named for it (the run's verify.prompts would cap the held-out
+    prompts too): a file of `turns` rows is read as the named set is, its entry is "mt-bench"."""
+    rows = (ROOT / "services" / "trainer" / "eyrie_trainer" / "benchmarks" / "data" / "mt-bench" / "question.jsonl")
+    path = tmp_path / "mt-bench.jsonl"
+    path.write_text("".join(rows.read_text().splitlines(keepends=True)[:questions]))
+    return str(path)
+
+
+def check_mt_bench_was_asked_both_turns(verify: dict) -> None:
+    """The first turn's figures where the mt-bench figure always was, the second turn's and both turns' under
+    its `turns`: the second pass really drafted, and both turns' counters are the two passes' together."""
+    bench = verify["benchmarks"]["mt-bench"]
+    one, two, both = bench["k"]["3"], bench["turns"]["2"]["k"]["3"], bench["turns"]["both"]["k"]["3"]
+    print(f"mt-bench: turn 1 {one}\nturn 2 {bench['turns']['2']}\nboth {both}")
+    assert bench["prompts"] == 3 and 1 <= bench["turns"]["2"]["prompts"] <= 3 and bench["turns"]["2"]["questions"] == 3
+    assert one["vllm_drafts"] > 0 and two["vllm_drafts"] > 0 and both["vllm_drafts"] == one["vllm_drafts"] + two["vllm_drafts"]
+    for figures in (one, two, both):
+        assert 1.0 <= figures["vllm_acceptance_length"] <= 4.0 and len(figures["vllm_per_position_acceptance"]) == 3
+        assert all(v > 0 for v in figures["tokens_per_s"].values()), figures
+    assert two["compared_prompts"] == two["prompts"] and two["identical_outputs"]  # equal first answers: all compared
 
 
 def check_the_charts_eyrie_show_draws(env: dict, train: dict, verify: dict) -> None:
@@ -102,6 +129,9 @@ def check_the_charts_eyrie_show_draws(env: dict, train: dict, verify: dict) -> N
         best = " (best)" if c["label"] == evaluation["best"] else ""
         assert re.search(rf"^  {re.escape(c['label'] + best)} +eyrie [█▏▎▍▌▋▊▉]* +{c['tau']:.3f}$", shown, re.M)
     assert re.search(rf"^ +vLLM +█+[▏▎▍▌▋▊▉]? +{verify['vllm_acceptance_length']:.3f}$", shown, re.M)
+    assert all(f"vLLM on {name}:" in shown for name in ("mt-bench", "mt-bench turn 2", "mt-bench turns 1+2")), shown
+    printed = "\n".join(verify_lines("chain", verify))  # what `eyrie verify` prints of the same result
+    assert re.search(r"^  mt-bench turn 2 +\d+  3 +\d\.\d{3} ", printed, re.M), printed
     for p, rate in enumerate(verify["vllm_per_position_acceptance"]):
         assert f"{rate:.3f}" in shown and f"  +{p + 1}   eyrie " in shown
 

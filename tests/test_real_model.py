@@ -109,8 +109,13 @@ def test_a_drafter_for_smollm2_from_real_prompts_measured_by_vllm_on_the_benchma
     # The tiny target's runs (tests/test_pipeline.py, tests/test_compose_e2e.py) still require them equal.
     for name, bench in verify["benchmarks"].items():
         assert 0 <= bench["k"]["3"]["differing_outputs"] <= bench["prompts"], name
+    second = verify["benchmarks"]["mt-bench"]["turns"]["2"]  # asked after each server's own first answers
+    assert second["questions"] == 2 and second["k"]["3"]["vllm_drafts"] > 0
+    assert 0 <= second["k"]["3"]["differing_outputs"] <= second["k"]["3"]["compared_prompts"] <= second["prompts"]
+    assert verify["benchmarks"]["mt-bench"]["turns"]["both"]["k"]["3"]["vllm_drafts"] == \
+        verify["benchmarks"]["mt-bench"]["k"]["3"]["vllm_drafts"] + second["k"]["3"]["vllm_drafts"]
     assert verify["eyrie_acceptance_length"] == tau
     stored = json.loads(eyrie("show", "smol", "--json", env=env).stdout)["verify"]
     assert stored["benchmarks"] == verify["benchmarks"]
     shown = eyrie("show", "smol", env=env).stdout
-    assert all(f"vLLM on {name}" in shown for name in BENCHES), shown
+    assert all(f"vLLM on {name}" in shown for name in [*BENCHES, "mt-bench turn 2", "mt-bench turns 1+2"]), shown

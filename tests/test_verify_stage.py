@@ -100,7 +100,7 @@ def test_verifys_time_limit_covers_its_passes_on_a_slow_server(env, tmp_path, mo
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
 def test_verifys_time_limit_grows_with_its_plan(env, tmp_path, monkeypatch):
-    """More prompts, more sets, more Ks: a longer limit (nothing measured: the floor rate)."""
+    """More prompts, more sets, more Ks, a set's second turns: a longer limit (nothing measured: the floor rate)."""
     monkeypatch.setenv("EYRIE_SERVE_DEADLINE_S", "100")
     conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
     manifest = _planned("s", 8, 64)
@@ -108,3 +108,7 @@ def test_verifys_time_limit_grows_with_its_plan(env, tmp_path, monkeypatch):
     large = load_config(tiny_run_config(tmp_path, "l", verify={"prompts": 10, "ks": [3, 5],
                                                                 "benchmarks": ["gsm8k", "mt-bench"]}))
     assert 2 * 100 < verify_timeout_s(conn, small, manifest) < verify_timeout_s(conn, large, manifest)
+    one_turn, two_turns = (verify_timeout_s(conn, load_config(tiny_run_config(
+        tmp_path, name, verify={"prompts": 10, "ks": [3], "benchmarks": [name]})), manifest) for name in ("gsm8k", "mt-bench"))
+    # answering time, the vLLM starts less: held out + gsm8k is 2 sets' passes, held out + MT-Bench 3 (its second turns)
+    assert (two_turns - 2 * 100) * 2 == pytest.approx((one_turn - 2 * 100) * 3, abs=3)

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
-from eyrie.data.verify_outputs import outputs_summary
+from eyrie.data.verify_outputs import outputs_summary, set_blocks
 from eyrie.runs.status import overall_state, run_status
 from eyrie.work.status_models import RunStatus, RunSummary, StageStatus, TrainStatus
 
@@ -169,23 +169,30 @@ def follow_stage(conn, store, run: str, stage: str) -> int:
 
 def verify_lines(run: str, result: dict) -> list[str]:
     """What `eyrie verify` found (the manifest keeps the same object): eyrie's figure, then a line
-    per prompt set and K; a figure the result lacks shows as '-'."""
+    per prompt set and K (MT-Bench's second turn and both turns on lines of their own: set_blocks);
+    a figure the result lacks shows as '-'."""
+    blocks = set_blocks(result.get("benchmarks") or {})
+    width = max([12, *(len(name) for name, _ in blocks)])
     lines = [f"run {run}: checkpoint {result.get('checkpoint', '-')}, eyrie's acceptance length "
              f"{_num(result.get('eyrie_acceptance_length'))} (K={result.get('k', '-')}, held-out samples); "
              f"vLLM {_num(result.get('vllm_acceptance_length'))}"
              + (f" ({100 * result['relative_difference']:.1f}% apart)" if result.get("relative_difference") is not None
                 else ""),
-             f"  {'set':<12} {'prompts':>7} {'K':>2} {'vLLM accept':>11}  {'per position':<30} {'identical':<9} "
+             f"  {'set':<{width}} {'prompts':>7} {'K':>2} {'vLLM accept':>11}  {'per position':<30} {'identical':<9} "
              f"{'tok/s @1':>9} {'speedup @1':>10} {'tok/s @8':>9} {'speedup @8':>10}"]
-    for name, bench in (result.get("benchmarks") or {}).items():
+    for name, bench in blocks:
         for k, f in bench["k"].items():
             per_pos = " ".join(_num(p, 2) for p in f.get("vllm_per_position_acceptance") or [])
-            lines.append(f"  {name:<12} {bench['prompts']:>7} {k:>2} {_num(f.get('vllm_acceptance_length')):>11}  "
+            lines.append(f"  {name:<{width}} {f.get('prompts', bench['prompts']):>7} {k:>2} "
+                         f"{_num(f.get('vllm_acceptance_length')):>11}  "
                          f"{per_pos:<30} {str(f.get('identical_outputs')):<9} {_num(f['tokens_per_s'].get('1'), 1):>9} "
                          f"{_num(f['speedup'].get('1'), 2):>10} {_num(f['tokens_per_s'].get('8'), 1):>9} "
                          f"{_num(f['speedup'].get('8'), 2):>10}")
-    lines += [f"  {name} K={k}: outputs {outputs_summary(bench, f)}" for name, bench in (result.get("benchmarks") or {}).items()
+    lines += [f"  {name} K={k}: outputs {outputs_summary(bench, f)}" for name, bench in blocks
               for k, f in bench["k"].items() if not f.get("identical_outputs")]
+    if any(" turn 2" in name for name, _ in blocks):
+        lines.append("  turn 2: the second turn, asked after each server's own first answer (the set's own row: its "
+                     "first turn); turns 1+2: both turns' counters together")
     return lines
 
 

@@ -30,10 +30,24 @@ def worst(verdicts) -> str:
 
 def outputs_summary(bench: dict, figures: dict) -> str:
     """One prompt set at one K in words: 'identical', or how many answers differ beside the target's own variance
-    (a result from before the variance was measured: 'differ')."""
+    (a result from before the variance was measured: 'differ'). A second turn's answers are compared only where
+    the first answers were equal: of its compared prompts."""
     if figures.get("identical_outputs"):
         return IDENTICAL
     if "outputs_verdict" not in figures:
         return "differ"
-    return (f"{figures['differing_outputs']} of {bench['prompts']} differ: {figures['outputs_verdict']} (alone, "
+    compared = figures.get("compared_prompts", bench["prompts"])
+    of = f"{compared} compared" if compared != bench["prompts"] else f"{compared}"
+    return (f"{figures['differing_outputs']} of {of} differ: {figures['outputs_verdict']} (alone, "
             f"{bench['target_differing_1_vs_8']} of {bench['serial_prompts']} differ at 1 vs 8 in flight)")
+
+
+TURN_LABELS = {"2": "turn 2", "both": "turns 1+2"}  # a set's `turns` (its own figures: its first turn)
+
+
+def set_blocks(benchmarks: dict) -> list[tuple[str, dict]]:
+    """(label, figures) per verified prompt set, then its second turn and both turns where it has them (MT-Bench):
+    'mt-bench', 'mt-bench turn 2', 'mt-bench turns 1+2'."""
+    return [(f"{name} {TURN_LABELS.get(turn, turn)}" if turn else name, block)
+            for name, bench in benchmarks.items()
+            for turn, block in ((None, bench), *(bench.get("turns") or {}).items())]

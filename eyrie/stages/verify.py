@@ -118,15 +118,22 @@ def verify_timeout_s(conn, config, manifest) -> int:
     """The verify task's time budget from its plan: per pass (the target alone, then once per K) a
     vLLM start within the serve deadline and three times what its greedy answers take at verify's
     own pace: every prompt of a set with 8 requests in flight, then its first serial_prompts one at
-    a time (verify_rates); benchmark sets counted at their --prompts cap."""
+    a time (verify_rates); benchmark sets counted at their --prompts cap, twice where a set may have second
+    turns (MT-Bench, a .jsonl file: each is asked after its first turn)."""
     request = config.verify
     cap = request.prompts or BENCHMARK_PROMPTS_BOUND
-    sets = [min(cap, manifest.train.heldout_samples)] + [cap] * len(request.benchmarks)
+    passes_per_set = [2 if may_have_second_turns(name) else 1 for name in request.benchmarks]
+    sets = [min(cap, manifest.train.heldout_samples)] + [cap] * sum(passes_per_set)
     answer = request.max_tokens or manifest.generate.sampling.max_tokens
     at_8, at_1 = verify_rates(conn, config.run, manifest)
     seconds = sum(n * answer / at_8 + min(n, request.serial_prompts) * answer / at_1 for n in sets)
     passes = 1 + max(1, len(request.ks))
     return int(passes * (load_settings().serve_deadline_s + 3 * seconds))
+
+
+def may_have_second_turns(benchmark: str) -> bool:
+    """MT-Bench has them; a .jsonl file's rows may (2+ `turns`): eyrie_trainer.benchmarks reads which."""
+    return benchmark == "mt-bench" or benchmark.endswith(".jsonl")
 
 
 def verify_rates(conn, run: str, manifest) -> tuple[float, float]:

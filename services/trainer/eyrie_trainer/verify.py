@@ -8,9 +8,11 @@ give its mean acceptance length (1 + accepted draft tokens / drafts) and the acc
 draft position; outputs with and without the drafter compared (greedy speculative decoding is lossless
 up to numerics: vLLM's docs) beside the target's own batch variance, its answers alone at 1 and at 8 in
 flight (in bf16 on a CPU they differ: outputs_verdict); tokens/s with 8 requests in flight (every prompt)
-and with 1 (the first `serial_prompts`). The result goes into the run manifest (`verify`): per set under
-`benchmarks`, and the held-out set at the trained K at the top, beside eyrie's own figure
-(`drafter.tau`, the same bookkeeping: eyrie_trainer.evaluate).
+and with 1 (the first `serial_prompts`). MT-Bench (and a file with 2+ `turns` a row) is asked its second turn
+too, as FastChat asks it: each server after its own first answers (eyrie_trainer.verify_turns), measured per
+turn and over both turns. The result goes into the run manifest (`verify`): per set under `benchmarks` (a
+set's second turn and both turns under its `turns`: eyrie_trainer.verify_figures), and the held-out set at the
+trained K at the top, beside eyrie's own figure (`drafter.tau`, the same bookkeeping: eyrie_trainer.evaluate).
 """
 
 from __future__ import annotations
@@ -31,13 +33,15 @@ from eyrie.core.errors import EyrieError
 from eyrie.core.target import load_tokenizer
 from eyrie.core.vllm import serve_argv, serve_env, start_server, stop_server
 from eyrie.data.manifest import Layout, load_run_manifest, now_iso
-from eyrie.data.verify_outputs import IDENTICAL, differing, outputs_verdict, worst
+from eyrie.data.verify_outputs import IDENTICAL, worst
 from eyrie.runs.pipeline import ServeSection, VerifySection, stored_config
 from eyrie.stages import VERIFY
 from eyrie.stages.verify import record_verify_rates
 from eyrie.tasks.executor import StageTask, execute
 from eyrie_trainer.data import done_samples, heldout_ids, prompt_token_ids
 from eyrie_trainer.export import download
+from eyrie_trainer.verify_figures import SECOND, benchmark_result, k_figures, summarize  # noqa: F401 (summarize: its users')
+from eyrie_trainer.verify_turns import SecondTurns, chat_prompt_ids, second_turn_pass
 
 COUNTER = re.compile(r'^vllm:spec_decode_num_(drafts|accepted_tokens|accepted_tokens_per_pos)_total\{([^}]*)\} (\S+)$')
 HELDOUT = "heldout"
@@ -54,16 +58,24 @@ def heldout_prompts(store, run: str, cache_dir: Path) -> list[list[int]]:
 
 def benchmark_prompts(target: str, names: list[str], limit: int | None,
                       trust_remote_code: bool = False) -> dict[str, list[list[int]]]:
-    """Each benchmark's chat prompts as the target's chat template renders them, as token ids."""
+    """Each benchmark's chat prompts (a set's first turns) as the target's chat template renders them, as token ids."""
+    return benchmark_sets(target, names, limit, 0, None, trust_remote_code)[0]
+
+
+def benchmark_sets(target: str, names: list[str], limit: int | None, max_tokens: int, context: int | None,
+                   trust_remote_code: bool = False) -> tuple[dict[str, list[list[int]]], dict[str, SecondTurns]]:
+    """benchmark_prompts, and the second turns of the sets that have them (MT-Bench), asked with answers of
+    `max_tokens` within the served `context`."""
     if not names:
-        return {}
+        return {}, {}
     tokenizer = load_tokenizer(target, trust_remote_code)
-    sets = {}
+    sets, second_turns = {}, {}
     for name in names:
         bench = load_benchmark(name, limit)
-        texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in bench.prompts]
-        sets[bench.name] = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    return sets
+        sets[bench.name] = [chat_prompt_ids(tokenizer, m) for m in bench.prompts]
+        if turns := SecondTurns.of(bench, tokenizer, max_tokens, context):
+            second_turns[bench.name] = turns
+    return sets, second_turns
 
 
 def spec_counters(url: str) -> dict:
@@ -104,18 +116,27 @@ class Client:
             outputs = list(pool.map(one, zip(prompts, max_tokens)))
         return outputs, sum(map(len, outputs)) / (time.monotonic() - started)
 
-    def measure(self, sets: dict, limits: dict, serial: int) -> dict:
-        """Per prompt set: the answers at 8 in flight and at 1 (the first `serial`), tokens/s at each, and the
-        spec-decode counters of the 8-in-flight pass."""
+    def measure(self, sets: dict, limits: dict, serial: int, second_turns: dict[str, SecondTurns] | None = None) -> dict:
+        """Per prompt set, its pass (one_pass); a set with second turns is then asked them after this server's
+        own first answers (its `second_turn` pass: eyrie_trainer.verify_turns)."""
         passes = {}
         for name, prompts in sets.items():
-            before = spec_counters(self.url)
-            outputs, at_8 = self.greedy(prompts, limits[name], 8)
-            counters = spec_counters(self.url)
-            serial_outputs, at_1 = self.greedy(prompts[:serial], limits[name][:serial], 1)
-            passes[name] = {"outputs": outputs, "serial_outputs": serial_outputs,
-                            "tokens_per_s": {"1": round(at_1, 2), "8": round(at_8, 2)}, "counters": (before, counters)}
+            passes[name] = self.one_pass(prompts, limits[name], serial)
+            if name in (second_turns or {}):
+                passes[name]["second_turn"] = second_turn_pass(self, second_turns[name], passes[name]["outputs"], serial)
         return passes
+
+    def one_pass(self, prompts: list[list[int]], limits: list[int], serial: int) -> dict:
+        """The answers at 8 in flight and at 1 (the first `serial`), tokens/s and seconds at each, and the
+        spec-decode counters read before and after the 8-in-flight pass."""
+        before = spec_counters(self.url)
+        outputs, at_8 = self.greedy(prompts, limits, 8)
+        counters = spec_counters(self.url)
+        serial_outputs, at_1 = self.greedy(prompts[:serial], limits[:serial], 1)
+        seconds = {n: sum(map(len, out)) / rate if rate else 0.0
+                   for n, out, rate in (("1", serial_outputs, at_1), ("8", outputs, at_8))}
+        return {"outputs": outputs, "serial_outputs": serial_outputs, "tokens_per_s": {"1": round(at_1, 2), "8": round(at_8, 2)},
+                "seconds": seconds, "counters": (before, counters)}
 
 
 class Served(Client):
@@ -162,28 +183,31 @@ def verify(settings, store, run: str, request: VerifySection | None = None, log=
     trained_k, target = manifest.drafter["k"], manifest.target.model
     ks = request.ks or [trained_k]
     flags = serve_flags(settings, config)
-    sets = {HELDOUT: heldout_prompts(store, run, Path(settings.cache_dir))[:request.prompts],
-            **benchmark_prompts(target, request.benchmarks, request.prompts, manifest.target.trust_remote_code)}
-    limits = answer_limits(sets, request.max_tokens or manifest.generate.sampling.max_tokens, max_model_len(flags))
+    max_tokens, context = request.max_tokens or manifest.generate.sampling.max_tokens, max_model_len(flags)
+    benches, second_turns = benchmark_sets(target, request.benchmarks, request.prompts, max_tokens, context,
+                                           manifest.target.trust_remote_code)
+    sets = {HELDOUT: heldout_prompts(store, run, Path(settings.cache_dir))[:request.prompts], **benches}
+    limits = answer_limits(sets, max_tokens, context)
     logs = Path(settings.cache_dir) / "runs" / run / VERIFY.name
     logs.mkdir(parents=True, exist_ok=True)
-    counts = ", ".join(f"{name} {len(p)}" for name, p in sets.items())
+    counts = ", ".join(f"{name} {len(p)}" + (" (then their second turns)" if name in second_turns else "")
+                       for name, p in sets.items())
     with tempfile.TemporaryDirectory() as tmp:
         drafter = Path(tmp) / "drafter"
         download(store, run, drafter)
         log(f"verify {run}: vLLM serving {target} alone on {counts} prompts, greedy")
         with Served(settings, target, flags, logs / "target.log") as server:
-            alone = server.measure(sets, limits, request.serial_prompts)
+            alone = server.measure(sets, limits, request.serial_prompts, second_turns)
         drafted = {}
         for k in ks:
             spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k})
             log(f"verify {run}: vLLM serving {target} with the drafter (eagle3, K={k})")
             with Served(settings, target, [*flags, "--speculative-config", spec], logs / f"drafter-k{k}.log") as server:
-                drafted[k] = server.measure(sets, limits, request.serial_prompts)
+                drafted[k] = server.measure(sets, limits, request.serial_prompts, second_turns)
     benchmarks = {name: benchmark_result(alone[name], {k: drafted[k][name] for k in ks}, len(sets[name]))
                   for name in sets}
     result = headline(benchmarks[HELDOUT], trained_k if trained_k in ks else ks[0], manifest.drafter)
-    verdicts = {r["outputs_verdict"] for b in benchmarks.values() for r in b["k"].values()}
+    verdicts = {f["outputs_verdict"] for b in benchmarks.values() for f in k_figures(b)}
     result.update(benchmarks=benchmarks, ks=ks, verified_at=now_iso(), definitions=DEFINITIONS,
                   identical_outputs=verdicts == {IDENTICAL}, outputs_verdict=worst(verdicts))
     manifest.verify = result
@@ -204,24 +228,6 @@ def answer_limits(sets: dict, max_tokens: int, context: int | None) -> dict[str,
     """max_tokens per prompt, within the served context length."""
     return {name: [max(1, min(max_tokens, context - len(p))) if context else max_tokens for p in prompts]
             for name, prompts in sets.items()}
-
-
-def benchmark_result(alone: dict, drafted: dict[int, dict], prompts: int) -> dict:
-    serial = len(alone["serial_outputs"])
-    target_differing = differing(alone["serial_outputs"], alone["outputs"])
-    by_k = {}
-    for k, spec in drafted.items():
-        figures = summarize(*spec["counters"], k)
-        at_8 = differing(alone["outputs"], spec["outputs"])
-        figures.update(identical_outputs=at_8 == 0, differing_outputs=at_8,
-                       differing_outputs_at_1=differing(alone["serial_outputs"], spec["serial_outputs"]),
-                       outputs_verdict=outputs_verdict(at_8, target_differing),
-                       tokens_per_s=spec["tokens_per_s"],
-                       speedup={n: round(spec["tokens_per_s"][n] / alone["tokens_per_s"][n], 3)
-                                if alone["tokens_per_s"][n] else None for n in alone["tokens_per_s"]})
-        by_k[str(k)] = figures
-    return {"prompts": prompts, "serial_prompts": serial, "target_differing_1_vs_8": target_differing,
-            "tokens_per_s_target": alone["tokens_per_s"], "k": by_k}
 
 
 def headline(heldout: dict, k: int, drafter: dict) -> dict:
@@ -253,22 +259,18 @@ DEFINITIONS = {
     "outputs_verdict": "identical; within the target's own batch variance (the target alone answers differently at "
                        "1 and 8 in flight: target_differing_1_vs_8 > 0); or beyond it (the target alone was "
                        "batch-invariant, yet answers differ with the drafter: worth a look)",
+    "turns": "a set with second turns (MT-Bench): its own figures are its first turn; turns['2'] its second, asked "
+             "by each server after its own first answer (FastChat's way), its answers compared only where the first "
+             "answers were equal (compared_prompts); turns['both'] the two turns together: acceptance over both "
+             "passes' counters, tokens/s over both passes, answer comparisons summed",
 }
-
-
-def summarize(before: dict, after: dict, k: int) -> dict:
-    drafts = after["drafts"] - before["drafts"]
-    accepted = after["accepted_tokens"] - before["accepted_tokens"]
-    per_pos = [(after["per_pos"].get(p, 0.0) - before["per_pos"].get(p, 0.0)) / drafts if drafts else None
-               for p in range(k)]
-    return {"vllm_acceptance_length": 1 + accepted / drafts if drafts else None, "vllm_drafts": int(drafts),
-            "vllm_accepted_tokens": int(accepted), "vllm_per_position_acceptance": per_pos, "k": k}
 
 
 def measured_paces(result: dict) -> list[dict]:
     """Every pass's tokens/s at 8 and at 1 in flight: per set, the target alone and with the drafter per K."""
     return [pace for bench in result["benchmarks"].values()
-            for pace in (bench["tokens_per_s_target"], *(f["tokens_per_s"] for f in bench["k"].values()))]
+            for block in (bench, (bench.get("turns") or {}).get(SECOND))
+            if block for pace in (block["tokens_per_s_target"], *(f["tokens_per_s"] for f in block["k"].values()))]
 
 
 class VerifyRunner(StageTask):

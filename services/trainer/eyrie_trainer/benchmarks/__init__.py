@@ -6,7 +6,7 @@ import gzip
 import itertools
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyrie.core.errors import EyrieError
@@ -22,27 +22,37 @@ ROW_SHAPES = "`messages`/`conversations` (role/content or from/value turns), or 
 
 @dataclass
 class Benchmark:
+    """A prompt set: each question's first-turn messages, and where the set has them its second user turns
+    (MT-Bench's, a file's rows with 2+ `turns`; None for a question without one), which verify asks after the
+    model's OWN first answer (eyrie_trainer.verify_turns). `second_turns` is empty for a set without any."""
+
     name: str
     prompts: list[list[dict]]
+    second_turns: list[str | None] = field(default_factory=list)
 
 
 def load_benchmark(name_or_path: str, limit: int | None = None) -> Benchmark:
     """The first `limit` prompts (all when None) of a named set or of a .jsonl file, in file order.
 
-    mt-bench gives the FIRST turn of each question only: its second turn asks about the model's own
-    first answer, so it is not a prompt on its own. gsm8k gives the test questions, humaneval asks
-    to complete each function. A file's name is its stem; its rows are read as ROW_SHAPES says.
+    mt-bench's prompts are the first turn of each question, and its `second_turns` the second: asked after
+    the model's own first answer (as FastChat asks it), it is no prompt on its own. gsm8k gives the test
+    questions, humaneval asks to complete each function. A file's name is its stem; its rows are read as
+    ROW_SHAPES says, a row's second `turns` entry (of 2 or more) being its second turn.
     """
     if limit is not None and limit < 1:
         raise EyrieError(f"benchmark limit {limit} is below 1.", "give a limit of at least 1, or none for all.")
     if name_or_path in BENCHMARKS:
         rows = _rows(DATA / FILES[name_or_path], limit)
-        return Benchmark(name_or_path, [[_user_message(name_or_path, row)] for _, row in rows])
+        seconds = [row["turns"][1] for _, row in rows] if name_or_path == "mt-bench" else []
+        return Benchmark(name_or_path, [[_user_message(name_or_path, row)] for _, row in rows], seconds)
     path = Path(name_or_path).expanduser()
     if path.suffix != ".jsonl" or not path.is_file():
         raise EyrieError(f"unknown benchmark {name_or_path!r}: neither a named set nor an existing .jsonl file.",
                          f"name one of {', '.join(BENCHMARKS)}, or give the path of a .jsonl file of prompts.")
-    return Benchmark(path.stem, [_file_prompt(path, line, row) for line, row in _rows(path, limit)])
+    rows = _rows(path, limit)
+    seconds = [_second_turn(row) for _, row in rows]
+    return Benchmark(path.stem, [_file_prompt(path, line, row) for line, row in rows],
+                     seconds if any(seconds) else [])
 
 
 def _rows(path: Path, limit: int | None) -> list[tuple[int, object]]:
@@ -98,6 +108,16 @@ def _row_prompt(row) -> list[dict] | None:
     turns = row.get("turns")
     text = row.get("prompt") or row.get("question") or (turns[0] if isinstance(turns, list) and turns else None)
     return [{"role": "user", "content": text}] if isinstance(text, str) and text.strip() else None
+
+
+def _second_turn(row) -> str | None:
+    """A row's second user turn: the second of its `turns` where those are its prompt (MT-Bench's shape)."""
+    if not isinstance(row, dict) or row.get("messages") or row.get("conversations") or row.get("prompt") \
+            or row.get("question"):
+        return None
+    turns = row.get("turns")
+    second = turns[1] if isinstance(turns, list) and len(turns) >= 2 else None
+    return second if isinstance(second, str) and second.strip() else None
 
 
 def _message(turn) -> dict | None:
