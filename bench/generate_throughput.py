@@ -202,14 +202,20 @@ def run_timed(cmd: list[str], env: dict, log: Path, timeout: float, sample: bool
             "sampler": sampler}
 
 
-def write_prompts(path: Path, n: int) -> Path:
-    """ShareGPT rows, every prompt distinct (the stub counts requests per prompt)."""
+def write_prompts(path: Path, n: int, turns: int = 1) -> Path:
+    """ShareGPT rows of `turns` user turns (a placeholder answer between them, which both clients drop and
+    regenerate), every user turn distinct (the stub counts requests per last user turn)."""
     topics = ["rivers", "prime numbers", "sourdough", "compilers", "glaciers", "chess openings",
               "photosynthesis", "TCP congestion control", "the Roman calendar", "bird migration"]
     with path.open("w") as f:
         for i in range(n):
-            prompt = f"Prompt {i:05d}: explain {topics[i % len(topics)]} to a curious student, step by step."
-            f.write(json.dumps({"conversations": [{"from": "human", "value": prompt}]}) + "\n")
+            row = []
+            for t in range(turns):
+                ask = "explain" if t == 0 else f"(turn {t + 1}) say more about"
+                row += [{"from": "gpt", "value": "a dataset answer, never asked"}] if t else []
+                row.append({"from": "human", "value": f"Prompt {i:05d}: {ask} {topics[i % len(topics)]} to a "
+                                                      "curious student, step by step."})
+            f.write(json.dumps({"conversations": row}) + "\n")
     return path
 
 
@@ -258,7 +264,7 @@ class Bench:
         before = (busy_cpu_s(), _cpu(stub_ps), _cpu(self.redis_proc), time.process_time(), time.monotonic())
         try:
             result = getattr(self, f"_{client}")(url)
-            server = server_side(url, self.args.prompts, self.args.concurrency)
+            server = server_side(url, self.args.prompts * self.args.turns, self.args.concurrency)
             stub_cpu = _cpu(stub_ps) - before[1]
         finally:
             stop(stub)
@@ -315,11 +321,18 @@ class Bench:
         shards = -(-self.args.prompts // (self.args.shard_size or self.args.prompts))
         manifests = [store.get_json(Layout(run).generate_shard_manifest(i)) for i in range(shards)]
         records = [orjson.loads(line) for m in manifests for line in store.get_bytes(m["object"]).splitlines()]
-        bad = sum(1 for r in records if r["status"] != "done" or not r["reasoning"]
-                  or len(r["completion_token_ids"] or []) != self.args.tokens or r["prompt_token_ids"] != list(range(10)))
+        bad = sum(1 for r in records if r["status"] != "done" or not r["reasoning"] or len(r.get("turns") or [r])
+                  != self.args.turns or any(len(t["completion_token_ids"] or []) != self.args.tokens
+                                            or t["prompt_token_ids"] != list(range(10)) for t in r.get("turns") or [r]))
         shutil.rmtree(self.tmp / "store" / "runs" / run, ignore_errors=True)  # keep the disk small
         return (f"{shards} shard(s) of {len(records)} records ({bad} bad), "
                 f"{sum(m['bytes'] for m in manifests) / 1e6:.1f} MB")
+
+    def speculators_max_tokens(self) -> int:
+        """speculators 0.9 ends a conversation once prompt + answer pass its --max-tokens (a budget for the
+        whole sequence): with several turns, room for every turn, the stub's answers being `tokens` long."""
+        a = self.args
+        return a.tokens if a.turns == 1 else a.turns * (a.tokens + 10 * a.turns) + 1
 
     def _speculators(self, url: str) -> dict:
         a = self.args
@@ -327,14 +340,15 @@ class Bench:
         log = self.tmp / f"spec{self.seq}.log"
         proc = run_timed([str(BIN / "speculators"), "regenerate-responses", "--endpoint", f"{url}/v1/chat/completions",
                           "--model", str(TINY), "--dataset", str(self.prompts), "--limit", str(a.prompts),
-                          "--concurrency", str(a.concurrency), "--max-tokens", str(a.tokens), "--outfile", str(out)],
+                          "--concurrency", str(a.concurrency), "--max-tokens", str(self.speculators_max_tokens()),
+                          "--outfile", str(out)],
                          {**os.environ, **OFFLINE}, log, timeout=a.timeout, sample=True)
         text = log.read_text(errors="replace")
         own = re.search(r"Pipeline complete in ([\d.]+)s.*?Throughput: ([\d.]+) req/s", text, re.S)
         lines = out.read_text().splitlines() if out.exists() else []
         errors = out.with_name("out.errors.jsonl")
         n_err = len(errors.read_text().splitlines()) if errors.exists() else 0
-        bad = sum(1 for line in lines if len(json.loads(line)["input_ids"]) != 10 + a.tokens)
+        bad = sum(1 for line in lines if a.turns == 1 and len(json.loads(line)["input_ids"]) != 10 + a.tokens)
         size = out.stat().st_size / 1e6 if out.exists() else 0
         shutil.rmtree(out.parent, ignore_errors=True)
         return {"proc": proc, "check": f"outfile of {len(lines)} rows ({bad} bad, {n_err} errors), {size:.1f} MB",
@@ -369,7 +383,7 @@ class Bench:
             result = run_generate_shard({"run": run, "shard": 0})
             profiler.disable()
             wall, cpu = time.monotonic() - t0, time.process_time() - c0
-            server = server_side(url, self.args.prompts, self.args.concurrency)
+            server = server_side(url, self.args.prompts * self.args.turns, self.args.concurrency)
         finally:
             os.environ.clear()
             os.environ.update(saved)
@@ -627,6 +641,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--tokens", type=int, default=1000)
+    parser.add_argument("--turns", type=int, default=1, help="User turns a row (each answered in order: one "
+                                                             "request a turn); a section of its own in RESULTS.md.")
     parser.add_argument("--shard-size", type=int, default=500,
                         help="eyrie's rows per shard (0: one shard); several shards show the lanes moving on.")
     parser.add_argument("--repeat", type=int, default=3, help="Runs per client and latency (medians shown).")
@@ -645,6 +661,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.nice:
         os.nice(args.nice)
+    if args.turns > 1 and "bare" in args.clients:  # one request a row: no floor for a conversation
+        args.clients.remove("bare")
     if args.variant and "variant" not in args.clients:
         args.clients.append("variant")
     if "variant" in args.clients and not args.variant:
@@ -663,7 +681,8 @@ def main() -> None:
     t_start = time.monotonic()
     rows, prof = [], None
     try:
-        bench = Bench(args, tmp, redis_url, redis_proc.pid, write_prompts(tmp / "prompts.jsonl", args.prompts))
+        prompts = write_prompts(tmp / "prompts.jsonl", args.prompts, args.turns)
+        bench = Bench(args, tmp, redis_url, redis_proc.pid, prompts)
         for latency in args.latencies:
             for i in range(args.repeat):
                 order = args.clients[i % len(args.clients):] + args.clients[:i % len(args.clients)]
@@ -701,13 +720,17 @@ def write_results(path: Path, args, info, med, rows, checks, prof, total) -> Non
     c, cmd = args.concurrency, " ".join(["python bench/generate_throughput.py", *sys.argv[1:]])
     load = max(r["other_load"] for r in rows)
     lines = [
-        "# Generate throughput: eyrie vs speculators `regenerate-responses`",
+        "# Generate throughput: eyrie vs speculators `regenerate-responses`"
+        + (f", {args.turns}-turn conversations" if args.turns > 1 else ""),
         "",
         f"- Machine: {info['line']}; {info['packages']}.",
         f"- Date: {info['date']}. Cores busy with other work just before the start: {info['idle_load']:.2f}; "
         f"during the runs at most {load:.2f}" + (f" (the benchmark ran at niceness {os.nice(0)})." if args.nice else "."),
         f"- Command: `{cmd}` (also `make bench`); {total:.0f} s in all. Code: {info['code']}.",
-        f"- Workload: {args.prompts} distinct ShareGPT prompts, concurrency C={c}, max tokens {args.tokens}; eyrie "
+        f"- Workload: {args.prompts} distinct ShareGPT prompts"
+        + (f" of {args.turns} user turns each (every turn answered in order, with the client's own earlier answers "
+           f"in the context: {args.prompts * args.turns} requests)" if args.turns > 1 else "")
+        + f", concurrency C={c}, max tokens {args.tokens}; eyrie "
         f"plans them in shards of {args.shard_size or args.prompts} (one worker: its task takes on the next shard "
         "while the last answers of the current one arrive). The stub "
         f"(tests/stub_openai.py, via bench/timed_stub.py) answers each request after a fixed latency with "
