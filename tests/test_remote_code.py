@@ -7,6 +7,7 @@ The target here is the tiny one whose config, tokenizer and model classes are su
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
@@ -123,3 +124,53 @@ def test_a_target_path_this_host_lacks_is_not_taken_for_a_hub_id(tmp_path):
 
     refuse_remote_code(str(tmp_path / "elsewhere" / "tiny-target"), False)
     refuse_remote_code("/opt/eyrie/assets/tiny-target", False)
+
+
+def _train_options(target: str, trust: bool, data, work) -> dict:
+    """The train stage's speculators settings (runner.speculators_options) for a run on `target`,
+    its manifest's target trusted or not: 2 steps of a 1-layer drafter on `data`."""
+    from eyrie.data.manifest import ExtractParams, TargetRef, TrainParams
+    from eyrie_trainer.runner import speculators_options
+
+    target_ref = TargetRef(model=target, revision="local", chat_template_sha256=None, server="transformers",
+                           trust_remote_code=trust)
+    extract = ExtractParams(backend="hf", aux_layers=[2, 4, 5], dtype="bf16", max_length=None, num_layers=6,
+                            hidden_size=64, samples=8, tokens=1, truncated=0, projected_bytes=1, budget_bytes=None)
+    manifest = SimpleNamespace(target=target_ref, extract=extract)
+    params = TrainParams(epochs=1, draft_vocab=300, vocab_mapping="frequency", lr=1e-3, total_seq_len=128,
+                         train_samples=6, heldout_samples=2, speculators_version="0.9.0", max_steps=2, num_layers=1)
+    return speculators_options(params, manifest, data, work, 0, (6, 2), "cpu")
+
+
+def test_speculators_options_carry_the_targets_trust_only_when_the_run_trusts_it(tmp_path):
+    trusted = _train_options(str(TINY), True, tmp_path, tmp_path)
+    assert trusted["trust_remote_code"] is True
+    assert "trust_remote_code" not in _train_options(str(TINY), False, tmp_path, tmp_path)
+
+
+@pytest.mark.integration  # speculators' TrainConfig from settings runs `git rev-parse` (its provenance)
+def test_training_and_export_of_a_trusted_targets_run_load_it_with_its_code(own_code_target, tmp_path):
+    """Issue 41 item 4: speculators' training (through eyrie's shim, as the train stage runs it) and the
+    drafter's load for evaluation and export read the target's config with its own code where the run
+    trusts it; untrusted, the same training is refused naming trust_remote_code."""
+    import torch
+
+    from hs_fixture import build_hs_dir
+    from eyrie_trainer import engine
+    from eyrie_trainer.export import load_drafter
+
+    data = build_hs_dir(tmp_path / "data", n=8)
+    torch.save({token: 1 for token in range(400)}, data / "token_freq.pt")  # as materialize writes it
+    hooks = engine.Hooks()
+    with pytest.raises(Exception, match="trust_remote_code"):
+        engine.train_with_fallback(_train_options(own_code_target, False, data, tmp_path / "untrusted"), "cpu",
+                                   False, hooks, print)
+    engine.train_with_fallback(_train_options(own_code_target, True, data, tmp_path / "trusted"), "cpu", False,
+                               hooks, print)
+    assert hooks.state["steps"] == 2
+    saved = sorted(p.parent for p in (tmp_path / "trusted" / "checkpoints").rglob("config.json"))
+    assert saved, list((tmp_path / "trusted").rglob("*"))
+    with pytest.raises(ValueError, match="trust_remote_code"):  # speculators' own load of it, unwrapped
+        load_drafter(saved[-1])
+    with engine.verifier_code(True):  # as the train stage's evaluate_and_export loads each checkpoint
+        assert load_drafter(saved[-1]).config.speculators_config.verifier.name_or_path == own_code_target

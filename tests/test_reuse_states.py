@@ -4,21 +4,26 @@ only in `train:` starts at train on a's objects, with no generate or extract tas
 --run a --as c` is the same; the store refuses to delete a's states while they are used. The
 training itself on a's states: tests/test_train_e2e.py."""
 
+import json
+import shutil
+
 import pytest
 import redis
 
-from conftest import eyrie_in_process, tiny_run_config
+from conftest import TINY, eyrie_in_process, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.stage_settings import TrainSettings
+from eyrie.core.target import describe
 from eyrie.data import dataset
-from eyrie.data.manifest import Layout, load_run_manifest
-from eyrie.data.shared_states import StatesInUse
+from eyrie.data.manifest import Layout, TargetRef, load_run_manifest
+from eyrie.data.shared_states import StatesInUse, users_of
 from eyrie.data.store import open_store
-from eyrie.runs.control import pipeline_started, start_and_plan, start_stage, train_as
+from eyrie.runs.control import pipeline_started, start_and_plan, start_pipeline, start_stage, train_as
 from eyrie.runs.pipeline import advance, load_config, run_job_ids, save_config, stored_config
 from eyrie.runs.reuse import states_to_reuse
 from eyrie.stages import PIPELINE, PLAN_TRAIN
+from eyrie.runs.projection import project
 from eyrie.stages.train import Train
 from eyrie.work.queue import job_state
 from test_refused_start import planned_run
@@ -27,18 +32,27 @@ pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
 ROWS = {"dataset": {"limit": 4}}
 
 
-@pytest.fixture
-def run_a(env, tmp_path):
-    """Pipeline a, generated and extracted (its train not planned yet), advanced once as its last
-    extract task would: its states are recorded by their fingerprint."""
-    cfg = load_config(tiny_run_config(tmp_path, "a", ROWS))
+def states_of(env, tmp_path, *overrides: dict):
+    """Pipeline a (`overrides` to its config), generated and extracted (its train not planned yet),
+    its manifest's target as generate records it (describe: content hash and chat template),
+    advanced once as its last extract task would: its states are recorded by their fingerprint."""
+    cfg = load_config(tiny_run_config(tmp_path, "a", ROWS, *overrides))
     settings = load_settings(model=cfg.target.model)
     conn, store = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(settings)
     source = cfg.dataset
     planned_run(store, "a", dataset.resolve(source.source, source.split, source.revision, source.limit), None)
+    info = describe(cfg.target.model)
+    manifest = load_run_manifest(store, "a").model_copy(update={"target": TargetRef(
+        model=info.model, revision=info.revision, chat_template_sha256=info.chat_template_sha256, server="vllm")})
+    store.put_json(Layout("a").manifest, manifest.model_dump())
     save_config(conn, store, cfg)
     assert advance(conn, store, "a") == Train.name
     return settings, conn, store
+
+
+@pytest.fixture
+def run_a(env, tmp_path):
+    return states_of(env, tmp_path)
 
 
 def tasks_before_train(conn, store, run: str) -> dict[str, str | None]:
@@ -114,3 +128,31 @@ def test_the_plan_of_a_run_on_earlier_states_counts_no_generation_or_extraction(
     assert "extract      0.00 h: none: run a's, reused" in shown and "tokens trained" in shown
     other = project(load_config(tiny_run_config(tmp_path, "d", ROWS, extract={"layers": [1, 3, 5]})), settings)
     assert other["states_from"] is None and other["hours"]["generate"]["tokens"] > 0
+
+
+def test_a_changed_target_or_serving_shares_no_states_and_the_new_run_generates(env, tmp_path):
+    """Issue 41 item 1: the same config under a new name is offered a's states only while the target
+    is what answered a (its directory's content and chat template, as the manifest records them)
+    and is served alike (serve.extra_args, serve.max_model_len); else --plan and the run reuse
+    nothing (no error): the new run generates."""
+    target = tmp_path / "target"
+    shutil.copytree(TINY, target)
+    on_it = {"target": {"model": str(target)}}
+    settings, conn, store = states_of(env, tmp_path, on_it)
+
+    def config(*overrides: dict):
+        return load_config(tiny_run_config(tmp_path, "d", ROWS, on_it, *overrides))
+
+    assert states_to_reuse(store, config()).run == "a" and project(config(), settings)["states_from"] == "a"
+    assert states_to_reuse(store, config({"serve": {"extra_args": ["--dtype", "float32"]}})) is None
+    assert states_to_reuse(store, config({"serve": {"max_model_len": 512}})) is None
+    assert states_to_reuse(store, config({"serve": {"tensor_parallel_size": 2}})).run == "a"  # how many GPUs: same answers
+
+    updated = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**updated, "eyrie_test_key": 1}))  # updated in place
+    assert states_to_reuse(store, config()) is None
+    plan = project(config(), settings)
+    assert plan["states_from"] is None and plan["hours"]["generate"]["tokens"] > 0
+    out = start_pipeline(settings, conn, store, config())
+    assert out["states_from"] is None and out["planning"], out  # generates: its planner is enqueued
+    assert job_state(conn, out["planning"]) == "queued" and users_of(store, "a") == []

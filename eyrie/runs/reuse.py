@@ -3,11 +3,13 @@ and extract settings equal an earlier run's trains on that run's generated answe
 states, with its own train settings; nothing is generated or extracted again, nothing copied.
 
 Once a pipeline's states are complete, `advance` records them under their fingerprint
-(`states/SETTINGS/DATASET_REVISION.json`: the settings that make them, then the dataset's content
-hash or hub commit). A new run that finds its own fingerprint there gets a run manifest and shard
-manifests of its own (small JSON) that refer to the earlier run's objects, and `states_from`
-naming it; the earlier run records it as a user (eyrie.data.shared_states), so the store refuses to
-delete those objects while it needs them. Its training then reads them through the same data path
+(`states/SETTINGS/TARGET/DATASET_REVISION.json`: the settings that make them, the target's identity
+as its run manifest recorded it (eyrie.core.target.describe: a local directory's content hash, a hub
+id's commit, and its chat template), then the dataset's content hash or hub commit). A new run that
+finds its own fingerprint there gets a run manifest and shard manifests of its own (small JSON)
+that refer to the earlier run's objects, and `states_from` naming it; the earlier run records it
+as a user (eyrie.data.shared_states), so the store refuses to delete those objects while it needs
+them. Its training then reads them through the same data path
 (stored states, and in hybrid and online the extraction service for the rest)."""
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import hashlib
 import orjson
 
 from eyrie.core.errors import EyrieError, UnknownRun
+from eyrie.core.target import describe
 from eyrie.data import dataset
 from eyrie.data.manifest import Layout, RunManifest, code_version, load_run_manifest, now_iso, states_index
 from eyrie.data.shared_states import add_user
@@ -24,37 +27,53 @@ from eyrie.stages import PIPELINE
 
 # how fast or how robustly the answers were fetched, not what they are: not part of the fingerprint
 PACING = {"concurrency", "request_timeout_s", "max_retries", "retry_backoff_s", "shard_size", "prompt_tokens_estimate"}
+# how the target is served that changes its answers (--dtype, --quantization, ... in extra_args)
+SERVE_ANSWERS = ("reasoning_parser", "max_model_len", "extra_args")
 
 
 def settings_fingerprint(config) -> str:
     """The settings that make a run's answers and states (defaults resolved: a default written out
-    is the same run), from its run config."""
-    what = {"target": config.target.model, "reasoning_parser": config.serve.reasoning_parser}
+    is the same run), from its run config. The target's content is keyed apart (target_identity)."""
+    what = {"target": config.target.model, "serve": {field: getattr(config.serve, field) for field in SERVE_ANSWERS}}
     for name in _states_sections():  # the dataset, generate and extract sections
         section = getattr(config, name)
         what[name] = {field: getattr(section, field) for field in type(section).model_fields if field not in PACING}
     return hashlib.sha256(orjson.dumps(what, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
 
 
-def index_key(config, dataset_revision: str) -> str:
-    return states_index(settings_fingerprint(config), dataset_revision)
+def target_identity(target) -> str | None:
+    """Which weights and chat template answered (a manifest's target, or describe()'s): a local
+    directory's content hash or a hub id's commit, with its template's sha256. None where that is
+    not known (a hub id unresolved offline, a directory this host lacks): no states are shared then."""
+    if not target.revision or target.revision == "unresolved":
+        return None
+    what = {"revision": target.revision, "chat_template_sha256": target.chat_template_sha256}
+    return hashlib.sha256(orjson.dumps(what, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+
+
+def index_key(config, target, dataset_revision: str) -> str | None:
+    identity = target_identity(target)
+    return None if identity is None else states_index(f"{settings_fingerprint(config)}/{identity}", dataset_revision)
 
 
 def record_states(view) -> None:
     """A pipeline whose states are complete (advance, once the stage that makes them is done):
-    findable by its fingerprint. A run on another's states records nothing: that one is found."""
+    findable by its fingerprint and its target as its manifest recorded it (nothing hashed again).
+    A run on another's states records nothing: that one is found."""
     manifest = view.manifest
     if view.config is None or manifest is None or manifest.states_from:
         return
-    key = index_key(view.config, manifest.dataset.revision)
-    if not view.store.exists(key):
+    key = index_key(view.config, manifest.target, manifest.dataset.revision)
+    if key is not None and not view.store.exists(key):
         view.store.put_json(key, {"run": view.run, "dataset": manifest.dataset.model_dump(), "recorded_at": now_iso()})
 
 
 def states_to_reuse(store, config) -> RunManifest | None:
     """For a run not planned yet: the manifest of the earlier run whose answers and states it can
-    train on (same settings, same dataset content and rows, every shard extracted), else None. The
-    dataset is read (hashed) only where some run has these settings."""
+    train on (same settings, same target content and template, same dataset content and rows, every
+    shard extracted), else None. The target is described and the dataset read (hashed) only where
+    some run has these settings; a target changed since (a directory updated in place, a hub id at
+    a new commit) or not identifiable here shares nothing: the new run generates."""
     if store.exists(Layout(config.run).manifest):
         return None
     fingerprint = settings_fingerprint(config)
@@ -62,8 +81,8 @@ def states_to_reuse(store, config) -> RunManifest | None:
         return None
     source = config.dataset
     ref = dataset.resolve(source.source, source.split, source.revision, source.limit)
-    key = states_index(fingerprint, ref.revision)
-    if not store.exists(key):
+    key = index_key(config, describe(config.target.model), ref.revision)
+    if key is None or not store.exists(key):
         return None
     try:
         found = load_run_manifest(store, store.get_json(key)["run"])

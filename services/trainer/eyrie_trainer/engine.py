@@ -7,6 +7,7 @@ internals this module relies on change."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -15,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -338,8 +340,24 @@ def train(config, device: str, hooks: Hooks) -> None:
     from speculators.train.cli import main
 
     cfg = resolve_argv(config) if isinstance(config, list) else config
-    with speculators_patched(device, hooks):
+    with speculators_patched(device, hooks), verifier_code(cfg.verifier.trust_remote_code):
         main(cfg)
+
+
+@contextlib.contextmanager
+def verifier_code(trust: bool) -> Iterator[None]:
+    """The verifier config loads speculators' trust_remote_code misses (0.9.0: Eagle3DraftModel's
+    load_verifier_weights and from_pretrained, in training and each checkpoint's load), trusted too."""
+    import speculators.models.eagle3.core as core
+
+    auto, resolve = core.AutoConfig, core.resolve_target_layer_ids
+    if trust:
+        core.AutoConfig = SimpleNamespace(from_pretrained=functools.partial(auto.from_pretrained, trust_remote_code=True))
+        core.resolve_target_layer_ids = functools.partial(resolve, trust_remote_code=True)
+    try:
+        yield
+    finally:
+        core.AutoConfig, core.resolve_target_layer_ids = auto, resolve
 
 
 def train_with_fallback(settings: Mapping[str, Any] | list[str], device: str, fast_path: bool, hooks: Hooks,

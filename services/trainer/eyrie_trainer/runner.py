@@ -133,8 +133,9 @@ class TrainRunner(StageTask):
             os.kill(os.getpid(), signal.SIGTERM)
         # the total was an estimate: speculators packs each epoch's shuffle into batches anew
         self._report(phase="evaluating", path=path, total_steps=self.live["step"], force=True)
-        result = evaluate_and_export(self.store, self.run_name, eval_dir, device, path, self._say,
-                                     samples=self.ledger.summary())
+        with engine.verifier_code(self.manifest.target.trust_remote_code):  # each checkpoint's load reads it
+            result = evaluate_and_export(self.store, self.run_name, eval_dir, device, path, self._say,
+                                         samples=self.ledger.summary())
         self._report(phase="done", path=path, final=True, force=True)
         return {"status": "done", **result}
 
@@ -330,4 +331,6 @@ def speculators_options(p, manifest, train_dir: Path, work: Path, workers: int, 
         options["max_steps"] = p.max_steps
     if p.warmup is not None:  # else a plan from before warmup was planned: speculators' 1%
         options["scheduler_warmup_ratio"] = p.warmup
+    if getattr(manifest.target, "trust_remote_code", False):  # serve.trust_remote_code: its loads run the code
+        options["trust_remote_code"] = True  # (and engine.verifier_code, where speculators' option misses)
     return options
