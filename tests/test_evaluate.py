@@ -85,6 +85,17 @@ def test_walk_advances_by_accepted_plus_one_from_the_first_answer_token():
     assert walk(drafts, GREEDY, torch.zeros(7, dtype=torch.long), K) == []
 
 
+def test_walk_decodes_each_answer_of_a_conversation_and_never_drafts_the_user_turn_between():
+    # x = [p0, a1, a2, a3, u4, u5, a6, a7, a8, a9]: two answers, a user turn between (prefill: no drafts)
+    x = t([20, 21, 22, 23, 24, 25, 26, 27, 28, 29])
+    mask = t([0, 1, 1, 1, 0, 0, 1, 1, 1, 1])
+    greedy = t([21, 22, 23, 99, 0, 26, 27, 28, 29, 3])  # greedy[3]: the target's token after answer 1 ends
+    drafts = oracle(x, K)
+    # answer 1: prefill gave a1; j=0 drafts a2, a3 and one past its end (greedy[3] = 99, not u4): [2];
+    # answer 2: prefill gave a6; j=5 drafts a7, a8, a9: [3]. The user turn's positions are never a step.
+    assert walk(drafts, greedy, mask, K) == [2, 3]
+
+
 def test_walk_compares_with_the_greedy_token_not_the_stored_one():
     greedy = GREEDY.clone()
     greedy[2] = 77  # the target would not have produced x3 after x2: a draft of x3 is rejected

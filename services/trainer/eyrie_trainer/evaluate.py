@@ -147,21 +147,28 @@ def simulate(model, data_dir: Path, indices: list[int] | None = None, k: int = 3
 
 
 def walk(drafts: torch.Tensor, greedy: torch.Tensor, loss_mask: torch.Tensor, k: int) -> list[int]:
-    """Accepted drafts per verification step, decoding one answer as a server would.
+    """Accepted drafts per verification step, decoding each answer as a server would (a conversation's
+    answers one after another; the user turns between them are prefill, never drafted).
     drafts [K, L-1] (target ids; column j: drafted after x[j+1] was produced, row s predicting
     x[j+2+s]); greedy [L]: the target's greedy token after each position (greedy[p] follows x[p])."""
-    length = greedy.shape[0]
-    answer = torch.nonzero(loss_mask.to(torch.bool)).flatten()
-    if answer.numel() == 0:
-        return []
-    steps, j = [], int(answer[0]) - 1  # the prefill produced x[answer[0]]: the first draft follows it
-    while j <= length - 3:  # x[j+1] is not the last token: the server verifies another draft
-        n = 0
-        while n < k and j + 1 + n < length and int(drafts[n, j]) == int(greedy[j + 1 + n]):
-            n += 1
-        steps.append(n)
-        j += n + 1
+    steps = []
+    for start, end in answer_spans(loss_mask):
+        j = start - 1  # the prefill produced x[start]: the first draft follows it
+        while j <= end - 3:  # x[j+1] is not the answer's last token: the server verifies another draft
+            n = 0
+            while n < k and j + 1 + n < end and int(drafts[n, j]) == int(greedy[j + 1 + n]):
+                n += 1
+            steps.append(n)
+            j += n + 1
     return steps
+
+
+def answer_spans(loss_mask: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of supervised positions: the answers of a sample."""
+    mask = loss_mask.to(torch.bool).tolist()
+    edges = [i for i in range(len(mask) + 1)
+             if (i < len(mask) and mask[i]) != (i > 0 and mask[i - 1])]
+    return list(zip(edges[::2], edges[1::2]))
 
 
 def summarize_walk(steps: list[int], k: int, samples: int) -> dict:
