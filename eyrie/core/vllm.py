@@ -11,6 +11,7 @@ eyrie starts vLLM (serve, serve-extract, verify) finds it the same way without h
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -21,6 +22,25 @@ from pathlib import Path
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 PROJECT_VLLM = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 CPU_KV_CACHE_GIB = "2"  # vLLM's CPU build otherwise asks for 92% of the host's memory and refuses to start
+EAGLE3 = "eagle3"
+
+
+def eagle3_spec(drafter: str, k: int, temperature: float = 0.0) -> dict:
+    """The `--speculative-config` eyrie serves an exported drafter with, everywhere (export's command, verify).
+    `method` always named: without it vLLM (0.32-0.34) guesses from the drafter's folder name, "eagle-" matched
+    before "eagle3" (`my-eagle-3` is served as EAGLE-1), and a name with neither is a plain draft model.
+    Draft sampling follows the answers' temperature: above 0, `draft_sample_method: probabilistic` (vLLM's
+    default, greedy drafts, misstates acceptance there; the CPU build 0.32 and the GPU image's 0.33 both take
+    the key); at 0 the key is left out: vLLM's greedy default, and a command any vLLM accepts."""
+    spec = {"method": EAGLE3, "model": drafter, "num_speculative_tokens": k}
+    if temperature > 0:
+        spec["draft_sample_method"] = "probabilistic"
+    return spec
+
+
+def eagle3_flags(drafter: str, k: int, temperature: float = 0.0) -> list[str]:
+    """eagle3_spec as vLLM's command line takes it."""
+    return ["--speculative-config", json.dumps(eagle3_spec(drafter, k, temperature))]
 
 
 def resolve_command(command: str) -> str:

@@ -1,7 +1,9 @@
 """Evaluate every stored checkpoint on the held-out samples (τ: the mean acceptance length as vLLM
 counts it, see eyrie_trainer.evaluate; with an untrained drafter of the
 same shape as the baseline), mark the best, and export it: the directory vLLM loads with
-`--speculative-config '{"method": "eagle3", "model": DIR, ...}'`, stored under train/drafter/."""
+`--speculative-config '{"method": "eagle3", "model": DIR, ...}'` (eyrie.core.vllm.eagle3_spec), stored under
+train/drafter/. Its config names its method (`speculators_model_type: eagle3`, what vLLM reads when the folder
+itself is served), and a reduced draft vocabulary goes only with its mapping (`d2t`, `t2d`)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ import json
 import tempfile
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+
 from eyrie.core.errors import EyrieError
+from eyrie.core.vllm import EAGLE3, eagle3_spec
 from eyrie.data.manifest import Layout, load_run_manifest, now_iso
 from eyrie_trainer import checkpoints
 from eyrie_trainer.data import missing_states
@@ -84,7 +90,9 @@ def export(store, run: str, evaluation: dict, path: dict, samples: dict | None =
     with tempfile.TemporaryDirectory() as tmp:
         folder = checkpoints.fetch(store, layout, entry, Path(tmp), list(DRAFTER_FILES))
         config = folder / "config.json"
-        config.write_bytes(_served_config(json.loads(config.read_bytes()), manifest))
+        served = _served_config(json.loads(config.read_bytes()), manifest)
+        require_vocab_mapping(folder / "model.safetensors", json.loads(served), run)
+        config.write_bytes(served)
         for name in DRAFTER_FILES:
             info = store.put_file(layout.drafter_file(name), folder / name)
             files[name] = {"key": info.key, "sha256": info.sha256, "bytes": info.size}
@@ -103,16 +111,57 @@ def export(store, run: str, evaluation: dict, path: dict, samples: dict | None =
 
 
 def _served_config(config: dict, manifest) -> bytes:
-    """The checkpoint's config as vLLM reads it: the target named as the run recorded it, K
-    proposal tokens (the TTT steps it was trained for), weights in bfloat16."""
+    """The checkpoint's config as vLLM reads it: its method named (EAGLE-3, whatever folder it is served from),
+    the target named as the run recorded it, K proposal tokens (the TTT steps it was trained for)."""
+    named = {config.get("speculators_model_type"), config["speculators_config"].get("algorithm")} - {None}
+    if named - {EAGLE3}:
+        raise EyrieError(f"run {manifest.run}'s best checkpoint is a {'/'.join(sorted(named))} speculator, "
+                         "not EAGLE-3: eyrie exports and serves EAGLE-3 drafters only.",
+                         "train the run again (`eyrie train`): eyrie's trainer writes EAGLE-3 checkpoints.")
+    config["speculators_model_type"] = config["speculators_config"]["algorithm"] = EAGLE3
     config["speculators_config"]["verifier"]["name_or_path"] = manifest.target.model
     config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = manifest.train.ttt_steps
     return json.dumps(config, indent=2).encode()
 
 
+def require_vocab_mapping(weights: Path, config: dict, run: str) -> None:
+    """A draft vocabulary smaller than the target's goes with its mapping: `d2t` (what vLLM reads: without
+    it, its EAGLE-3 loader leaves the offsets at 0, so draft id i silently means the target's token i) and
+    `t2d` (what speculators reads), each of its size, mapping to distinct target ids. Refused otherwise."""
+    draft, target = config.get("draft_vocab_size"), config["transformer_layer_config"]["vocab_size"]
+    if draft is None or draft == target:
+        return
+    with safe_open(str(weights), "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in ("d2t", "t2d") if name in f.keys()}
+    problem = _mapping_problem(tensors, draft, target)
+    if problem:
+        raise EyrieError(f"run {run}'s drafter has a draft vocabulary of {draft} of the target's {target} tokens, "
+                         f"but {problem}: vLLM would read draft token i as the target's token i (its first "
+                         f"{draft} ids), and nothing would say so. Nothing was exported.",
+                         "train it with its vocabulary mapping (speculators' d2t/t2d: eyrie's train stage "
+                         "makes one from the run's token frequencies, a base drafter brings its own), or "
+                         "with a draft vocabulary of the target's size (`--draft-vocab "
+                         f"{target}`), which needs none.")
+
+
+def _mapping_problem(tensors: dict, draft: int, target: int) -> str | None:
+    """What is wrong with a reduced vocabulary's d2t/t2d, or None."""
+    missing = [name for name in ("d2t", "t2d") if name not in tensors]
+    if missing:
+        return f"its weights hold no {' or '.join(missing)} mapping"
+    d2t, t2d = tensors["d2t"], tensors["t2d"]
+    if tuple(d2t.shape) != (draft,) or tuple(t2d.shape) != (target,):
+        return f"its mapping has the wrong shape (d2t {list(d2t.shape)}, t2d {list(t2d.shape)})"
+    ids = torch.arange(draft) + d2t.long()  # speculators' convention: target id = draft id + d2t[draft id]
+    if ids.min() < 0 or ids.max() >= target or ids.unique().numel() != draft:
+        return "its d2t maps draft tokens outside the target's vocabulary or two onto one"
+    if not torch.equal(t2d.bool().nonzero().flatten(), ids.sort().values):
+        return "its t2d names other target tokens than its d2t"
+    return None
+
+
 def vllm_command(target: str, folder: str, k: int) -> str:
-    spec = json.dumps({"method": "eagle3", "model": folder, "num_speculative_tokens": k})
-    return f"vllm serve {target} --speculative-config '{spec}'"
+    return f"vllm serve {target} --speculative-config '{json.dumps(eagle3_spec(folder, k))}'"
 
 
 def evaluate_and_export(store, run: str, eval_dir: Path, device: str, path: dict, log,

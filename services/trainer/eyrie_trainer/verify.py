@@ -17,7 +17,6 @@ trained K at the top, beside eyrie's own figure (`drafter.tau`, the same bookkee
 
 from __future__ import annotations
 
-import json
 import re
 import socket
 import subprocess
@@ -31,7 +30,7 @@ import requests
 from eyrie_trainer.benchmarks import load_benchmark
 from eyrie.core.errors import EyrieError
 from eyrie.core.target import load_tokenizer
-from eyrie.core.vllm import serve_argv, serve_env, start_server, stop_server
+from eyrie.core.vllm import eagle3_flags, serve_argv, serve_env, start_server, stop_server
 from eyrie.data.manifest import Layout, load_run_manifest, now_iso
 from eyrie.data.verify_outputs import IDENTICAL, worst
 from eyrie.runs.pipeline import ServeSection, VerifySection, stored_config
@@ -45,6 +44,9 @@ from eyrie_trainer.verify_turns import SecondTurns, chat_prompt_ids, second_turn
 
 COUNTER = re.compile(r'^vllm:spec_decode_num_(drafts|accepted_tokens|accepted_tokens_per_pos)_total\{([^}]*)\} (\S+)$')
 HELDOUT = "heldout"
+# The temperature verify asks its answers at, and serves the drafter for (drafter_flags: draft sampling follows
+# it, probabilistic above 0 by eyrie.core.vllm.eagle3_spec's rule). Greedy: outputs comparable with and without.
+TEMPERATURE = 0
 
 
 def heldout_prompts(store, run: str, cache_dir: Path) -> list[list[int]]:
@@ -104,7 +106,7 @@ class Client:
         """Every prompt answered greedily, `in_flight` at a time; the answers' token ids and tokens/s."""
         def one(args):
             prompt, limit = args
-            body = {"model": self.model, "prompt": prompt, "max_tokens": limit, "temperature": 0,
+            body = {"model": self.model, "prompt": prompt, "max_tokens": limit, "temperature": TEMPERATURE,
                     "return_token_ids": True}
             res = requests.post(f"{self.url}/v1/completions", json=body, timeout=600)
             if res.status_code != 200:
@@ -200,9 +202,8 @@ def verify(settings, store, run: str, request: VerifySection | None = None, log=
             alone = server.measure(sets, limits, request.serial_prompts, second_turns)
         drafted = {}
         for k in ks:
-            spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k})
             log(f"verify {run}: vLLM serving {target} with the drafter (eagle3, K={k})")
-            with Served(settings, target, [*flags, "--speculative-config", spec], logs / f"drafter-k{k}.log") as server:
+            with Served(settings, target, [*flags, *drafter_flags(drafter, k)], logs / f"drafter-k{k}.log") as server:
                 drafted[k] = server.measure(sets, limits, request.serial_prompts, second_turns)
     benchmarks = {name: benchmark_result(alone[name], {k: drafted[k][name] for k in ks}, len(sets[name]))
                   for name in sets}
@@ -213,6 +214,11 @@ def verify(settings, store, run: str, request: VerifySection | None = None, log=
     manifest.verify = result
     store.put_json(Layout(run).manifest, manifest.model_dump())
     return result
+
+
+def drafter_flags(drafter: Path, k: int) -> list[str]:
+    """How verify serves the drafter: EAGLE-3 named, K draft tokens, draft sampling for verify's TEMPERATURE."""
+    return eagle3_flags(str(drafter), k, TEMPERATURE)
 
 
 def serve_flags(settings, config) -> list[str]:
