@@ -145,8 +145,8 @@ def test_long_samples_rule_keeps_the_spans_inside():
     r = Rendered(list(range(12)), [[2, 4], [6, 12]], "chat_template")
     cut, note = fit(r, 8)
     assert note == "truncated" and cut.spans == [[2, 4], [6, 8]] and cut.prompt_len == 2
-    cut, _ = fit(r, 5)
-    assert cut.spans == [[2, 4]]
+    cut, _ = fit(r, 5)  # cut inside the user turn after the first answer: that turn's tokens feed nothing
+    assert cut.spans == [[2, 4]] and cut.input_ids == [0, 1, 2, 3]
     assert fit(r, 2) == (None, "prompt_exceeds_max_length")
 
 

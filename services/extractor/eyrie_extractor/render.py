@@ -127,11 +127,12 @@ def _templated_turn(tokenizer, think: tuple[str, str], messages: list[dict], ans
 
 def fit(rendered: Rendered, max_length: int | None) -> tuple[Rendered | None, str | None]:
     """The stated rule for long samples: keep the first max_length tokens when some assistant
-    tokens remain (counted as truncated); skip the sample when the prompt alone fills it."""
+    tokens remain (counted as truncated), and of those none after the last answer kept (a user turn
+    cut there feeds no supervised position); skip the sample when the prompt alone fills it."""
     if max_length is None or len(rendered.input_ids) <= max_length:
         return rendered, None
     if rendered.prompt_len >= max_length:
         return None, "prompt_exceeds_max_length"
     spans = [[start, min(end, max_length)] for start, end in rendered.spans if start < max_length]
-    return Rendered(rendered.input_ids[:max_length], spans, rendered.source, rendered.mismatch,
+    return Rendered(rendered.input_ids[:spans[-1][1]], spans, rendered.source, rendered.mismatch,
                     rendered.turns_rerendered, rendered.turns_unsupervised), "truncated"
