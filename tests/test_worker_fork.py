@@ -64,3 +64,31 @@ def test_a_burst_worker_sigtermed_as_it_quits_stops_without_an_error(redis_url):
     output = "".join(lines) + worker.stdout.read()
     assert worker.wait(30) in (0, -signal.SIGTERM), output
     assert "internal error" not in output and "Traceback" not in output, output
+
+
+def _deadlocked_scheduler() -> None:
+    """Stands in for a scheduler process that deadlocked right after its fork: deaf to SIGTERM."""
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+
+
+def test_a_stop_kills_a_scheduler_process_that_does_not_end_within_its_bound(redis_url, monkeypatch):
+    """RQ joins its scheduler process without a bound; forked from a busy worker it can deadlock (a burst
+    train worker hung 20 min after its task, in CI). eyrie's stop gives it SCHEDULER_STOP_S, then kills it."""
+    import multiprocessing
+    import time
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(worker_loop, "SCHEDULER_STOP_S", 1.0)
+    conn = redis.Redis.from_url(redis_url)
+    worker = ForkingWorker([queue(conn, GENERATE.queue)], connection=conn, serializer=JSONSerializer,
+                           job_class=EyrieJob, name=worker_name("generate"))
+    process = multiprocessing.get_context("fork").Process(target=_deadlocked_scheduler)
+    process.start()
+    worker.scheduler = SimpleNamespace(_process=process)  # RQ's scheduler holds its process as `_process`
+    started = time.monotonic()
+    worker.stop_scheduler()
+    assert not process.is_alive() and time.monotonic() - started < 10

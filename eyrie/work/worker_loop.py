@@ -38,6 +38,7 @@ def worker_name(name: str) -> str:
 
 
 _STOP_REQUESTED = threading.Event()
+SCHEDULER_STOP_S = 10.0  # a stop waits this long for RQ's scheduler process, then kills it
 
 
 def stop_requested() -> bool:
@@ -98,6 +99,22 @@ class _Maintained:
         set there too)."""
         super().handle_warm_shutdown_request()
         _STOP_REQUESTED.set()
+
+    def stop_scheduler(self):
+        """RQ's own stop joins its scheduler process without a bound. That process is forked from the
+        worker, and forked from a worker busy with threads (a training's) it can deadlock in the child
+        at once: a burst train worker then hung 20 min after its task had finished (CI, test_train_e2e).
+        SIGTERM, SCHEDULER_STOP_S to end, then SIGKILL: a stop ends within a stated bound."""
+        process = self.scheduler._process if self.scheduler else None
+        if process is None or not process.pid:
+            return
+        with contextlib.suppress(OSError):
+            os.kill(process.pid, signal.SIGTERM)
+        process.join(SCHEDULER_STOP_S)
+        if process.is_alive():
+            self.log.warning("RQ's scheduler process %s did not stop in %g s: killed", process.pid, SCHEDULER_STOP_S)
+            process.kill()
+            process.join(SCHEDULER_STOP_S)
 
     def run_maintenance_tasks(self):
         super().run_maintenance_tasks()
