@@ -91,3 +91,15 @@ def _to_message(turn) -> dict | Skip:
 def _first_set(obj: dict, *keys: str):
     """The value of the first key that is present and not null."""
     return next((obj[k] for k in keys if obj.get(k) is not None), None)
+
+
+def before_assistant(messages: list[dict], number: int) -> int | None:
+    """The index of the `number`-th (from 1) assistant message in `messages`: the length of the
+    conversation before it. None when `messages` holds fewer assistant messages."""
+    seen = 0
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            seen += 1
+            if seen == number:
+                return i
+    return None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eyrie.data.prompts import before_assistant
+
 
 @dataclass
 class Rendered:
@@ -102,13 +104,10 @@ def _request_of(messages: list[dict], index: int, count: int) -> list[dict]:
     assistant message (the target's own answers to the requests before it)."""
     if index == count - 1:
         return messages
-    seen = -1
-    for i, message in enumerate(messages):
-        if message["role"] == "assistant":
-            seen += 1
-            if seen == index:
-                return messages[:i]
-    raise ValueError(f"record has {count} answers but its messages hold only {seen + 1} earlier answers")
+    cut = before_assistant(messages, index + 1)
+    if cut is None:
+        raise ValueError(f"record has {count} answers but its messages hold fewer earlier answers than {index + 1}")
+    return messages[:cut]
 
 
 def _templated_turn(tokenizer, think: tuple[str, str], messages: list[dict], answer: dict) -> tuple[list, list]:

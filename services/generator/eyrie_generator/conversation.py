@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+from eyrie.data.prompts import before_assistant
 from eyrie_generator.client import Completion
 
 TURN_FIELDS = ("reasoning", "reasoning_source", "content", "finish_reason", "usage", "prompt_token_ids",
@@ -34,21 +35,11 @@ def _ended(result: Completion, number: int, total: int, context: list[dict], ans
     if total == 1 or not answers and result.status == "skipped":
         return {"messages": context, **result.__dict__}
     if result.status == "skipped":
-        done = _record(context[: _before_answer(context, len(answers))], answers)
+        cut = before_assistant(context, len(answers))
+        done = _record(context if cut is None else context[:cut], answers)
         return {**done, "turns_cut": {"turn": number, "of": total, "reason": result.reason}}
     failed = {**result.__dict__, "error": f"turn {number} of {total}: {result.error}"}
     return {"messages": context, **failed, **({"turns": [_turn(a) for a in answers]} if answers else {})}
-
-
-def _before_answer(context: list[dict], count: int) -> int:
-    """The length of `context` up to (not including) its `count`-th assistant message (or all of it)."""
-    seen = 0
-    for i, message in enumerate(context):
-        if message["role"] == "assistant":
-            seen += 1
-            if seen == count:
-                return i
-    return len(context)
 
 
 def _record(context: list[dict], answers: list[Completion]) -> dict:
