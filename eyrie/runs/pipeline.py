@@ -5,6 +5,7 @@ starts each stage by itself once the one before is done (called when any task fi
 from __future__ import annotations
 
 import shlex
+from collections import Counter
 from pathlib import Path
 
 import yaml
@@ -19,6 +20,7 @@ from eyrie.data.manifest import RUN_NAME, Layout, check_run_name, load_run_manif
 from eyrie.data.store import open_store
 from eyrie.runs.reuse import record_states
 from eyrie.stages import PIPELINE, RunView
+from eyrie.stages.base import state_of
 from eyrie.work import keys
 from eyrie.work.cancel import block
 from eyrie.work.queue import job_state, live_tasks
@@ -263,6 +265,22 @@ def drained_run(conn, store) -> str | None:
         if first.done(view) and not all(s.done(view) for s in PIPELINE) and not _stalled(view):
             return run
     return None
+
+
+def can_generate(conn, store, run: str) -> bool:
+    """Whether the run's generation can still go on, and so needs the inference server: its pipeline
+    active, not cancelled or blocked (those wait for a person), and its generation neither finished
+    nor failed for good (status's own reading: no generate task left live and one failed, or its
+    planning failed or refused). `eyrie retry` or a rerun makes a failed one generate again."""
+    if not conn.sismember(keys.ACTIVE_PIPELINES, run) or conn.exists(keys.blocked(run), keys.cancelled(run)):
+        return False
+    first, view = PIPELINE[0], run_view(conn, store, run)
+    if not first.planned(view):
+        status = first.status(view)  # its planning task's state (None: not enqueued yet)
+        return status is None or status.state != "failed"
+    missing = [i for i in first.shards(view) if not first.shard_done(view, i)]
+    jobs = Counter(job_state(conn, first.work.task_id(run, i)) or "missing" for i in missing)
+    return bool(missing) and state_of(0, len(missing), jobs) != "failed"
 
 
 def _stalled(view: RunView) -> bool:

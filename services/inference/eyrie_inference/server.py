@@ -18,9 +18,9 @@ from eyrie.core.config import Settings, load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.target import describe
 from eyrie.core.vllm import serve_argv, serve_env, start_server, stop_server, with_cpu_dtype
-from eyrie.data.manifest import Layout, RunManifest
 from eyrie.data.store import open_store
-from eyrie.runs.pipeline import ServeSection, drained_run, load_config, stored_config
+from eyrie.runs.pipeline import ServeSection, can_generate, drained_run, load_config, run_view, stored_config
+from eyrie.stages import PIPELINE
 from eyrie.tasks.gpu_admission import gpu_lease
 from eyrie.work import inference, keys
 from eyrie.work.gpu import GpuLease, holder, in_mode
@@ -69,7 +69,7 @@ def serve_active(**flags) -> int:
                 time.sleep(Server.POLL_S)
             print(f"eyrie serve: serving run {run}'s target", flush=True)
             cfg = stored_config(store, run)
-            server = Server(load_settings(model=cfg.target.model, **flags), conn, cfg.target.model, cfg.serve)
+            server = Server(load_settings(model=cfg.target.model, **flags), conn, cfg.target.model, cfg.serve, run)
             code = server.run()
             if code or server.interrupted:
                 return code
@@ -79,14 +79,10 @@ def serve_active(**flags) -> int:
 
 
 def generating_run(conn, store) -> str | None:
-    """An active pipeline whose generation is not done (its first shard not even planned, or a
-    shard without its manifest)."""
+    """The first active pipeline whose generation can still go on (can_generate): one that failed,
+    is blocked or cancelled holds no server (and no GPUs)."""
     for run in sorted(m.decode() for m in conn.smembers(keys.ACTIVE_PIPELINES)):
-        layout = Layout(run)
-        if not store.exists(layout.manifest):
-            return run
-        manifest = RunManifest.model_validate(store.get_json(layout.manifest))
-        if not all(store.exists(layout.generate_shard_manifest(p.index)) for p in manifest.generate_shards):
+        if can_generate(conn, store, run):
             return run
     return None
 
@@ -97,8 +93,9 @@ def health_path(server: str) -> str:
 
 
 class Server:
-    def __init__(self, settings: Settings, conn, model: str, serve=None):
-        self.settings, self.conn, self.serve = settings, conn, serve
+    def __init__(self, settings: Settings, conn, model: str, serve=None, run: str | None = None):
+        """`run`: the pipeline served (`--run active`); the server stops once it can no longer generate."""
+        self.settings, self.conn, self.serve, self.serving = settings, conn, serve, run
         info = describe(model)
         self.model = info.model if Path(model).is_dir() else model
         host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.gethostname()
@@ -193,6 +190,10 @@ class Server:
                          "the service restarts it by itself under `restart: on-failure`.")
 
     POLL_S = 5
+    STOP_GRACE_S = 30  # vLLM's time to exit on SIGTERM before it is killed
+    # a run whose generation failed (or that is blocked or cancelled) hands the GPUs back within
+    # this long of its last generate task failing for good: seen at the next poll, then vLLM stopped
+    RELEASE_S = POLL_S + STOP_GRACE_S
     OWNER = "inference"
 
     def command(self) -> list[str]:
@@ -209,11 +210,27 @@ class Server:
             time.sleep(self.POLL_S)
 
     def _drained(self) -> bool:
+        """Stop now: a pipeline's generation drained and its later stages wait, or the run served gave up."""
         run = self._drained_run()
         if run and self.proc is not None:
             print(f"eyrie serve: run {run}'s generation has drained and its later stages wait: "
                   "stopping the server and handing over the GPUs", flush=True)
-        return run is not None
+        return run is not None or self._given_up()
+
+    def _given_up(self) -> bool:
+        """The run served can no longer generate and has not finished generating: its generation
+        failed for good, or it is blocked, cancelled or no longer active (`eyrie retry` or a rerun
+        serves it again). A finished one is drained's to stop (EYRIE_SERVE_STOP_WHEN_DRAINED)."""
+        run = self.serving
+        if run is None:
+            return False
+        store = open_store(self.settings)
+        if can_generate(self.conn, store, run) or PIPELINE[0].done(run_view(self.conn, store, run)):
+            return False
+        if self.proc is not None:
+            print(f"eyrie serve: run {run} can no longer generate (its generation failed, or it is blocked, "
+                  "cancelled or no longer active): stopping the server and handing over the GPUs", flush=True)
+        return True
 
     def _drained_run(self) -> str | None:
         stop = self.settings.serve_stop_when_drained
@@ -267,7 +284,7 @@ class Server:
     def stop(self) -> None:
         self._stopping = True
         if self.proc:
-            stop_server(self.proc, grace_s=30)  # the whole group: vLLM's engine core goes with it
+            stop_server(self.proc, grace_s=self.STOP_GRACE_S)  # the whole group: vLLM's engine core goes with it
         if self.endpoint.state != "failed":
             self._publish("stopped")
         if self.gpu:  # released only once the server has exited and freed the memory
