@@ -145,7 +145,8 @@ def test_the_top_level_fits_describes_the_chosen_mode(tmp_path):
 
 def test_eyrie_run_refuses_what_the_estimated_mean_shows_over_the_budget(tmp_path, monkeypatch):
     """`eyrie run` (and POST /runs) checks before anything is enqueued what --plan refuses: with a
-    local dataset, at the mean its rows give; a budget it cannot check (a hub dataset, no mean) starts."""
+    local dataset, at the mean its rows give; a budget no known mean can check (a hub dataset, no
+    plan.mean_tokens) is refused as --plan refuses it (issue 41: it started, and extract refused it)."""
     from eyrie.core.config import load_settings
     from eyrie.core.errors import EyrieError
     from eyrie.runs.projection import refuse_before_start
@@ -156,4 +157,5 @@ def test_eyrie_run_refuses_what_the_estimated_mean_shows_over_the_budget(tmp_pat
         refuse_before_start(load_config(tiny_run_config(tmp_path, "tight", extract={"budget": "5MB"})), load_settings())
     refuse_before_start(load_config(tiny_run_config(tmp_path, "roomy", extract={"budget": "20MB"})), load_settings())
     unknown = load_config(seed_variant(tmp_path, "no-mean", plan={"mean_tokens": None}, extract={"storage": "offline"}))
-    refuse_before_start(unknown, load_settings())  # extract checks the real bytes after generation
+    with pytest.raises(EyrieError, match="set plan.mean_tokens"):
+        refuse_before_start(unknown, load_settings())

@@ -126,22 +126,11 @@ def chosen_fits(p: dict) -> dict:
 
 
 def refuse_before_start(config: RunConfig, settings) -> None:
-    """`eyrie run` and POST /runs, before anything is enqueued: what --plan refuses (expected bytes
-    over extract.budget, a storage mode the extract stage would refuse, GPUs), as far as it can be
-    known here (the target's shape and the row count: else only the GPUs are checked; extract
-    still checks the real bytes). A budget the plan cannot check (no mean known) is not refused here."""
-    p = {"support": {"refusal": None}, "refusals": gpu_plan(config, settings)["refusals"]}
-    # expected bytes need a mean (given, or estimated from a local dataset); hybrid and online are
-    # checked anyway (backend, budget)
-    mean_known = config.plan.mean_tokens or Path(config.dataset.source).exists()
-    if (config.extract.budget and mean_known) or config.extract.storage in ("hybrid", "online"):
-        try:
-            p = project(config, settings, measure=False)
-        except EyrieError:
-            pass
-        else:
-            p["refusals"] = [r for r in p["refusals"] if r != unknown_mean(p)]
-    refuse(p)
+    """`eyrie run` and POST /runs, before anything is written: whatever `eyrie run --plan` refuses,
+    with the same message (the same plan, the same refusals: vLLM support, expected bytes over
+    extract.budget or a budget no known mean can check, a storage mode the extract stage would
+    refuse, the GPUs; and a plan that cannot be made, such as a target whose shape is unknown here)."""
+    refuse(project(config, settings))
 
 
 def measured_generation(config: RunConfig, settings) -> tuple[float, str] | None:
