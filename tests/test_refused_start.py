@@ -19,7 +19,7 @@ from eyrie.runs.status import overall_state, run_status
 from eyrie.stages import PIPELINE
 from eyrie.stages.train import Train
 from eyrie.work import keys
-from eyrie.work.queue import queue
+from eyrie.work.queue import job_state, queue
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
 
@@ -88,3 +88,64 @@ def test_a_refused_pipeline_rerun_leaves_a_cancelled_run_cancelled(env, tmp_path
 
     assert conn.exists(keys.cancelled("q")) and overall_state(run_status(conn, store, "q")) == "cancelled"
     assert not conn.sismember(keys.ACTIVE_PIPELINES, "q") and queued(conn) == before
+
+
+def test_a_base_that_does_not_fit_leaves_a_cancelled_run_cancelled(env, tmp_path, monkeypatch):
+    """A refusal only planning can make (issue 41, item 12): `eyrie train --run R --base B` on a
+    cancelled run, B's hidden size not the target's. The trainer's planning refuses it while the
+    cancel stays (a cancel being lifted stops none of the tasks that planning enqueues); a start that
+    plans lifts it, and only then."""
+    from eyrie.runs.control import await_started
+    from eyrie.stages import TRAIN
+    from eyrie.work.cancel import CancelWatch
+    from legacy_drafter import build_legacy_drafter
+    from test_stage_constructors import extracted_run
+
+    monkeypatch.setenv("EYRIE_CACHE_DIR", str(tmp_path / "cache"))
+    settings = load_settings()
+    conn, store = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(settings)
+    extracted_run(store, "b")
+    cancel_run(conn, store, "b")
+    narrow = build_legacy_drafter(tmp_path / "narrow", TINY, hidden_size=32)
+
+    started = start_stage(settings, conn, store, "b", Train.name, TrainSettings(base=str(narrow)))
+    assert overall_state(run_status(conn, store, "b")) == "cancelled" and not CancelWatch(conn, "b")()
+    with pytest.raises(EyrieError, match=r"does not fit target .*hidden size 32 \(base\) vs 64"):
+        await_started(conn, store, "b", started)  # its planning, run here (no worker up)
+    assert conn.exists(keys.cancelled("b")) and overall_state(run_status(conn, store, "b")) == "cancelled"
+    assert CancelWatch(conn, "b")() and not queue(conn, TRAIN.queue).get_job_ids()
+
+    await_started(conn, store, "b", start_stage(settings, conn, store, "b", Train.name, TrainSettings()))
+    assert not conn.exists(keys.cancelled("b")) and queue(conn, TRAIN.queue).get_job_ids() == [TRAIN.task_id("b")]
+
+
+def test_a_pipeline_rerun_whose_base_does_not_fit_leaves_a_cancelled_run_cancelled(env, tmp_path, monkeypatch):
+    """`eyrie run` again on a cancelled pipeline with a base drafter that does not fit: the base is
+    fetched and checked first, while the run stays cancelled; refused, nothing else started (its
+    generate planning not even enqueued) and the run neither active nor uncancelled. Rerun without
+    it: planned, and only then the cancel lifted and the pipeline active and going on."""
+    from eyrie.data.dataset import resolve
+    from eyrie.runs.control import start_and_plan
+    from eyrie.stages import FETCH, PLAN_GENERATE
+    from legacy_drafter import build_legacy_drafter
+
+    monkeypatch.setenv("EYRIE_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = load_config(tiny_run_config(tmp_path, "p", dataset={"limit": 4}))
+    settings = load_settings(model=cfg.target.model)
+    conn, store = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(settings)
+    planned_run(store, "p", resolve(cfg.dataset.source, limit=4), trained_with_lr=None)  # train not planned
+    save_config(conn, store, cfg)
+    cancel_run(conn, store, "p")
+    narrow = build_legacy_drafter(tmp_path / "narrow", TINY, hidden_size=32)
+    based = cfg.model_copy(update={"train": cfg.train.model_copy(update={"base": str(narrow)})})
+
+    with pytest.raises(EyrieError, match=r"hidden size 32 \(base\) vs 64"):
+        start_and_plan(settings, conn, store, based)
+    assert conn.exists(keys.cancelled("p")) and overall_state(run_status(conn, store, "p")) == "cancelled"
+    assert not conn.sismember(keys.ACTIVE_PIPELINES, "p") and not any(queued(conn).values())
+    assert job_state(conn, FETCH.task_id("p")) == "finished" and job_state(conn, PLAN_GENERATE.task_id("p")) is None
+
+    start_and_plan(settings, conn, store, cfg)
+    assert not conn.exists(keys.cancelled("p")) and conn.sismember(keys.ACTIVE_PIPELINES, "p")
+    assert job_state(conn, PLAN_GENERATE.task_id("p")) == "finished"
+    assert overall_state(run_status(conn, store, "p")) == "in_progress"

@@ -16,6 +16,7 @@ from eyrie.data.manifest import Layout, RunManifest, check_run_name, load_run_ma
 from eyrie.runs.pipeline import (advance_or_record, check_config, config_key, run_job_ids, run_view, save_config,
                                  stored_config)
 from eyrie.runs.projection import refuse_before_start
+from eyrie.runs.restart import hold_cancel, pending
 from eyrie.runs.reuse import check_train_as, owner_of, states_to_reuse, train_on_states
 from eyrie.runs.status import overall_state, run_status
 from eyrie.stages import PIPELINE, queues, stage, startable
@@ -23,7 +24,7 @@ from eyrie.stages.base import Started
 from eyrie.stages.train import Train
 from eyrie.work import keys
 from eyrie.work.planning import await_planning
-from eyrie.work.queue import EyrieJob, enqueue_task, job_errors, job_state, queue
+from eyrie.work.queue import EyrieJob, enqueue, enqueue_task, job_errors, job_state, queue
 from eyrie.work.status_models import RunSummary, StageSummary
 
 log = logging.getLogger("eyrie.runs.control")
@@ -49,29 +50,45 @@ def start_pipeline(settings, conn, store, cfg, states: RunManifest | None = None
     if reuse is None and not (planned and planned.states_from):
         first.check_start(store, cfg.run, first.settings_in(cfg), cfg.dataset)
     save_config(conn, store, cfg)
-    conn.delete(keys.cancelled(cfg.run), keys.blocked(cfg.run))  # the user's rerun retries a refusal
-    started = Started()
+    conn.delete(keys.blocked(cfg.run))  # the user's rerun retries a refusal
     if reuse is not None:
         planned = train_on_states(store, reuse, cfg.run)
         conn.sadd(keys.RUNS, cfg.run)
-    elif not (planned and planned.states_from):
-        try:
-            started = first.start_alone(settings, conn, store, cfg.run, None, cfg.dataset)
-        except EyrieError:
-            _forget_unstarted(conn, store, cfg.run)
-            raise
+    plans = reuse is None and not (planned and planned.states_from)
     view = run_view(conn, store, cfg.run)
-    for each in PIPELINE:
-        each.on_pipeline_start(view)
+    ahead = [kind for each in PIPELINE for kind in each.pipeline_start_tasks(view)]
+    # a cancelled run's cancel stays until these have planned, one after another (eyrie.runs.restart)
+    if hold_cancel(conn, cfg.run, ahead + ([first.planner] if plans else [])):
+        conn.srem(keys.ACTIVE_PIPELINES, cfg.run)  # active again once its cancel is lifted
+        enqueue(conn, pending(conn, cfg.run)[0], {"run": cfg.run}, at_front=True)
+    else:
+        _start_first(settings, conn, store, cfg, plans)
+        for each in PIPELINE:
+            each.on_pipeline_start(view)
     stage = advance_or_record(conn, store, cfg.run)
-    return {"run": cfg.run, "planning": started.planning.task_id(cfg.run) if started.planning else None,
+    return {"run": cfg.run, "planning": first.planner.task_id(cfg.run) if plans else None,
             "started": stage, "states_from": planned.states_from if planned else None}
+
+
+def _start_first(settings, conn, store, cfg, plans: bool) -> None:
+    """The first stage's planning task, where the run is to plan (not on another run's states)."""
+    if not plans:
+        return
+    try:
+        PIPELINE[0].start_alone(settings, conn, store, cfg.run, None, cfg.dataset)
+    except EyrieError:
+        _forget_unstarted(conn, store, cfg.run)
+        raise
 
 
 def start_and_plan(settings, conn, store, cfg) -> dict:
     """start_pipeline, then its planning task's result: the rows planned and the tasks enqueued."""
     out = start_pipeline(settings, conn, store, cfg)
-    planning = PIPELINE[0].planner if out["planning"] else None  # none where it trains on another run's states
+    first = PIPELINE[0].planner
+    for kind in pending(conn, cfg.run):  # a cancelled run's start: what plans before the first stage's planner
+        if kind != first:
+            await_planning(conn, kind, cfg.run)
+    planning = first if out["planning"] else None  # none where it trains on another run's states
     started = await_started(conn, store, cfg.run, Started(planning=planning))
     manifest = started.manifest or load_run_manifest(store, cfg.run)
     return {**out, "rows": manifest.dataset.row_end - manifest.dataset.row_start, "enqueued": started.enqueued}
@@ -135,8 +152,10 @@ def start_stage(settings, conn, store, run: str, name: str, section, dataset=Non
         raise EyrieError(f"no stage {name!r} to start on its own.", f"start one of: {', '.join(startable())}.")
     chosen = stage(name)
     chosen.check_start(store, run, section, dataset)  # its refusals known at once, before anything is written
-    conn.delete(keys.cancelled(run), keys.blocked(run))  # the user's start retries a refusal
-    # what only planning knows (the budget, a base drafter) its planning task refuses: the run blocked
+    conn.delete(keys.blocked(run))  # the user's start retries a refusal
+    # what only planning knows (the budget, a base drafter) its planning task refuses: the run blocked,
+    # and a cancelled one still cancelled (its cancel is lifted once it has planned: eyrie.runs.restart)
+    hold_cancel(conn, run, [chosen.planner])
     return chosen.start_alone(settings, conn, store, run, section, dataset)
 
 
@@ -168,6 +187,7 @@ def cancel_run(conn, store, run: str) -> dict:
     the trainer after saving a checkpoint)."""
     ids = {j for stage_ids in run_job_ids(store, run).values() for j in stage_ids}
     conn.set(keys.cancelled(run), now_iso())
+    conn.delete(keys.restarting(run))  # a start still planning is cancelled too
     conn.srem(keys.ACTIVE_PIPELINES, run)
     cancelled = [job_id for job_id in sorted(ids) if _cancel_waiting(conn, job_id)]
     stopped = _stop_running(conn, ids)
@@ -215,7 +235,7 @@ def retry_run(conn, store, run: str) -> dict:
     """Requeue the run's failed, stopped and cancelled tasks, clear a block or a cancel, and let
     `advance` start whatever stage is next."""
     ids = run_job_ids(store, run)
-    conn.delete(keys.cancelled(run), keys.blocked(run))
+    conn.delete(keys.cancelled(run), keys.blocked(run), keys.restarting(run))
     requeued = []
     for name in queues():
         q = queue(conn, name)

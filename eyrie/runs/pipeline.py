@@ -18,6 +18,7 @@ from eyrie.core.section import Section as _Section
 from eyrie.core.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
 from eyrie.data.manifest import RUN_NAME, Layout, check_run_name, load_run_manifest
 from eyrie.data.store import open_store
+from eyrie.runs.restart import on_planned
 from eyrie.runs.reuse import record_states
 from eyrie.stages import PIPELINE, RunView
 from eyrie.stages.base import state_of
@@ -308,7 +309,11 @@ def on_task_done(job, connection, result, *args, **kwargs) -> None:
     """RQ's on_success callback of every task: move the run's pipeline on."""
     run = (job.args[0] or {}).get("run") if job.args else None
     if run:
-        advance_or_record(connection, open_store(load_settings()), run)
+        store = open_store(load_settings())
+        # a cancelled run started again: its next planning task, or its cancel lifted (eyrie.runs.restart)
+        if on_planned(connection, run, job.id, result) and stored_config(store, run) is not None:
+            connection.sadd(keys.ACTIVE_PIPELINES, run)  # a pipeline goes on, as after `eyrie retry`
+        advance_or_record(connection, store, run)
 
 
 def advance_or_record(conn, store, run: str, retry_blocked: bool = False) -> str | None:

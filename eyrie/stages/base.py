@@ -87,8 +87,13 @@ class PipelineStage:
         """Its own settings: the last of its sections of the run config."""
         return getattr(config, self.sections[-1]) if self.sections else None
 
+    def pipeline_start_tasks(self, view: RunView) -> tuple[TaskKind, ...]:
+        """What `eyrie run` starts ahead of the stage (nothing by default), each with the run as its payload."""
+        return ()
+
     def on_pipeline_start(self, view: RunView) -> None:
-        """What `eyrie run` starts ahead of the stage (nothing by default)."""
+        for kind in self.pipeline_start_tasks(view):
+            enqueue(view.conn, kind, {"run": view.run})
 
     def on_retry(self, view: RunView) -> None:
         """What `eyrie retry` undoes of the stage before the pipeline advances (nothing by default)."""

@@ -8,7 +8,7 @@ from eyrie.data.charts import chart_series
 from eyrie.stages.base import PipelineStage, RunView, state_of
 from eyrie.stages.start_checks import check_train
 from eyrie.work import progress
-from eyrie.work.queue import enqueue, job_errors, job_state, workers_on
+from eyrie.work.queue import job_errors, job_state, workers_on
 from eyrie.work.status_models import TrainStatus
 from eyrie.work.task_kinds import TaskKind
 
@@ -33,9 +33,8 @@ class Train(PipelineStage):
     def done(self, view: RunView) -> bool:
         return view.manifest is not None and view.manifest.drafter is not None
 
-    def on_pipeline_start(self, view: RunView) -> None:
-        if view.config.train.base:
-            enqueue(view.conn, self.side_tasks[0], {"run": view.run})
+    def pipeline_start_tasks(self, view: RunView) -> tuple[TaskKind, ...]:
+        return self.side_tasks[:1] if view.config.train.base else ()
 
     def status(self, view: RunView) -> TrainStatus | None:
         return train_status(view, self) if self.planned(view) else self.refused(view)

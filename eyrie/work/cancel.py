@@ -32,7 +32,9 @@ class CancelWatch:
     def __call__(self) -> bool:
         if not self.seen and time.monotonic() - self._asked >= self.every_s:
             self._asked = time.monotonic()
-            self.seen = bool(self.conn.exists(keys.cancelled(self.run)))
+            # a cancel that a start is lifting (eyrie.runs.restart) stops nothing its planning enqueues
+            self.seen = bool(self.conn.exists(keys.cancelled(self.run))) and not self.conn.exists(
+                keys.restarting(self.run))
         return self.seen
 
 

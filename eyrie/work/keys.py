@@ -11,6 +11,7 @@ RUNS = "eyrie:runs"  # every run whose manifest was written (the store's runs/ m
 ACTIVE_PIPELINES = "eyrie:pipelines:active"  # runs started by `eyrie run` and not yet exported
 cancelled = "eyrie:pipeline:{}:cancelled".format  # (run) set by `eyrie cancel`: nothing more of it starts
 blocked = "eyrie:pipeline:{}:blocked".format  # (run) a refusal the user must fix (storage budget, a base drafter)
+restarting = "eyrie:pipeline:{}:restarting".format  # (run) a list: the planning tasks a start of the cancelled run waits for
 advance_lock = "eyrie:advance:{}".format  # (run) one `advance` of a run at a time
 worker_left = "eyrie:worker-left:{}".format  # (queue) when a worker of the queue last stopped (unix time)
 
