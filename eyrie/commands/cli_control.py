@@ -1,7 +1,8 @@
-"""The control commands of the `eyrie` CLI: api, runs, watch, show, cancel, retry, logs, audit."""
+"""The control commands of the `eyrie` CLI: api, runs, watch, show, cancel, retry, logs, audit; and publish."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import orjson
@@ -151,3 +152,30 @@ def audit(run: str = typer.Argument(..., help="Run name."),
                        f"{f.lost:>6}{f.pending:>9}")
     if not clean(figures):
         raise typer.Exit(3)
+
+
+@app.command()
+@command
+def publish(run: str = typer.Option(..., "--run", help="Run name (its drafter exported and verified)."),
+            repo: Optional[str] = typer.Option(None, "--repo", help="A model repository OWNER/NAME on the hub "
+                                               "(HF_TOKEN, HF_ENDPOINT as huggingface_hub reads them)."),
+            to: Optional[Path] = typer.Option(None, "--to", help="Write the same files into this directory "
+                                              "(offline or air-gapped hosts)."),
+            force: bool = typer.Option(False, "--force", help="Publish a drafter vLLM did not verify, or whose "
+                                       "verify failed or changed answers; its card says so."),
+            public: bool = typer.Option(False, "--public", help="Create the repository public (default: private).")):
+    """Share the run's drafter with a model card generated from its manifest: what vLLM measured, the
+    data, the recipe, the command that serves it. Publishing what is already there commits nothing."""
+    from eyrie.core.config import load_settings
+    from eyrie.data.store import open_store
+    from eyrie.stages import entry
+
+    result = entry("eyrie_trainer.publish.publish")(open_store(load_settings()), run, repo, to, force, public)
+    if "to" in result:
+        changed = result["to"]["changed"]
+        typer.echo(f"run {run}: {result['to']['path']}: " + (f"wrote {', '.join(changed)}" if changed
+                                                             else "unchanged (it holds these files already)"))
+    if "repo" in result:
+        done = result["repo"]
+        typer.echo(f"run {run}: {repo}: " + (f"commit {done['commit']} ({', '.join(done['changed'])}) {done['url']}"
+                                            if done["commit"] else "unchanged (it holds these files already): no commit"))

@@ -18,11 +18,13 @@ trained K at the top, beside eyrie's own figure (`drafter.tau`, the same bookkee
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,7 +33,7 @@ import requests
 from eyrie_trainer.benchmarks import load_benchmark
 from eyrie.core.errors import EyrieError
 from eyrie.core.target import load_tokenizer
-from eyrie.core.vllm import eagle3_flags, serve_argv, serve_env, start_server, stop_server
+from eyrie.core.vllm import eagle3_flags, on_cpu, serve_argv, serve_env, start_server, stop_server
 from eyrie.data.manifest import Layout, load_run_manifest, now_iso
 from eyrie.data.verify_outputs import FAILED, IDENTICAL, MATCH_FLOOR, MATCH_MARGIN, WITHIN, worst
 from eyrie.runs.pipeline import ServeSection, VerifySection, stored_config
@@ -211,10 +213,33 @@ def verify(settings, store, run: str, request: VerifySection | None = None, log=
     result = headline(benchmarks[HELDOUT], trained_k if trained_k in ks else ks[0], manifest.drafter)
     verdicts = {f["outputs_verdict"] for b in benchmarks.values() for f in k_figures(b)}
     result.update(benchmarks=benchmarks, ks=ks, verified_at=now_iso(), definitions=DEFINITIONS,
-                  identical_outputs=verdicts == {IDENTICAL}, outputs_verdict=worst(verdicts))
+                  identical_outputs=verdicts == {IDENTICAL}, outputs_verdict=worst(verdicts),
+                  hardware=hardware(), vllm_version=served_version(logs / "target.log"))
     manifest.verify = result
     store.put_json(Layout(run).manifest, manifest.model_dump())
     return result
+
+
+def hardware() -> str:
+    """What the figures were measured on (the published card states it): the host's GPUs, else its CPU and the
+    cores this process may use."""
+    if not on_cpu():
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=60).stdout.split("\n")
+        except (OSError, subprocess.SubprocessError):
+            names = []
+        gpus = Counter(n.strip() for n in names if n.strip())
+        if gpus:
+            return ", ".join(f"{count}x {name}" for name, count in gpus.items())
+    cpu = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").is_file() else None
+    return f"CPU: {cpu[1].strip() if cpu else 'unknown model'}, {len(os.sched_getaffinity(0))} cores"
+
+
+def served_version(log: Path) -> str | None:
+    """The vLLM version its server's log names."""
+    found = re.search(r"vLLM API server version (\S+)", log.read_text(errors="replace")) if log.is_file() else None
+    return found[1] if found else None
 
 
 def drafter_flags(drafter: Path, k: int) -> list[str]:

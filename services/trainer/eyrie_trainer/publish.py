@@ -1,0 +1,200 @@
+"""`eyrie publish`: a run's exported drafter shared with its model card (eyrie_trainer.card): written into a
+directory (`--to DIR`, for offline or air-gapped hosts) and/or committed to a model repository on a Hugging Face
+hub (`--repo OWNER/NAME`: huggingface_hub's own token and endpoint settings, HF_TOKEN and HF_ENDPOINT; private
+unless asked otherwise; one commit per publish, its message naming the run). Both get the same files.
+
+Refused: a drafter that vLLM did not verify, whose verify was skipped, measured another checkpoint or saw answers
+change beyond the target's own batch variance (`--force` publishes it, and the card says what it overrode); a
+target whose card forbids redistributing derivatives (no option overrides that); any file that holds a token or a
+URL with credentials. Publishing again is a no-op where nothing changed (content hashes against what the
+directory or the repository holds), and new figures change the card alone."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from eyrie.core.errors import EyrieError
+from eyrie.data.manifest import RunManifest, load_run_manifest
+from eyrie.data.verify_outputs import BEYOND, VERDICTS
+from eyrie_trainer.card import model_card, redact, target_license
+from eyrie_trainer.export import download
+
+CARD = "README.md"
+# a URL that carries a user or password, and the shape of a Hugging Face token
+CREDENTIALS = re.compile(rb"[a-z][a-z0-9+.-]*://[^/\s@\"'`<>]+@|hf_[A-Za-z0-9]{30,}", re.I)
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY", re.I)
+
+
+def publish(store, run: str, repo: str | None = None, to: Path | None = None, force: bool = False,
+            public: bool = False) -> dict:
+    """The run's drafter and card into `to` and/or the hub repository `repo`: what each of them got."""
+    if repo is None and to is None:
+        raise EyrieError("nowhere to publish to.", "pass --repo OWNER/NAME, --to DIR, or both.")
+    manifest = load_run_manifest(store, run)
+    overridden = refusals(manifest)
+    if overridden and not force:
+        raise EyrieError(f"run {run}'s drafter is not published: {'; '.join(overridden)}.",
+                         f"verify it (`eyrie verify --run {run}`, or `eyrie retry {run}`), or pass --force to publish "
+                         "it anyway: its card then says what was overridden.")
+    license = target_license(manifest.target)
+    if license.no_derivatives:
+        raise EyrieError(f"run {run}'s target {manifest.target.model} forbids redistributing derivatives: "
+                         f"{license.no_derivatives} (read from {license.where}). Nothing was published.",
+                         "a drafter trained on its outputs and hidden states is one; share it only with the "
+                         "licensor's permission, by hand (`eyrie export`). No option of eyrie overrides a license.")
+    result = {"run": run}
+    with tempfile.TemporaryDirectory(prefix="eyrie-publish-") as tmp:
+        folder = Path(tmp)
+        download(store, run, folder)
+        card = model_card(store, manifest, repo or str(to.resolve()), overridden, license)
+        (folder / CARD).write_bytes(card.content.encode())
+        refuse_secrets(folder)
+        if to is not None:
+            result["to"] = {"path": str(to), "changed": write_to(folder, to)}
+        if repo is not None:
+            result["repo"] = upload(folder, repo, manifest, public)
+    return result
+
+
+def refusals(manifest: RunManifest) -> list[str]:
+    """Why the run's drafter should not be shared (`--force` overrides them); none: it may be."""
+    drafter, verify = manifest.drafter, manifest.verify
+    if not drafter:
+        raise EyrieError(f"run {manifest.run} has no exported drafter.",
+                         f"train it first: `eyrie train --run {manifest.run} --wait` exports the best checkpoint.")
+    if not verify:
+        return ["vLLM has not verified its drafter (its verify has not run, or its task failed)"]
+    if verify.get("skipped"):
+        return [f"its verify was skipped: {verify['skipped']}"]
+    found = []
+    if verify.get("checkpoint") != drafter["checkpoint"]:
+        found.append(f"vLLM verified checkpoint {verify.get('checkpoint')}, and checkpoint {drafter['checkpoint']} "
+                     "is exported now")
+    verdict = verify.get("outputs_verdict")
+    if verdict in VERDICTS and VERDICTS.index(verdict) >= VERDICTS.index(BEYOND):  # BEYOND, and what is worse
+        found.append(f"served with it, vLLM's answers were judged: {verdict}")
+    if verify.get("vllm_acceptance_length") is None:
+        found.append("vLLM counted no drafts on the held-out prompts")
+    return found
+
+
+def secrets() -> list[bytes]:
+    """What no published file may hold: the token huggingface_hub sends, and every environment variable whose name
+    says it is a secret (8 characters or more: shorter values are no secret worth the name, and match anywhere)."""
+    from huggingface_hub import get_token
+
+    values = {get_token()} | {value for name, value in os.environ.items() if SECRET_NAME.search(name)}
+    return [v.encode() for v in values if v and len(v) >= 8]
+
+
+def refuse_secrets(folder: Path) -> None:
+    held = secrets()
+    for path in sorted(folder.iterdir()):
+        data = path.read_bytes()
+        if any(secret in data for secret in held) or CREDENTIALS.search(data):
+            raise EyrieError(f"{path.name} would publish a token, a secret of this environment or a URL with "
+                             "credentials. Nothing was published.",
+                             "find where the run's manifest holds it (its dataset source, target, recipe) and "
+                             "restate it without the secret; report it if eyrie wrote it there.")
+
+
+def write_to(folder: Path, to: Path) -> list[str]:
+    """The published files into `to` (new, or holding only files eyrie publishes); the names that changed."""
+    names = sorted(p.name for p in folder.iterdir())
+    if to.exists():
+        if not to.is_dir():
+            raise EyrieError(f"--to {to} is a file.", "pass a directory (a new one is made).")
+        others = sorted(p.name for p in to.iterdir() if p.name not in names)
+        if others:
+            raise EyrieError(f"--to {to} holds files eyrie does not publish: {', '.join(others)}.",
+                             "pass a new or empty directory, or one an earlier `eyrie publish --to` wrote.")
+    to.mkdir(parents=True, exist_ok=True)
+    changed = [n for n in names if not (to / n).is_file() or sha256(to / n) != sha256(folder / n)]
+    for name in changed:
+        part = to / f".{name}.part"
+        shutil.copyfile(folder / name, part)
+        part.replace(to / name)
+    return changed
+
+
+def upload(folder: Path, repo: str, manifest: RunManifest, public: bool) -> dict:
+    """The files the repository does not hold already (by content), in one commit; none: no commit."""
+    from huggingface_hub import CommitOperationAdd, HfApi, get_token
+    from huggingface_hub.constants import is_offline_mode
+    from huggingface_hub.hf_api import RepoFile
+
+    if is_offline_mode():
+        raise EyrieError("HF_HUB_OFFLINE is set: eyrie does not reach the hub.",
+                         "unset it to publish to the hub, or publish with --to DIR and carry the directory over.")
+    if get_token() is None:
+        raise EyrieError("no Hugging Face token to publish with.",
+                         "set HF_TOKEN to a token with write access (or log in once with `hf auth login`).")
+    api = HfApi()
+    with hub_errors(api.endpoint, repo):
+        api.create_repo(repo, private=not public, exist_ok=True)
+        held = {f.path: f for f in api.list_repo_tree(repo, recursive=True) if isinstance(f, RepoFile)}
+        changed = [p.name for p in sorted(folder.iterdir()) if not same_content(held.get(p.name), p)]
+        if not changed:
+            return {"repo": repo, "commit": None, "changed": []}
+        message = f"eyrie publish: run {manifest.run}, checkpoint {manifest.drafter['checkpoint']} ({', '.join(changed)})"
+        info = api.create_commit(repo, [CommitOperationAdd(name, folder / name) for name in changed],
+                                 commit_message=message)
+    return {"repo": repo, "commit": info.oid, "url": info.commit_url, "changed": changed}
+
+
+@contextmanager
+def hub_errors(endpoint: str, repo: str):
+    """The hub's refusals and an unreachable hub as errors naming the problem and the fix."""
+    import httpx
+    from huggingface_hub.errors import HfHubHTTPError
+
+    endpoint = redact(endpoint)
+    try:
+        yield
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else None
+        fix = {401: "set HF_TOKEN to a valid token with write access",
+               403: f"use a token with write access to {repo}'s owner, or a repo of your own"}.get(
+            status, "check the repo id and the hub's answer, then publish again")
+        raise EyrieError(f"the hub at {endpoint} refused publishing to {repo} ({status}: "
+                         f"{exc.server_message or type(exc).__name__}).", fix) from None
+    except ValueError as exc:  # huggingface_hub's own words for the hub's check of the card's metadata
+        if "Invalid metadata in README.md" not in str(exc):
+            raise
+        raise EyrieError(f"the hub at {endpoint} refused the card's metadata: {exc}", "report it: eyrie wrote "
+                         "that card; `eyrie publish --to DIR` writes it for a look meanwhile.") from None
+    except httpx.TransportError as exc:
+        raise EyrieError(f"the hub at {endpoint} is not reachable ({type(exc).__name__}).",
+                         "check the network and HF_ENDPOINT, then publish again (nothing was committed).") from None
+
+
+def same_content(remote, path: Path) -> bool:
+    """Whether a file the hub lists holds `path`'s bytes: an LFS file by its sha256, another by its git blob id."""
+    if remote is None:
+        return False
+    if remote.lfs is not None:
+        return remote.lfs.sha256 == sha256(path)
+    return remote.blob_id == git_blob_id(path)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def git_blob_id(path: Path) -> str:
+    """git's object id of the file's bytes (sha1 of 'blob SIZE\\0' + bytes), as the hub lists it."""
+    digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
