@@ -18,7 +18,7 @@ from eyrie.data.store import open_store
 from eyrie.stages import EXTRACT, PLAN_GENERATE
 from eyrie.tasks.executor import Context, ShardTask, StageTask, execute
 from eyrie.tasks.gpu_admission import gpu_lease
-from eyrie.work import keys, worker_loop
+from eyrie.work import cancel, keys
 from eyrie.work.planning import await_planning
 from eyrie.work.queue import _enqueue, queue
 
@@ -103,11 +103,11 @@ def test_a_stop_request_ends_a_wait_for_the_gpu_lease_and_hands_the_task_back(gp
     deadline = time.monotonic() + 20
     while not waiting(conn) and time.monotonic() < deadline:
         time.sleep(0.05)
-    worker_loop._STOP_REQUESTED.set()
+    cancel.STOP_REQUESTED.set()
     try:
         ends_within(thread, 10)
     finally:
-        worker_loop._STOP_REQUESTED.clear()
+        cancel.STOP_REQUESTED.clear()
     assert out.get("result", {}).get("status") == "handed_back", out
 
 

@@ -15,7 +15,7 @@ from eyrie.core.config import load_settings
 from eyrie.data.manifest import Layout, ShardManifest
 from eyrie.data.store import open_store
 from eyrie.tasks.executor import Context, execute
-from eyrie.work import worker_loop
+from eyrie.work import cancel
 
 ROWS = 24
 
@@ -41,11 +41,11 @@ def test_an_extract_task_asked_to_stop_hands_its_shard_back_and_the_next_attempt
     eyrie_in_process("extract", "--run", "hb", "--layers", "2,4,5", env=env)
 
     store, layout = ctx.store, Layout("hb")
-    worker_loop._STOP_REQUESTED.set()
+    cancel.STOP_REQUESTED.set()
     try:
         first = execute(ExtractRunner, {"run": "hb", "shard": 0}, ctx)
     finally:
-        worker_loop._STOP_REQUESTED.clear()
+        cancel.STOP_REQUESTED.clear()
     assert first["status"] == "handed_back", first
     assert not store.exists(layout.extract_shard_manifest(0))
     kept = store.list(layout.extract_parts(0))

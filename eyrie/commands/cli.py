@@ -315,10 +315,11 @@ def worker(stage: str = typer.Argument(..., help="generate | extract | train | v
                          "run it where vLLM is installed (the inference image), or set EYRIE_VLLM_COMMAND to "
                          "vLLM's executable or a Python that has it.")
     preload(stage)
+    conn = connect(settings.redis_url, wait_s=settings.redis_wait_s)  # a worker starting waits for its Redis
     if any(s.reports_cache for s in stages):  # its local copy of the hidden states: --plan reads the free space
         # on a client of its own: RQ tunes the worker's connections for its blocking dequeue
-        start_reporting(connect(settings.redis_url), stage, settings.cache_dir)
-    run_worker(connect(settings.redis_url), stage, burst)
+        start_reporting(connect(settings.redis_url, wait_s=settings.redis_wait_s), stage, settings.cache_dir)
+    run_worker(conn, stage, burst)
 
 
 @app.command()

@@ -27,6 +27,9 @@ class Settings(BaseSettings):
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", repr=False,  # may hold the password
                            description="Queues, run state, leases.")
+    redis_wait_s: float = Field(120.0, ge=0, description="How long a worker starting waits for Redis to answer "
+                                "(with backoff, saying so) before it exits naming it; a running one rides out a "
+                                "Redis restart as well.")
     store_url: str = Field("file://.eyrie/store", description="file://DIR or s3://BUCKET[/PREFIX].")
     s3_endpoint: str | None = Field(None, description="S3/MinIO endpoint, e.g. http://minio:9000.")
     s3_access_key: SecretStr | None = None

@@ -33,6 +33,7 @@ from eyrie.core.config import Settings, load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.stages import gpu_queues, queues
 from eyrie.work import gpu, k8s_jobs
+from eyrie.work.cancel import stop_requested
 from eyrie.work.kueue import KueueAdmission, dispatch, servers_done
 from eyrie.work.queue import connect, queue
 from eyrie.work.task_kinds import jobs_for_queue
@@ -111,7 +112,7 @@ def drain(conn, stage: str, poll_s: float = 5.0) -> None:
     q = queue(conn, stage)
     while True:
         run_worker(conn, stage, burst=True)
-        if q.count + q.scheduled_job_registry.count + q.deferred_job_registry.count == 0:
+        if stop_requested() or q.count + q.scheduled_job_registry.count + q.deferred_job_registry.count == 0:
             return
         time.sleep(poll_s)
 
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         settings = load_settings()
-        conn = connect(settings.redis_url)
+        conn = connect(settings.redis_url, wait_s=settings.redis_wait_s if args.cmd == "drain" else 0)
         if args.cmd == "drain":
             print(f"eyrie: {socket.gethostname()} drains the {args.stage} queue", flush=True)
             drain(conn, args.stage)

@@ -4,6 +4,7 @@ worker's stop request (SIGTERM), on which a task hands its work back; and a run 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from eyrie.work import keys
@@ -19,6 +20,17 @@ HANDED_BACK = "handed_back"  # a task's result status when it stopped on its wor
 class Stopping(Exception):
     """The worker was asked to stop (SIGTERM) while a task of it ran: the task stores what it has
     done, lets go of its leases and returns HANDED_BACK; the task goes back to its queue at once."""
+
+
+STOP_REQUESTED = threading.Event()  # this process's worker was asked to stop (SIGTERM)
+
+
+def stop_requested() -> bool:
+    """Whether this process's task was asked to stop: its worker's SIGTERM (a GPU stage's worker
+    runs its tasks in its own process; the generator's forwards it to its work horse). A task
+    that sees it stores what it has done and hands the rest back (Stopping); Redis commands stop
+    waiting out an away Redis (eyrie.work.queue), so that the stop ends within its bound."""
+    return STOP_REQUESTED.is_set()
 
 
 class CancelWatch:

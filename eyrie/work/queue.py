@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 
 import redis
 from redis.lock import Lock
+from redis.retry import Retry as RedisRetry
 from rq import Callback, Queue, Retry, Worker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -16,7 +19,7 @@ from rq.serializers import JSONSerializer
 from eyrie.core.config import safe_url
 from eyrie.core.errors import EyrieError
 from eyrie.work import keys
-from eyrie.work.cancel import HANDED_BACK
+from eyrie.work.cancel import HANDED_BACK, stop_requested
 from eyrie.work.kueue import dispatch
 from eyrie.work.task_kinds import CALLBACKS, ON_TASK_DONE, TaskKind, queue_name, task_funcs
 
@@ -67,30 +70,55 @@ class EyrieJob(Job):
         return resolve()
 
 
-def connect(redis_url: str) -> redis.Redis:
+def connect(redis_url: str, wait_s: float = 0.0) -> redis.Redis:
     """A checked connection: a clear error now (in seconds, not after the minute of patience a
-    running worker gets) beats a stack trace at the first enqueue."""
+    running worker gets) beats a stack trace at the first enqueue. `wait_s` (a worker starting:
+    EYRIE_REDIS_WAIT_S): Redis not answering yet is waited for that long, with backoff, saying so
+    on stderr, as a running worker rides out a Redis restart; then the same error."""
+    deadline, pause = time.monotonic() + wait_s, 0.5
+    while (error := _unreachable(redis_url)) is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            waited = f" (waited {wait_s:g} s: EYRIE_REDIS_WAIT_S)" if wait_s else ""
+            raise EyrieError(f"cannot reach Redis at {safe_url(redis_url)}{waited}.",
+                             "start redis-server or set EYRIE_REDIS_URL to a reachable Redis.")
+        print(f"eyrie: Redis at {safe_url(redis_url)} does not answer ({error}); waiting up to {left:.0f} s "
+              "more for it (EYRIE_REDIS_WAIT_S)", file=sys.stderr, flush=True)
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, 10.0)
+    return redis.Redis.from_url(redis_url, socket_connect_timeout=5, health_check_interval=30, retry=_Patient())
+
+
+def _unreachable(redis_url: str) -> str | None:
+    """Why Redis does not answer a ping now (None: it does); a wrong password is raised at once."""
     from redis.backoff import ConstantBackoff
-    from redis.retry import Retry as RedisRetry
 
     try:
         redis.Redis.from_url(redis_url, socket_connect_timeout=5, retry=RedisRetry(ConstantBackoff(0.5), 3)).ping()
     except redis.exceptions.AuthenticationError:
         raise EyrieError(f"Redis at {safe_url(redis_url)} rejected the password.",
                          "put the right password in EYRIE_REDIS_URL (redis://:PASSWORD@HOST:PORT/0).") from None
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
-        raise EyrieError(f"cannot reach Redis at {safe_url(redis_url)}.",
-                         "start redis-server or set EYRIE_REDIS_URL to a reachable Redis.") from None
-    return redis.Redis.from_url(redis_url, socket_connect_timeout=5, health_check_interval=30, retry=_patient())
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+        return str(exc).strip() or type(exc).__name__
+    return None
 
 
-def _patient():
+class _Patient(RedisRetry):
     """Every Redis command is retried through about a minute of Redis being away (a restart on
-    its AOF): workers, their RQ bookkeeping and the tasks ride it out instead of crashing."""
-    from redis.backoff import ExponentialWithJitterBackoff
-    from redis.retry import Retry as RedisRetry
+    its AOF): workers, their RQ bookkeeping and the tasks ride it out instead of crashing. Not in
+    a process whose worker is stopping (SIGTERM): there a command fails at its first error, so that
+    the stop ends within its bound whether Redis answers or not (eyrie.work.worker_loop.STOP_S)."""
 
-    return RedisRetry(ExponentialWithJitterBackoff(base=0.5, cap=10), retries=12)
+    def __init__(self):
+        from redis.backoff import ExponentialWithJitterBackoff
+
+        super().__init__(ExponentialWithJitterBackoff(base=0.5, cap=10), retries=12)
+
+    def call_with_retry(self, do, fail, is_retryable=None, **options):
+        def retryable(error: Exception) -> bool:
+            return not stop_requested() and (is_retryable is None or is_retryable(error))
+
+        return super().call_with_retry(do, fail, retryable, **options)
 
 
 def queue(conn: redis.Redis, name: str) -> Queue:

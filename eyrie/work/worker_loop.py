@@ -20,6 +20,7 @@ from rq.serializers import JSONSerializer
 from rq.worker import WorkerStatus
 
 from eyrie.work import keys
+from eyrie.work.cancel import STOP_REQUESTED, stop_requested  # tasks ask stop_requested() here
 from eyrie.work.queue import LEASE_TTL_S, EyrieJob, job_state, queue, reclaim_abandoned
 from eyrie.work.task_kinds import QUEUE_PREFIX, gpu_queues
 
@@ -37,15 +38,27 @@ def worker_name(name: str) -> str:
     return f"{name}-{socket.gethostname()}-{os.getpid()}"
 
 
-_STOP_REQUESTED = threading.Event()
 SCHEDULER_STOP_S = 10.0  # a stop waits this long for RQ's scheduler process, then kills it
+STOP_S = 30.0  # a stop ends within this time of its task's end (idle: of the SIGTERM), Redis answering or not
 
 
-def stop_requested() -> bool:
-    """Whether this process's task was asked to stop: its worker's SIGTERM (a GPU stage's worker
-    runs its tasks in its own process; the generator's forwards it to its work horse). A task
-    that sees it stores what it has done and hands the rest back (eyrie.work.cancel.Stopping)."""
-    return _STOP_REQUESTED.is_set()
+def _end_within(seconds: float, worker) -> None:
+    """The last resort of a stop: a worker still here `seconds` after it was free to go is waiting on
+    a Redis that does not answer (a command on a connection Redis no longer serves waits for ever).
+    It says so and exits (1), its work horse and RQ's scheduler with it; what it did not record
+    (its leave, a task's state) Redis learns from their lapsed keys."""
+    def end() -> None:
+        time.sleep(seconds)
+        worker.log.error("the stop did not end within %g s (Redis does not answer?): exiting without "
+                         "recording it", seconds)
+        scheduler = getattr(worker.scheduler, "_process", None)
+        for pid in (worker.horse_pid, scheduler and scheduler.pid):
+            if pid:  # 0 would be this whole process group
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=end, daemon=True, name="eyrie-stop-bound").start()
 
 
 class _Maintained:
@@ -65,6 +78,8 @@ class _Maintained:
                 self._keeper_stop.set()
                 self._keeper.join()
                 self._keeper = None
+            if self._stop_requested:
+                _end_within(STOP_S, self)
             self.connection.delete(keys.job_alive(job.id))
             if self._stop_requested and job_state(self.connection, job.id) == JobStatus.QUEUED.value:
                 self.handed_back = (*self.handed_back, job.id)
@@ -83,22 +98,26 @@ class _Maintained:
             self._dequeuing = False
 
     def _shutdown(self):
-        """A stop request (SIGTERM) that finds the worker idle: RQ raises StopRequested from its
-        signal handler wherever the worker is then, and in a log line or its teardown that ends in
-        a traceback (`eyrie: internal error`). Raised only to end its wait for a task; anywhere
-        else its loop sees the request at its next turn."""
-        if self._dequeuing or self.get_state() == WorkerStatus.BUSY:
-            return super()._shutdown()
+        """A stop request (SIGTERM), in its signal handler. RQ raises StopRequested wherever an idle
+        worker is then, and in a log line or its teardown that ends in a traceback (`eyrie: internal
+        error`): raised only to end its wait for a task; anywhere else its loop sees the request at
+        its next turn. No Redis command here (RQ records the request's date): one waiting on an away
+        Redis would hold up the stop, or the task this handler interrupted."""
+        busy = self.get_state() == WorkerStatus.BUSY
         self._stop_requested = True
+        if not busy:  # busy: the bound starts as the task ends (execute_job)
+            _end_within(STOP_S, self)
         if self.scheduler:
             self.stop_scheduler()
+        if self._dequeuing and not busy:
+            raise StopRequested()
 
     def handle_warm_shutdown_request(self):
         """SIGTERM (or Ctrl+C): RQ waits for the task in hand to end; the task sees `stop_requested()`
         and hands its work back (a work horse forked a moment ago still has this handler: it is
         set there too)."""
         super().handle_warm_shutdown_request()
-        _STOP_REQUESTED.set()
+        STOP_REQUESTED.set()
 
     def stop_scheduler(self):
         """RQ's own stop joins its scheduler process without a bound. That process is forked from the
@@ -136,7 +155,7 @@ class ForkingWorker(_Maintained, Worker):
         """In the work horse: Ctrl+C is the worker's to handle; SIGTERM asks the task to hand its
         work back (RQ's default would kill it, leaving the shard to wait for its lease to lapse)."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, lambda *_: _STOP_REQUESTED.set())
+        signal.signal(signal.SIGTERM, lambda *_: STOP_REQUESTED.set())
 
     def handle_warm_shutdown_request(self):
         """SIGTERM to the worker (its work horse is in a process group of its own): passed on to the
@@ -166,17 +185,35 @@ def run_worker(conn: redis.Redis, name: str, burst: bool) -> None:
     worker = worker_class([queue(conn, name)], connection=conn, serializer=JSONSerializer,
                           job_class=EyrieJob, name=worker_name(name), maintenance_interval=2 * LEASE_TTL_S,
                           worker_ttl=3 * LEASE_TTL_S)
-    signals, stopped = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}, False
+    signals, stopped, unrecorded = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}, False, None
     try:
         worker.work(burst=burst, with_scheduler=True, logging_level="INFO")
     except StopRequested:  # RQ raises it where a stop request finds the worker idle (quitting, say)
         stopped = True  # a stop, not an error
+    except redis.exceptions.RedisError as exc:  # a stop's bookkeeping (RQ's teardown) with Redis away
+        if not stop_requested():
+            raise
+        unrecorded = exc
     finally:  # a worker stopping may be restarting: eyrie.stages.verify waits for a verifier that just left
         for sig, handler in signals.items():  # RQ's handlers would raise StopRequested in the caller
             signal.signal(sig, handler)
-        conn.set(keys.worker_left(name), time.time())
+        unrecorded = _record_leave(conn, name) or unrecorded
     if stopped or worker._stop_requested:
         handed = worker.handed_back
         print(f"eyrie worker {name}: stopped on request; " + (
             f"handed back {', '.join(handed)} (queued again; what was done is stored)" if handed
-            else "nothing handed back (no task was running, or it finished first)"), flush=True)
+            else "nothing handed back (no task was running, or it finished first)") + (
+            f"; Redis did not answer ({unrecorded}): what it did not record, its lapsed keys tell" if unrecorded
+            else ""), flush=True)
+
+
+def _record_leave(conn: redis.Redis, name: str) -> Exception | None:
+    """When this worker left (verify waits for a verifier that just left); on a stop with Redis away,
+    not recorded: the error, returned."""
+    try:
+        conn.set(keys.worker_left(name), time.time())
+    except redis.exceptions.RedisError as exc:
+        if not stop_requested():
+            raise
+        return exc
+    return None
