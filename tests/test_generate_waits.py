@@ -97,3 +97,82 @@ def test_a_server_away_past_the_serve_deadline_fails_the_task_not_its_samples():
 
     with pytest.raises(ServerAway, match="did not answer for 1 s"):
         asyncio.run(ask())
+
+
+class _Restarting:
+    """A real HTTP server standing for a proxy in front of a restarting inference server: its first
+    `away` requests (completions and /health probes alike) get 503, then it answers. `health`:
+    what /health answers meanwhile (a proxy: 503; a server that is up but overloaded: 200)."""
+
+    def __init__(self, away: int, health: int = 503):
+        import http.server
+        import threading
+
+        self.away, self.posts = away, 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if outer.away > 0 and health >= 500:
+                    outer.away -= 1
+                    return self._answer(503, b'{"error": "upstream restarting"}')
+                self._answer(200, b"{}")
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                outer.posts += 1
+                if outer.away > 0:
+                    outer.away -= 1
+                    return self._answer(503, b'{"error": "upstream restarting"}')
+                self._answer(200, json.dumps({"choices": [{"message": {"content": "a"}, "finish_reason": "stop"}],
+                                              "usage": {}}).encode())
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def ask(self, max_retries: int):
+        import asyncio
+
+        import aiohttp
+
+        from eyrie_generator.client import ChatClient, ServerGate
+
+        async def ask():
+            async with aiohttp.ClientSession() as session:
+                gate = ServerGate(session, self.url, deadline_s=30, probe_every_s=0.05)
+                client = ChatClient(session, self.url, "m", "transformers", {}, 5, max_retries, ("<think>", "</think>"),
+                                    0.01, gate)
+                return await client.complete([{"role": "user", "content": "q"}], 4)
+
+        try:
+            return asyncio.run(ask())
+        finally:
+            self.server.shutdown()
+            self.server.server_close()
+
+
+def test_a_503_from_a_proxy_in_front_of_a_restarting_server_waits_and_costs_no_attempt():
+    """Issue 41, item 12: the proxy answers 503 for the server while it restarts (its /health too),
+    four times; with one retry allowed the sample used to fail after two 503s."""
+    server = _Restarting(away=4)
+    answer = server.ask(max_retries=1)
+    assert answer.status == "done" and answer.attempts == 1, answer
+    assert server.posts == 2  # the request cut off by the restart, then the one answered
+
+
+def test_a_503_from_a_server_that_answers_its_health_probe_is_an_attempt():
+    """The server itself is there (its /health answers) and refuses: a retry, counted as before."""
+    server = _Restarting(away=2, health=200)
+    answer = server.ask(max_retries=1)
+    assert answer.status == "failed" and answer.attempts == 2 and "HTTP 503" in answer.error, answer

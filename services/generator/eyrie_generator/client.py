@@ -13,6 +13,7 @@ import orjson
 from eyrie.core.errors import EyrieError
 
 RETRY_STATUS = {408, 429}
+UNAVAILABLE_STATUS = {502, 503, 504}  # what a proxy in front of a server answers while the server is away
 CONTEXT_ERRORS = ("maximum context length", "context length", "too long", "exceeds the max")
 
 
@@ -38,15 +39,20 @@ class RetryableError(Exception):
     pass
 
 
+class Unavailable(RetryableError):
+    """502/503/504: a proxy (a load balancer, vLLM's router) answering for a server that may be away."""
+
+
 class ServerAway(EyrieError):
     """The server stayed away past the serve deadline."""
 
 
 class ServerGate:
-    """Whether one server is there to ask. A connection refused or reset is a question for the
-    server: if it answers a probe (any HTTP answer below 500 at /health), the request failed on its
-    own; if not, the server is away (not up yet, restarting) and the gate closes: every lane waits
-    at it, asking nothing and failing nothing, until the server answers again, for at most
+    """Whether one server is there to ask. A connection refused or reset, or a 502/503/504 (a proxy
+    answering for it), is a question for the server: if it answers a probe (any HTTP answer below
+    500 at /health), the request failed on its own; if not, the server is away (not up yet,
+    restarting) and the gate closes: every lane waits at it, asking nothing and failing nothing,
+    until the server answers again, for at most
     `deadline_s` (EYRIE_SERVE_DEADLINE_S); then ServerAway. `stop()` ends a wait early by raising
     (a cancelled run)."""
 
@@ -122,8 +128,9 @@ class ChatClient:
         return body
 
     async def complete(self, messages: list[dict], max_tokens: int) -> Completion:
-        """The answer, or the failure after max_retries retries. A connection refused or reset
-        while the server does not answer is no attempt: the lane waits at `gate` for the server."""
+        """The answer, or the failure after max_retries retries. A connection refused or reset, or
+        a 502/503/504 from a proxy in front of it, while the server does not answer is no attempt:
+        the lane waits at `gate` for the server."""
         started, last_error, attempt = time.monotonic(), "", 0
         while attempt <= self.max_retries:
             await self.gate.passage()
@@ -136,15 +143,15 @@ class ChatClient:
                     result = await self._post(orjson.dumps(self.body(messages, max_tokens)))
                 result.attempts, result.latency_s = attempt, time.monotonic() - started
                 return result
+            except (Unavailable, aiohttp.ClientError) as exc:
+                last_error = str(exc) if isinstance(exc, Unavailable) else f"{type(exc).__name__}: {exc}"
+                if await self.gate.closes_on(last_error):
+                    attempt -= 1  # the server is away, not this request's failure
+                    continue
             except RetryableError as exc:
                 last_error = str(exc)
             except asyncio.TimeoutError:
                 last_error = f"timeout after {self.timeout.total:.0f} s"
-            except aiohttp.ClientError as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
-                if await self.gate.closes_on(last_error):
-                    attempt -= 1  # the server is away, not this request's failure
-                    continue
             if attempt <= self.max_retries:
                 await asyncio.sleep(min(60.0, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5))
         return Completion("failed", error=last_error, attempts=attempt, latency_s=time.monotonic() - started)
@@ -156,6 +163,8 @@ class ChatClient:
             if resp.status == 200:
                 return self.parse(raw)
             text = raw[:500].decode("utf-8", "replace")
+            if resp.status in UNAVAILABLE_STATUS:
+                raise Unavailable(f"HTTP {resp.status}: {text}")
             if resp.status in RETRY_STATUS or resp.status >= 500:
                 raise RetryableError(f"HTTP {resp.status}: {text}")
             if resp.status == 400 and any(s in text.lower() for s in CONTEXT_ERRORS):
