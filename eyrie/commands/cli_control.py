@@ -139,17 +139,15 @@ def audit(run: str = typer.Argument(..., help="Run name."),
     """Every sample accounted for, from the store: in, done, skipped, failed, duplicated, lost,
     pending, per stage. Exit code 3 if any sample is lost or duplicated."""
     from eyrie.runs.audit import audit as audit_run
-    from eyrie.runs.audit import clean
+    from eyrie.runs.audit import clean, render
 
     _, _, store = context()
     figures = audit_run(store, run)
     if as_json:
         _print_json([f.model_dump() for f in figures])
     else:
-        typer.echo(f"{'stage':<9}{'in':>8}{'done':>8}{'skipped':>9}{'failed':>8}{'dup':>6}{'lost':>6}{'pending':>9}")
-        for f in figures:
-            typer.echo(f"{f.stage:<9}{f.samples_in:>8}{f.done:>8}{f.skipped:>9}{f.failed:>8}{f.duplicated:>6}"
-                       f"{f.lost:>6}{f.pending:>9}")
+        for line in render(figures):
+            typer.echo(line)
     if not clean(figures):
         raise typer.Exit(3)
 

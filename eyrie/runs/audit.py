@@ -23,6 +23,7 @@ class Figure(BaseModel):
     duplicated: int = 0
     lost: int = 0
     pending: int = 0
+    note: str | None = None  # a figure not counted from the store's record of it: how it was counted
 
     def add(self, ids_in: list[str], entries: list[dict]) -> None:
         """One finished shard: what came in, and the entries it recorded (sample_id, status)."""
@@ -87,19 +88,30 @@ def _train(manifest: RunManifest, extracted: list[str], read: dict | None) -> Fi
     """Every extracted sample trained on or held out, once, as the trainer recorded what it read
     (train/samples.json: eyrie_trainer.ledger): done = trained on + held out (once the drafter is
     evaluated), failed = left out by speculators (the reasons are in the record), lost = the rest.
-    A run trained before the record existed is counted from its plan."""
+    Without that record (a run trained before it existed, or the object gone) it is counted from
+    the plan, and says so: a sample speculators left out is then counted as done."""
     unique = len(set(extracted))
     if read is None:
         p = manifest.train
         used = p.train_samples + p.heldout_samples
         return Figure(stage=Train.name, samples_in=unique, done=min(used, unique) if manifest.drafter else 0,
                       pending=0 if manifest.drafter else unique, duplicated=len(extracted) - unique,
-                      lost=max(0, unique - used))
+                      lost=max(0, unique - used),
+                      note=f"counted from the plan: {Layout(manifest.run).train_samples} (what the trainer read) "
+                           "is not in the store, so samples it left out count as done")
     if not manifest.drafter:
         return Figure(stage=Train.name, samples_in=unique, pending=unique, duplicated=len(extracted) - unique)
     done, failed = len(read["read_rows"]) + read["heldout_samples"], len(read["dropped"])
     return Figure(stage=Train.name, samples_in=unique, done=done, failed=failed,
                   duplicated=len(extracted) - unique, lost=max(0, unique - done - failed))
+
+
+def render(figures: list[Figure]) -> list[str]:
+    """The figures as `eyrie audit` prints them: a table, then what a figure's count rests on."""
+    lines = [f"{'stage':<9}{'in':>8}{'done':>8}{'skipped':>9}{'failed':>8}{'dup':>6}{'lost':>6}{'pending':>9}"]
+    lines += [f"{f.stage:<9}{f.samples_in:>8}{f.done:>8}{f.skipped:>9}{f.failed:>8}{f.duplicated:>6}{f.lost:>6}"
+              f"{f.pending:>9}" for f in figures]
+    return lines + [f"{f.stage}: {f.note}" for f in figures if f.note]
 
 
 def clean(figures: list[Figure]) -> bool:
