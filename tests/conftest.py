@@ -3,6 +3,7 @@ both store backends, and the tiny target served by `transformers serve`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -19,6 +20,8 @@ import requests
 import yaml
 from filelock import FileLock
 
+from deadline import (FAILED, bounded, pytest_runtest_makereport,  # noqa: F401 (its hooks, as ours)
+                      pytest_timeout_cancel_timer, pytest_timeout_set_timer)
 from eyrie.core.gguf_target import PROVENANCE, convert_smollm2
 from eyrie.work import keys
 
@@ -41,7 +44,7 @@ def free_port() -> int:
 
 
 def wait_http(url: str, timeout: float = 60, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + bounded(timeout)
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
@@ -56,6 +59,7 @@ def wait_http(url: str, timeout: float = 60, proc: subprocess.Popen | None = Non
 
 def wait_for(check, what: str = "a condition", timeout: float = 120, every: float = 0.3):
     """check()'s first true value, polled every `every` s; fails after `timeout` s naming `what`."""
+    timeout = bounded(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
@@ -108,12 +112,27 @@ class Workers:
     def log_text(self, stage: str) -> str:
         return "".join(p.read_text(errors="replace") for p in sorted(self.logs.glob(f"{stage}-*.log")))
 
+    def stacks(self) -> str:
+        """Every thread's stack of each worker still up and its work horse (eyrie's SIGUSR1 handler
+        writes them to the worker's log), then each stage's log, last lines."""
+        import psutil
+
+        for proc in (p for procs in self.procs.values() for p in procs if p.poll() is None):
+            for process in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        return "\n".join(f"--- {stage} workers' log, last lines:\n{self.log_text(stage)[-8000:]}" for stage in self.procs)
+
 
 @pytest.fixture
-def workers(env, tmp_path):
-    """Workers on the test's environment (set `workers.env` to change it before starting any)."""
+def workers(env, tmp_path, request):
+    """Workers on the test's environment (set `workers.env` to change it before starting any); a
+    failed test prints their stacks and logs."""
     w = Workers(env, tmp_path)
     yield w
+    if request.node.stash.get(FAILED, False):
+        print(w.stacks())
     w.stop_all()
 
 
@@ -191,6 +210,7 @@ def env(redis_url, store_env, monkeypatch) -> dict:
 def eyrie(*args: str, env: dict, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the real `eyrie` command line. Past `timeout`, it fails with where it hung: every thread's
     stack (eyrie's SIGUSR1 handler) and its process tree, then it and its children are killed."""
+    timeout = bounded(timeout)
     with subprocess.Popen([str(BIN / "eyrie"), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True) as proc:
         try:
