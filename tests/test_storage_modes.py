@@ -500,17 +500,27 @@ def test_a_trainer_killed_mid_epoch_resumes_without_asking_twice_or_fetching_its
 
 def test_training_waits_out_an_extraction_service_outage(runs, tmp_path):
     """Online, 1 epoch: vLLM stops a few samples in and comes back a while later on the same
-    address; training waits (speculators' retries), then goes on; no sample is left out."""
+    address; training waits (speculators' retries), then goes on; no sample is left out.
+    The trainer is held (SIGSTOP) while vLLM stops: left running on a busy host, it asked for its
+    last samples before the stop landed, needed nothing of the restarted service, and the outage
+    tested nothing (the restarted service's counter read its count before the outage)."""
     env, service = runs["env"], runs["service"]
     clone_run(runs["store"], "on", "out")
     _train(env, "out", "--epochs", "1", "--seq-len", "64")
     worker = _train_worker(env, tmp_path / "worker.log")
-    wait_for(lambda: _live(env, "out").get("step", 0) >= 2, "two steps of training", 600, 0.05)
-    service.outage()
-    during = _status("out", env)["train"]
+    wait_for(lambda: _live(env, "out").get("step", 0) >= 1, "a step of training", 600, 0.05)
+    os.killpg(worker.pid, signal.SIGSTOP)
+    try:
+        during = _live(env, "out")
+        # a step done and not yet reported (reports are 0.5 s apart) has asked for the next one's samples
+        assert during["step"] <= during["total_steps"] - 3, f"held too late to leave samples to ask: {during}"
+        service.outage()
+    finally:
+        os.killpg(worker.pid, signal.SIGCONT)
     time.sleep(10)
     after = _status("out", env)["train"]
-    assert worker.poll() is None and after["state"] != "failed" and after["done"] <= during["done"] + 1, after
+    # at most the unreported step and the one whose samples it had in hand
+    assert worker.poll() is None and after["state"] != "failed" and after["done"] <= during["step"] + 2, after
     service.start()
     service.ready()
     train = _finish(env, "out", worker)
