@@ -28,7 +28,7 @@ from eyrie_trainer.data import done_samples, fetch_heldout_states, heldout_ids, 
 from eyrie_trainer.events import EventUploads
 from eyrie_trainer.export import evaluate_and_export
 from eyrie_trainer.ledger import TrainedSamples
-from eyrie_trainer.stall import Stalled, StallWatch
+from eyrie_trainer.stall import StallWatch
 
 log = logging.getLogger("eyrie.trainer")
 # speculators backs a failed request to the extraction service off 2, 4, ..., 128 s (~4 min) and
@@ -199,8 +199,8 @@ class TrainRunner(StageTask):
             try:
                 with watch:
                     return engine.train_with_fallback(settings, device, fast, hooks, self._say)
-            except (Exception, Stalled) as exc:
-                if not watch.fired:
+            except Exception as exc:
+                if not watch.ended:
                     raise
                 stalls += 1
                 if stalls > STALL_RETRIES:
