@@ -281,7 +281,6 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
         typer.echo(orjson.dumps(result).decode())
         return
     from eyrie.commands.display import verify_lines
-
     for line in verify_lines(run, result):
         typer.echo(line)
 
