@@ -18,6 +18,7 @@ import subprocess
 import signal
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -227,13 +228,23 @@ class Service:
 
     def publish(self, conn) -> None:
         """As `eyrie serve-extract` does while its vLLM runs: republished every few seconds."""
-        endpoint = inference.Endpoint(name="extract", url=self.url, model=str(TINY), server="vllm", state="ready")
+        self.conn, self.published = conn, self.url
 
         def republish():
             while not self.stopped.is_set():
-                inference.publish_extract(conn, endpoint)
+                self._publish()
                 self.stopped.wait(3)
         threading.Thread(target=republish, daemon=True).start()
+
+    def route_through(self, url: str) -> None:
+        """Publish `url` (a Gate in front of vLLM, or vLLM again) as the service's address, at once."""
+        self.published = url
+        self._publish()
+
+    def _publish(self) -> None:
+        endpoint = inference.Endpoint(name="extract", url=self.published, model=str(TINY), server="vllm",
+                                      state="ready")
+        inference.publish_extract(self.conn, endpoint)
 
     def requests_served(self) -> int:
         """vLLM's own count of finished requests."""
@@ -244,6 +255,67 @@ class Service:
     def stop(self) -> None:
         self.stopped.set()
         stop_vllm(self.proc)
+
+
+class Gate:
+    """A relay in front of the extraction service that holds its `hold_at`-th request for states
+    until let go. The tiny target answers in milliseconds and a trainer reports its step every 0.5 s:
+    stopped "a few steps in" by its reports, it had finished its epoch on a fast host (CI saw it);
+    held at a known sample, it is stopped at a known point. A held request let go with
+    forward_held False is dropped unanswered (its client was killed); one for a service that is down
+    has its connection closed unanswered, as a dead server's is reset: the client retries either."""
+
+    def __init__(self, upstream: str, hold_at: int, forward_held: bool = True):
+        self.upstream, self.hold_at, self.forward_held = upstream, hold_at, forward_held
+        self.posts, self.lock = 0, threading.Lock()
+        self.holding, self.release = threading.Event(), threading.Event()
+        gate = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):
+                gate._relay(self, "GET")
+
+            def do_POST(self):
+                gate._relay(self, "POST")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _relay(self, handler: BaseHTTPRequestHandler, method: str) -> None:
+        body = handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+        if method == "POST" and self._count() == self.hold_at:
+            self.holding.set()
+            self.release.wait(600)
+            if not self.forward_held:
+                handler.close_connection = True
+                return
+        try:
+            answer = requests.request(method, self.upstream + handler.path, data=body, timeout=600,
+                                      headers={"Content-Type": handler.headers.get("Content-Type", "application/json")})
+        except requests.ConnectionError:
+            handler.close_connection = True
+            return
+        handler.send_response(answer.status_code)
+        handler.send_header("Content-Type", answer.headers.get("Content-Type", "application/json"))
+        handler.send_header("Content-Length", str(len(answer.content)))
+        handler.end_headers()
+        handler.wfile.write(answer.content)
+
+    def _count(self) -> int:
+        with self.lock:
+            self.posts += 1
+            return self.posts
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -467,29 +539,37 @@ def _states_files(folder: Path) -> dict[str, tuple[int, int]]:
 
 
 def test_a_trainer_killed_mid_epoch_resumes_without_asking_twice_or_fetching_its_cache_again(runs, tmp_path):
-    """Hybrid, 2 epochs: SIGTERM (`docker stop`) a few on-demand samples into epoch 0; the retried
-    task resumes there: the service is asked once per on-demand sample per epoch (give or take the
-    batch in flight at the kill), the stored states in the trainer's cache are not fetched again."""
+    """Hybrid, 2 epochs: SIGTERM (`docker stop`) while the trainer waits for epoch 0's last on-demand
+    sample (a step or more done, the epoch not); the retried task resumes there: the service is asked
+    once per on-demand sample per epoch (give or take the batch in flight at the kill), the stored
+    states in the trainer's cache are not fetched again."""
     env, service = runs["env"], runs["service"]
     clone_run(runs["store"], "hy", "kill")
     on_demand, held_on_demand = _on_demand_training(runs, "kill")
-    assert on_demand >= 4  # the premise: the kill lands inside epoch 0
-    _train(env, "kill", "--epochs", "2", "--seq-len", "64")
-    start = service.requests_served()
-    worker = _train_worker(env, tmp_path / "worker.log")
-    wait_for(lambda: _live(env, "kill").get("step", 0) >= 2, "two steps of training", 600, 0.05)
-    worker.send_signal(signal.SIGTERM)
-    assert worker.wait(120) == 0  # the worker itself stops, after the checkpoint
-    first = service.requests_served() - start - held_on_demand
-    saved = runs["store"].get_json(Layout("kill").checkpoint_manifest("0"))
-    assert (saved["epoch"], saved["local_step"] > 0) == (0, True), saved
-    cache = Path(env["EYRIE_CACHE_DIR"]) / "runs" / "kill" / "data" / "train" / "hidden_states"
-    cached = _states_files(cache)
-    assert cached  # the stored part, fetched by the first attempt
+    assert on_demand >= 4  # the premise: epoch 0's last on-demand sample comes after its first step
+    gate = Gate(service.url, hold_at=held_on_demand + on_demand, forward_held=False)
+    service.route_through(gate.url)
+    try:
+        _train(env, "kill", "--epochs", "2", "--seq-len", "64")
+        start = service.requests_served()
+        worker = _train_worker(env, tmp_path / "worker.log")
+        wait_for(gate.holding.is_set, "training at epoch 0's last on-demand sample", 600, 0.05)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(120) == 0  # the worker itself stops, after the checkpoint
+        first = service.requests_served() - start - held_on_demand
+        saved = runs["store"].get_json(Layout("kill").checkpoint_manifest("0"))
+        assert (saved["epoch"], saved["local_step"] > 0) == (0, True), saved
+        cache = Path(env["EYRIE_CACHE_DIR"]) / "runs" / "kill" / "data" / "train" / "hidden_states"
+        cached = _states_files(cache)
+        assert cached  # the stored part, fetched by the first attempt
 
-    resumed_from = service.requests_served()
-    train = _finish(env, "kill", _train_worker(env, tmp_path / "worker.log"))
-    second = service.requests_served() - resumed_from
+        gate.release.set()
+        resumed_from = service.requests_served()
+        train = _finish(env, "kill", _train_worker(env, tmp_path / "worker.log"))
+        second = service.requests_served() - resumed_from
+    finally:
+        service.route_through(service.url)
+        gate.close()
     assert train["state"] == "done" and train["dropped"] == 0, train
     assert any(f"resuming from checkpoint 0 (step {saved['local_step']} of epoch 0)" in n for n in train["notes"])
     assert _states_files(cache) == cached  # nothing in the cache fetched or written again
@@ -499,31 +579,36 @@ def test_a_trainer_killed_mid_epoch_resumes_without_asking_twice_or_fetching_its
 
 
 def test_training_waits_out_an_extraction_service_outage(runs, tmp_path):
-    """Online, 1 epoch: vLLM stops a few samples in and comes back a while later on the same
-    address; training waits (speculators' retries), then goes on; no sample is left out.
-    The trainer is held (SIGSTOP) while vLLM stops: left running on a busy host, it asked for its
-    last samples before the stop landed, needed nothing of the restarted service, and the outage
-    tested nothing (the restarted service's counter read its count before the outage)."""
+    """Online, 1 epoch: vLLM stops while the trainer waits for its third training sample's states
+    and comes back a while later on the same address; training waits (speculators' retries), then
+    goes on; no sample is left out. The trainer is held at that sample (a Gate) while vLLM stops:
+    left running, on a fast host it asked for its last samples before the stop landed, and the
+    outage tested nothing."""
     env, service = runs["env"], runs["service"]
     clone_run(runs["store"], "on", "out")
-    _train(env, "out", "--epochs", "1", "--seq-len", "64")
-    worker = _train_worker(env, tmp_path / "worker.log")
-    wait_for(lambda: _live(env, "out").get("step", 0) >= 1, "a step of training", 600, 0.05)
-    os.killpg(worker.pid, signal.SIGSTOP)
+    gate = Gate(service.url, hold_at=HELDOUT + 3)
+    service.route_through(gate.url)
     try:
-        during = _live(env, "out")
-        # a step done and not yet reported (reports are 0.5 s apart) has asked for the next one's samples
-        assert during["step"] <= during["total_steps"] - 3, f"held too late to leave samples to ask: {during}"
-        service.outage()
+        _train(env, "out", "--epochs", "1", "--seq-len", "64")
+        worker = _train_worker(env, tmp_path / "worker.log")
+        try:
+            wait_for(gate.holding.is_set, "training at its third sample", 600, 0.05)
+            time.sleep(1)  # the trainer waits on the gate: its next report (0.5 s apart) says where
+            during = _live(env, "out")
+            assert during["step"] <= during["total_steps"] - 3, f"held too late to leave samples to ask: {during}"
+            service.outage()
+        finally:
+            gate.release.set()  # the held request goes on to the stopped service: its connection is closed
+        time.sleep(10)
+        after = _status("out", env)["train"]
+        # at most the step whose samples it was fetching, and a report behind
+        assert worker.poll() is None and after["state"] != "failed" and after["done"] <= during["step"] + 2, after
+        service.start()
+        service.ready()
+        train = _finish(env, "out", worker)
     finally:
-        os.killpg(worker.pid, signal.SIGCONT)
-    time.sleep(10)
-    after = _status("out", env)["train"]
-    # at most the unreported step and the one whose samples it had in hand
-    assert worker.poll() is None and after["state"] != "failed" and after["done"] <= during["step"] + 2, after
-    service.start()
-    service.ready()
-    train = _finish(env, "out", worker)
+        service.route_through(service.url)
+        gate.close()
     assert train["state"] == "done" and train["dropped"] == 0 and not train["errors"], train
     # the restarted service made the rest (vLLM's counter of the stopped process can lag its last
     # answers, so the two processes' counts are not summed); dropped == 0: every sample was trained
