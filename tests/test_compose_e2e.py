@@ -3,9 +3,10 @@ them first), brought up from docker-compose.yml + compose.ci.yml (the CPU stand-
 on a Docker engine of this machine; `make run CONFIG=examples/run.tiny.vllm.yaml` through it the way
 a GPU host runs it (vLLM, its CPU build, serves, extracts and verifies) to an exported drafter with
 vLLM's acceptance in the manifest, a generator SIGKILLed mid-run then scaled to 2, a second run right
-after it (online, trained from the extraction service) on the same inference service, `down` then
-`up` again, and the stack's network checked from inside (Redis needs its password; only api and
-inference are published)."""
+after it (online, trained from the extraction service) on the same inference service, two runs on two
+targets at once (the second started while the first generates waits its turn at the inference
+service), `down` then `up` again, and the stack's network checked from inside (Redis needs its
+password; only api and inference are published)."""
 
 import json
 import os
@@ -25,6 +26,8 @@ PROJECT = "eyrie-e2e"
 CONFIG = "examples/run.tiny.vllm.yaml"
 RUN = "tiny-vllm"  # its run
 ONLINE = "tiny-online"  # the same, 40 prompts, with extract.storage online
+FIRST, OTHER = "tiny-first", "tiny-other"  # two runs at once: on the tiny target, and on another one
+OTHER_TARGET = "assets/tiny-target-b"  # the tiny target with one config key more, built by its test
 IMAGES = ["eyrie-generator:local", "eyrie-api:local", "eyrie-extractor:local", "eyrie-trainer:local",
           "eyrie-vllm-cpu:local", "eyrie-inference:local", "eyrie-ci-redis:local", "eyrie-ci-s3:local"]
 TIMINGS: dict[str, float] = {}
@@ -202,6 +205,81 @@ def test_an_online_run_trains_from_the_extraction_service_in_the_stack(stack, tm
     TIMINGS["online run verified"] = time.monotonic() - started
     assert verify.get("vllm_acceptance_length") and verify["vllm_drafts"] > 0, verify
     assert verify["identical_outputs"] is True, verify
+
+
+def _other_target() -> str:
+    """Another target (another revision) where every container reads the tiny one (the repository's
+    assets/, mounted in each and in `make run`'s; git ignores it): the tiny target, one config key more."""
+    other = ROOT / OTHER_TARGET
+    shutil.copytree(ROOT / "assets" / "tiny-target", other, dirs_exist_ok=True)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "eyrie_e2e_variant": 1}, indent=2))
+    return OTHER_TARGET
+
+
+def _tiny_variant(tmp_path, run: str, target: str, limit: int, concurrency: int, shards: int):
+    """CONFIG as run `run` on `target`: `limit` prompts (not an earlier run's: nothing reused) in
+    `shards` generate tasks, 2 epochs, no verify (the first runs measure it)."""
+    body = yaml.safe_load((ROOT / CONFIG).read_text())
+    body.update(run=run, target={"model": target}, dataset={**body["dataset"], "limit": limit},
+                verify={"enabled": False})
+    body["generate"].update(concurrency=concurrency, shard_size=-(-limit // shards))
+    body["train"]["epochs"] = 2
+    config = tmp_path / f"{run}.yaml"
+    config.write_text(yaml.safe_dump(body))
+    return str(config)
+
+
+def _failed_attempts(stack, run: str) -> list[int]:
+    """Each of the run's generate tasks' failed attempts (RQ's retries spent), read inside the stack."""
+    probe = ("import json, os, redis\n"
+             "from eyrie.work.queue import RETRY_INTERVALS_S, EyrieJob, JSONSerializer\n"
+             "conn = redis.Redis.from_url(os.environ['EYRIE_REDIS_URL'])\n"
+             f"ids = ['generate-{run}-00000', 'generate-{run}-00001']\n"
+             "jobs = [EyrieJob.fetch(i, connection=conn, serializer=JSONSerializer) for i in ids]\n"
+             "print(json.dumps([len(RETRY_INTERVALS_S) - (j.retries_left or 0) for j in jobs]))")
+    return json.loads(stack.compose("exec", "-T", "api", "python", "-c", probe).stdout)
+
+
+@pytest.mark.timeout(3300)  # its own bounds: 300 + 300 + 2 x 1200 s
+def test_a_second_run_on_another_target_started_while_the_first_generates_finishes(stack, tmp_path):
+    """Issue 41, item 2: `make run` returns after planning; a second run on another target, started
+    while the first one generates, waits its turn at the stack's one inference service (its generate
+    tasks hand themselves back, no attempt counted; its status names the run it waits for), is
+    served once the first one's generation is done, and both runs finish. Before, its tasks failed
+    after EYRIE_SERVE_DEADLINE_S each and after 4 attempts the run had failed."""
+    # one task, one request at a time (minutes): the stack's other generator worker plans the second run
+    first = _tiny_variant(tmp_path, FIRST, "assets/tiny-target", 300, 1, 1)
+    other = _tiny_variant(tmp_path, OTHER, _other_target(), 40, 8, 2)
+    started = time.monotonic()
+    result = stack.make_run(first)
+    assert result.returncode == 0 and f"run {FIRST}:" in result.stdout, result.stdout + result.stderr
+    generate = lambda run: stack.run_state(run).get("stages", {}).get("generate", {})  # noqa: E731
+    try:
+        wait_for(lambda: generate(FIRST).get("done", 0) >= 1, "the first run's first sample", timeout=300, every=1)
+        result = stack.make_run(other)
+        assert result.returncode == 0 and f"run {OTHER}:" in result.stdout, result.stdout + result.stderr
+        assert generate(FIRST)["done"] < generate(FIRST)["total"], "the first run's generation ended: grow it"
+        waits = f"run {FIRST}'s generation holds it"
+        wait_for(lambda: any(waits in w for w in stack.api(f"/runs/{OTHER}")["stages"]["generate"]["waiting_for"]),
+                 "the second run's status naming the run it waits for", timeout=300, every=2)
+        ended = {}
+        for run in (FIRST, OTHER):
+            ended[run] = wait_for(lambda: (r := stack.run_state(run)).get("state") in ("done", "failed", "cancelled")
+                                  and r, f"run {run} to end", timeout=1200, every=3)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{stack.diagnosis()}") from None
+    TIMINGS["two runs on two targets"] = time.monotonic() - started
+    assert {run: r["state"] for run, r in ended.items()} == {FIRST: "done", OTHER: "done"}, \
+        json.dumps(ended, indent=1) + stack.diagnosis()
+    assert _failed_attempts(stack, OTHER) == [0, 0]  # waiting its turn is no attempt
+    assert stack.api(f"/runs/{OTHER}/manifest")["target"]["model"].endswith(OTHER_TARGET)
+    log = stack.compose("logs", "--no-color", "inference").stdout
+    assert f"run {OTHER} waits its turn" in log and f"serving run {OTHER}'s target" in log, log[-4000:]
+    inference = stack.compose("ps", "-q", "inference").stdout.split()
+    restarts = subprocess.run(["docker", "inspect", "-f", "{{.State.Status}} {{.RestartCount}}", *inference],
+                              capture_output=True, text=True).stdout.split()
+    assert restarts == ["running", "0"], restarts  # switched targets by itself, no crash, no restart
 
 
 SERVICES = ("eyrie_generator", "eyrie_extractor", "eyrie_trainer", "eyrie_inference")

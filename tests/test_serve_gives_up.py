@@ -84,8 +84,9 @@ def test_the_service_hands_the_gpus_back_once_its_runs_generation_failed(redis_u
         _failed_for_good(conn, "fails")
         wait_for(lambda: inference.read(conn).state == "stopped" and holder(conn) is None,
                  "the GPUs handed back", timeout=Server.RELEASE_S)
+        waiting = lambda: "waiting for a pipeline to generate" in log.read_text().split("can no longer generate")[-1]  # noqa: E731
+        wait_for(waiting, "the service waiting for the next pipeline", timeout=30)  # printed after it stopped
         text = log.read_text()
         assert "run fails can no longer generate" in text and server.poll() is None, text
-        assert "waiting for a pipeline to generate" in text.split("can no longer generate")[-1]
     finally:
         stop(server)

@@ -21,7 +21,7 @@ from eyrie.data.store import open_store
 from eyrie.runs.restart import on_planned
 from eyrie.runs.reuse import record_states
 from eyrie.stages import PIPELINE, RunView
-from eyrie.stages.base import state_of
+from eyrie.stages.base import PipelineStage, state_of
 from eyrie.work import keys
 from eyrie.work.cancel import block
 from eyrie.work.queue import job_state, live_tasks
@@ -268,20 +268,21 @@ def drained_run(conn, store) -> str | None:
     return None
 
 
-def can_generate(conn, store, run: str) -> bool:
-    """Whether the run's generation can still go on, and so needs the inference server: its pipeline
-    active, not cancelled or blocked (those wait for a person), and its generation neither finished
-    nor failed for good (status's own reading: no generate task left live and one failed, or its
-    planning failed or refused). `eyrie retry` or a rerun makes a failed one generate again."""
+def can_go_on(conn, store, run: str, stage: PipelineStage) -> bool:
+    """Whether the run's `stage` can still go on, and so needs the server it reads (the inference
+    server generate's, the vLLM extraction server extract's or an on-demand training's): its
+    pipeline active, not cancelled or blocked (those wait for a person), and the stage neither
+    finished nor failed for good (status's own reading: no task of its work left live and one
+    failed, or its planning failed or refused). `eyrie retry` or a rerun makes a failed one go on."""
     if not conn.sismember(keys.ACTIVE_PIPELINES, run) or conn.exists(keys.blocked(run), keys.cancelled(run)):
         return False
-    first, view = PIPELINE[0], run_view(conn, store, run)
-    if not first.planned(view):
-        status = first.status(view)  # its planning task's state (None: not enqueued yet)
-        return status is None or status.state != "failed"
-    missing = [i for i in first.shards(view) if not first.shard_done(view, i)]
-    jobs = Counter(job_state(conn, first.work.task_id(run, i)) or "missing" for i in missing)
-    return bool(missing) and state_of(0, len(missing), jobs) != "failed"
+    view = run_view(conn, store, run)
+    if not stage.planned(view):
+        planning = job_state(conn, stage.planner.task_id(run)) if stage.planner else None
+        return planning != "failed" and stage.refused(view) is None
+    left = stage.tasks_left(view)
+    jobs = Counter(job_state(conn, task) or "missing" for task in left)
+    return bool(left) and state_of(0, len(left), jobs) != "failed"
 
 
 def _stalled(view: RunView) -> bool:

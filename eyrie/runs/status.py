@@ -4,6 +4,7 @@ the pipeline (eyrie.stages.PIPELINE) reports its own."""
 from __future__ import annotations
 
 from eyrie.data.manifest import load_run_manifest
+from eyrie.runs import serve_turns
 from eyrie.runs.pipeline import config_key, run_view
 from eyrie.stages import PIPELINE, RunView
 from eyrie.stages.base import LIVE_JOB_STATES
@@ -21,6 +22,8 @@ def run_status(conn, store, run: str) -> RunStatus:
     cancelled = conn.get(keys.cancelled(run))
     if cancelled:
         _mark_cancelled(stages)
+    else:
+        _waiting_turn(view, stages)
     lease = gpu.leases(conn)
     planned = manifest is not None  # else being planned: what its config (if any) asks for
     return RunStatus(run=run, created_at=manifest.created_at if planned else None,
@@ -43,6 +46,17 @@ def overall_state(status: RunStatus) -> str:
     if all(s == "done" for s in states) and (not status.pipeline or every_stage <= set(status.stages)):
         return "done"
     return "in_progress" if any(s != "pending" for s in states) else "pending"
+
+
+def _waiting_turn(view: RunView, stages: dict[str, StageStatus]) -> None:
+    """A run whose generation waits its turn at the stack's inference server says for which run's
+    (eyrie.runs.serve_turns), whether a task of it is waiting in a worker or handed back to its queue."""
+    generate = stages.get(PIPELINE[0].name)
+    if view.manifest is None or generate is None or generate.state in ("done", "failed"):
+        return
+    held_by = serve_turns.holder(view.conn, view.store, view.run, view.manifest.target)
+    if held_by is not None:
+        generate.waiting_for = sorted({*generate.waiting_for, serve_turns.turn_text(held_by)})
 
 
 def _mark_cancelled(stages: dict[str, StageStatus]) -> None:

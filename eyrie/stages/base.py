@@ -118,6 +118,10 @@ class PipelineStage:
         """What a start on its own asks its planner to plan: the section's settings as given."""
         return {"request": section.model_dump(exclude_unset=True)}
 
+    def tasks_left(self, view: RunView) -> list[str]:
+        """The task ids of its planned work not finished yet."""
+        return [] if self.done(view) else [self.work.task_id(view.run)]
+
     def task_ids(self, view: RunView) -> list[str]:
         """Every task id of the run's stage (its planner's and side tasks' included)."""
         return [kind.task_id(view.run) for kind in self.task_kinds()]

@@ -31,6 +31,9 @@ class ShardedStage(PipelineStage):
             if not self.shard_done(view, shard):
                 enqueue(view.conn, self.work, {"run": view.run, "shard": shard}, shard)
 
+    def tasks_left(self, view: RunView) -> list[str]:
+        return [self.work.task_id(view.run, i) for i in self.shards(view) if not self.shard_done(view, i)]
+
     def task_ids(self, view: RunView) -> list[str]:
         shards = [self.work.task_id(view.run, i) for i in self.shards(view)]
         return shards + [k.task_id(view.run) for k in self.task_kinds() if k is not self.work]

@@ -10,6 +10,7 @@ from pydantic import BaseModel
 
 from eyrie.core.errors import EyrieError
 from eyrie.work import keys
+from eyrie.work.cancel import Stopping
 
 
 class Endpoint(BaseModel):
@@ -26,9 +27,17 @@ class Endpoint(BaseModel):
     host: str = ""
     pid: int | None = None
     updated_at: float = 0.0
+    run: str | None = None  # the run it is served for (`eyrie serve --run active`): its generation holds it
 
 
 WAITING_FRESH_S = 30.0  # a server waiting for the GPUs republishes every few seconds: older, it is gone
+TURN_S = 60.0  # the longest a generate task waits its turn in its worker before it hands itself back
+
+
+class WaitingTurn(Stopping):
+    """Another run's generation holds the stack's inference server (eyrie.runs.serve_turns): the
+    task goes back to its queue (handed back: no attempt counted, no failure) so that its worker
+    takes other tasks meanwhile, and waits its turn there."""
 
 
 def publish(conn: redis.Redis, endpoint: Endpoint) -> None:
@@ -62,12 +71,17 @@ def wait_all_ready(conn: redis.Redis, deadline_s: float, name: str = "default") 
                        "OpenAI-compatible server.")
 
 
-def wait_serving(conn: redis.Redis, deadline_s: float, serves, target: str, stop=None) -> list[Endpoint]:
+def wait_serving(conn: redis.Redis, deadline_s: float, serves, target: str, stop=None, holder=None) -> list[Endpoint]:
     """Every ready endpoint that serves a run's target (`serves(endpoint)`), once one does (the
     default first): a run whose target is not served waits for its server, whatever else is up
     meanwhile (another run's target), and never asks a server of another target. `stop()`: give up
     early (a cancelled run); it raises what it likes. While the target's server is alive and waiting
-    for the GPUs (another run's later stages hold them), the deadline counts from when it is not."""
+    for the GPUs (another run's later stages hold them), the deadline counts from when it is not.
+    `holder()`: the run whose generation holds the stack's server meanwhile, if any (eyrie.runs.
+    serve_turns.holder): the deadline does not count either, and after min(deadline_s, TURN_S) of
+    it the task hands itself back (WaitingTurn)."""
+    turn = _Turn(holder, min(deadline_s, TURN_S))
+
     def ready() -> tuple[list[Endpoint], str, bool]:
         if stop is not None:
             stop()
@@ -76,12 +90,31 @@ def wait_serving(conn: redis.Redis, deadline_s: float, serves, target: str, stop
         others = ", ".join(f"{e.name}: {e.model} ({e.state})" for e in published) or "never published"
         coming = any(e.state == "waiting" and serves(e) and time.time() - e.updated_at < WAITING_FRESH_S
                      for e in published)
-        return serving, others, coming
+        return serving, others, coming or (not serving and turn.waiting())
 
     return _wait_ready(ready, deadline_s, f"no ready inference endpoint serves the run's target {target}",
                        f"serve the run's target (`eyrie serve --model {target}`, or the run's config: "
                        "`eyrie serve --config RUN.yaml`) under its own EYRIE_ENDPOINT_NAME, or raise "
                        "EYRIE_SERVE_DEADLINE_S.", what="published")
+
+
+class _Turn:
+    """A wait for the server while another run's generation holds it: true while it does, raising
+    WaitingTurn once it has for `limit_s` on end."""
+
+    def __init__(self, holder, limit_s: float):
+        self.holder, self.limit_s, self.since = holder, limit_s, None
+
+    def waiting(self) -> bool:
+        held_by = self.holder() if self.holder is not None else None
+        if held_by is None:
+            self.since = None
+            return False
+        self.since = self.since or time.monotonic()
+        if time.monotonic() - self.since >= self.limit_s:
+            raise WaitingTurn(f"run {held_by}'s generation holds the inference server (another target): "
+                              "the task waits its turn in its queue")
+        return True
 
 
 def _wait_ready(ready, deadline_s: float, missing: str, fix: str, what: str = "state"):

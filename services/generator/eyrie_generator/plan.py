@@ -77,7 +77,8 @@ def _new_run(settings, conn, store, layout, source: DatasetSection, request: Gen
 
 def _target(settings: Settings, conn, trust_remote_code: bool) -> TargetRef:
     """The run's target (settings.model, named by the run config or EYRIE_MODEL). A published
-    server must serve that same model, else the run is refused before any request; when no
+    server must serve that same model, else the run is refused before any request (the stack's
+    service, which serves each run's own target in turn, excepted: eyrie.runs.serve_turns); when no
     target was named (`eyrie generate` on its defaults), the served model is the target. One
     that needs its own code is refused here unless the run trusts it (before any request)."""
     endpoint = None if settings.inference_url else inference.read(conn)
@@ -90,7 +91,7 @@ def _target(settings: Settings, conn, trust_remote_code: bool) -> TargetRef:
     target = TargetRef(model=info.model, revision=info.revision, chat_template_sha256=info.chat_template_sha256,
                        server=endpoint.server if endpoint else settings.server, conversion=info.conversion,
                        trust_remote_code=trust_remote_code)
-    if endpoint:
+    if endpoint and endpoint.run is None:  # the stack's service (`--run active`) serves each run's target in turn
         check_served(target, endpoint)
     return target
 

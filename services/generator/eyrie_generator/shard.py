@@ -15,6 +15,7 @@ import orjson
 from eyrie.core.config import parse_endpoints
 from eyrie.core.target import same_target
 from eyrie.data.manifest import Counts, ShardPlan
+from eyrie.runs import serve_turns
 from eyrie.stages import GENERATE
 from eyrie.tasks.executor import Context, execute
 from eyrie.tasks.sharded import ShardedStageTask
@@ -120,7 +121,15 @@ class ShardRunner(ShardedStageTask):
         # visible in `eyrie status` while its server loads, or while only other targets are served
         self._report(waiting_for=f"a server for target {target.model}")
         return inference.wait_serving(self.conn, self.settings.serve_deadline_s, lambda e: same_target(target, e),
-                                      target.model, stop=self.stop_if_asked)
+                                      target.model, stop=self.stop_if_asked, holder=self._turn_held_by)
+
+    def _turn_held_by(self) -> str | None:
+        """The run whose generation holds the stack's inference server while this run waits its turn
+        (eyrie.runs.serve_turns), said in its live progress."""
+        held_by = serve_turns.holder(self.conn, self.store, self.run_name, self.manifest.target)
+        if held_by is not None:
+            self._report(waiting_for=serve_turns.turn_text(held_by))
+        return held_by
 
     def _record(self, row: dict, fields: dict) -> None:
         self._add({"sample_id": row["sample_id"], "row": row["row"], **fields})

@@ -19,10 +19,11 @@ from eyrie.core.errors import EyrieError
 from eyrie.core.target import describe
 from eyrie.core.vllm import serve_argv, serve_env, start_server, stop_server, with_cpu_dtype
 from eyrie.data.store import open_store
-from eyrie.runs.pipeline import ServeSection, can_generate, drained_run, load_config, run_view, stored_config
+from eyrie.runs import serve_turns
+from eyrie.runs.pipeline import ServeSection, can_go_on, drained_run, load_config, run_view, stored_config
 from eyrie.stages import PIPELINE
 from eyrie.tasks.gpu_admission import gpu_lease
-from eyrie.work import inference, keys
+from eyrie.work import inference
 from eyrie.work.gpu import GpuLease, holder, in_mode
 from eyrie.work.queue import connect
 
@@ -55,10 +56,12 @@ def run_config(config: Path | None, run: str | None):
 
 def serve_active(**flags) -> int:
     """`eyrie serve --run active` (the stack's inference service): serve each pipeline that is to
-    generate, one after another, for as long as the service runs. Between runs it holds nothing;
-    a run's server stops once its generation drains (the GPUs go to its later stages) and the next
-    run's waits for them to come back. Returns on SIGTERM (0) or when a server fails (non-zero: the
-    service restarts). `flags`: the command line's settings (port, server, host)."""
+    generate, one after another, in the order they started (eyrie.runs.serve_turns), for as long as
+    the service runs. Between runs it holds nothing; a run's server stops once its generation drains
+    (the GPUs go to its later stages) and the next run's waits for them to come back, or once it is
+    done or cannot go on while the next run, on another target, waits its turn. Returns on SIGTERM
+    (0) or when a server fails (non-zero: the service restarts). `flags`: the command line's
+    settings (port, server, host)."""
     settings = load_settings(**flags)
     conn, store = connect(settings.redis_url), open_store(settings)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -79,12 +82,9 @@ def serve_active(**flags) -> int:
 
 
 def generating_run(conn, store) -> str | None:
-    """The first active pipeline whose generation can still go on (can_generate): one that failed,
-    is blocked or cancelled holds no server (and no GPUs)."""
-    for run in sorted(m.decode() for m in conn.smembers(keys.ACTIVE_PIPELINES)):
-        if can_generate(conn, store, run):
-            return run
-    return None
+    """The first active pipeline in serve order (eyrie.runs.serve_turns) whose generation can still
+    go on (can_go_on): one that failed, is blocked or cancelled holds no server (and no GPUs)."""
+    return next(iter(serve_turns.serve_order(conn, store)), None)
 
 
 def health_path(server: str) -> str:
@@ -95,7 +95,7 @@ def health_path(server: str) -> str:
 class Server:
     def __init__(self, settings: Settings, conn, model: str, serve=None, run: str | None = None):
         """`run`: the pipeline served (`--run active`); the server stops once it can no longer generate."""
-        self.settings, self.conn, self.serve, self.serving = settings, conn, serve, run
+        self.settings, self.conn, self.serve, self.serving, self.target = settings, conn, serve, run, model
         info = describe(model)
         self.model = info.model if Path(model).is_dir() else model
         host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.gethostname()
@@ -103,7 +103,7 @@ class Server:
             name=settings.endpoint_name, weight=settings.endpoint_weight, url=settings.advertise_url or f"http://{host}:{settings.port}", model=self.model,
             server=settings.server, state="starting", host=socket.gethostname(),
             max_model_len=(serve.max_model_len if serve else None) or settings.max_model_len or info.max_model_len, revision=info.revision,
-            chat_template_sha256=info.chat_template_sha256)
+            chat_template_sha256=info.chat_template_sha256, run=run)
         self.proc: subprocess.Popen | None = None
         self.gpu: GpuLease | None = None
         self._stopping = False
@@ -218,15 +218,27 @@ class Server:
         return run is not None or self._given_up()
 
     def _given_up(self) -> bool:
-        """The run served can no longer generate and has not finished generating: its generation
-        failed for good, or it is blocked, cancelled or no longer active (`eyrie retry` or a rerun
-        serves it again). A finished one is drained's to stop (EYRIE_SERVE_STOP_WHEN_DRAINED)."""
+        """The run served can no longer generate, and has not finished generating (its generation
+        failed for good, or it is blocked, cancelled or no longer active: `eyrie retry` or a rerun
+        serves it again) or has while the next run in serve order, on another target, waits its
+        turn. The next run on the same target is served on; a finished run with none after it is
+        drained's to stop (EYRIE_SERVE_STOP_WHEN_DRAINED)."""
         run = self.serving
         if run is None:
             return False
         store = open_store(self.settings)
-        if can_generate(self.conn, store, run) or PIPELINE[0].done(run_view(self.conn, store, run)):
+        if can_go_on(self.conn, store, run, PIPELINE[0]):
             return False
+        after = generating_run(self.conn, store)
+        if after is not None and serve_turns.same_server(store, after, self.endpoint, self.target):
+            print(f"eyrie serve: serving run {after} next (the same target)", flush=True)
+            self.serving = self.endpoint.run = after
+            return False
+        if PIPELINE[0].done(run_view(self.conn, store, run)):
+            if after is not None and self.proc is not None:
+                print(f"eyrie serve: run {run}'s generation is done and run {after} waits its turn (another "
+                      f"target): stopping the server for run {after}'s", flush=True)
+            return after is not None
         if self.proc is not None:
             print(f"eyrie serve: run {run} can no longer generate (its generation failed, or it is blocked, "
                   "cancelled or no longer active): stopping the server and handing over the GPUs", flush=True)
