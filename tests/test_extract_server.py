@@ -113,4 +113,4 @@ def test_served_under_the_lease_from_the_run_config_and_stopped_once_extracted(r
 
 def extract_server_ready(conn, deadline_s: float):
     """The wait an extract task does (nothing reported, never cancelled)."""
-    return ServerWait(conn, deadline_s, report=lambda text: None, cancelled=lambda: False).ready()
+    return ServerWait(conn, deadline_s, report=lambda text: None, cancelled=lambda: False, gpu_wait_s=3600).ready()

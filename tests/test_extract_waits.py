@@ -188,10 +188,10 @@ def test_the_wait_returns_a_ready_server_and_stops_on_a_cancel(redis_url):
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     shown = []
     threading.Timer(1.5, lambda: _publish(conn, url)).start()
-    assert ServerWait(conn, 30, shown.append, lambda: False).ready().url == url
+    assert ServerWait(conn, 30, shown.append, lambda: False, 3600).ready().url == url
     assert shown and shown[0].startswith("the vLLM extraction server (state: never published), for at most 30 s")
     listener.close()
     with pytest.raises(Cancelled):
-        ServerWait(conn, 30, shown.append, lambda: True).ready()
+        ServerWait(conn, 30, shown.append, lambda: True, 3600).ready()
     with pytest.raises(EyrieError, match=r"is dead, and no extraction server became ready within 1 s"):
-        ServerWait(conn, 1, shown.append, lambda: False).ready()
+        ServerWait(conn, 1, shown.append, lambda: False, 3600).ready()

@@ -71,11 +71,12 @@ def test_the_wait_is_bounded_and_names_the_target_and_what_is_served(redis_serve
     publish_endpoint(conn, str(other), "http://127.0.0.1:9", name="other")
     target = describe(str(TINY))
     with pytest.raises(EyrieError) as err:
-        inference.wait_serving(conn, 1.5, lambda e: same_target(target, e), target.model)
+        inference.wait_serving(conn, 1.5, lambda e: same_target(target, e), target.model, gpu_wait_s=3600)
     assert f"serves the run's target {TINY} after 1.5 s" in str(err.value)
     assert f"other: {other} (ready)" in str(err.value)
     publish_endpoint(conn, str(TINY), "http://127.0.0.1:10", name="mine")
-    assert [e.name for e in inference.wait_serving(conn, 1, lambda e: same_target(target, e), target.model)] == ["mine"]
+    served = inference.wait_serving(conn, 1, lambda e: same_target(target, e), target.model, gpu_wait_s=3600)
+    assert [e.name for e in served] == ["mine"]
 
 
 def test_a_server_away_past_the_serve_deadline_fails_the_task_not_its_samples():

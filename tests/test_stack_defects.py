@@ -232,11 +232,11 @@ def test_generate_waits_for_a_server_that_waits_for_the_gpus(redis_url):
 
     threading.Thread(target=the_server, daemon=True).start()
     try:
-        (served,) = inference.wait_serving(conn, 1.5, lambda e: same_target(target, e), target.model)
+        (served,) = inference.wait_serving(conn, 1.5, lambda e: same_target(target, e), target.model, gpu_wait_s=3600)
         assert served.state == "ready"
     finally:
         done.set()
     endpoint.state, endpoint.updated_at = "waiting", time.time() - inference.WAITING_FRESH_S - 1
     conn.set(keys.inference_endpoint("default"), endpoint.model_dump_json())  # its last word, long ago
     with pytest.raises(EyrieError, match="waiting"):
-        inference.wait_serving(conn, 1.5, lambda e: same_target(target, e), target.model)
+        inference.wait_serving(conn, 1.5, lambda e: same_target(target, e), target.model, gpu_wait_s=3600)

@@ -57,9 +57,10 @@ class Settings(BaseSettings):
     endpoint_weight: int = Field(1, ge=1, description="This replica's share of the requests in flight.")
     serve_deadline_s: float = Field(3600.0, gt=0, description="How long a server may take to answer: `eyrie serve` "
                                     "for its own, generate and extract tasks for theirs; verify budgets it per vLLM start.")
-    gpu_wait_s: float = Field(12 * 3600.0, gt=0, description="How long a GPU task (or `eyrie verify`) waits for the "
-                              "GPU lease before it fails naming the holder (a task is retried later); a cancel or a "
-                              "SIGTERM ends a task's wait at once.")
+    gpu_wait_s: float = Field(12 * 3600.0, gt=0, description="How long a task waits for the GPUs in all (its own "
+                              "lease, or its server's; and `eyrie verify`) before it fails for good naming the holder "
+                              "(`eyrie retry` waits again); not counted against its RQ timeout or attempts "
+                              "(eyrie.work.gpu_wait). A cancel or a SIGTERM ends a task's wait at once.")
     plan_wait_s: float = Field(3600.0, gt=0, description="How long `eyrie run` (and `eyrie generate|extract|train`) "
                                "waits for a stage's planning task a worker took before it stops waiting, saying so.")
     serve_stop_when_drained: bool | None = Field(

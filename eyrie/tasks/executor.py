@@ -33,7 +33,6 @@ from eyrie.tasks.gpu_admission import acquire_within, gpu_lease
 from eyrie.work import progress
 from eyrie.work.cancel import HANDED_BACK, Cancelled, CancelWatch, Stopping
 from eyrie.work.gpu import in_mode
-from eyrie.work.inference import WaitingTurn
 from eyrie.work.queue import Heartbeat, connect, held_task
 from eyrie.work.worker_loop import stop_requested
 
@@ -172,9 +171,9 @@ def execute(stage_class: type[StageTask], payload: dict, ctx: Context | None = N
                 return _on_device(task)
         except Cancelled:
             return task.on_cancel()
-        except Stopping as stop:  # its worker was asked to stop, or it waits its turn: back to its queue
+        except Stopping as stop:  # its worker was asked to stop, or its wait (GPUs, its turn) goes on in its queue
             print(f"eyrie: {task.task} handed back: {stop}", flush=True)
-            return task.result(HANDED_BACK, **({"waiting_turn": True} if isinstance(stop, WaitingTurn) else {}))
+            return task.result(HANDED_BACK, **({} if stop.counted else {"counted": False}))
 
 
 def _on_device(task: StageTask) -> dict:

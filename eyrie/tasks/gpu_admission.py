@@ -34,6 +34,7 @@ from eyrie.core.errors import EyrieError
 from eyrie.stages import gpu_queues, queues
 from eyrie.work import gpu, k8s_jobs
 from eyrie.work.cancel import stop_requested
+from eyrie.work.gpu_wait import GpuWait
 from eyrie.work.kueue import KueueAdmission, dispatch, servers_done
 from eyrie.work.queue import connect, queue
 from eyrie.work.task_kinds import jobs_for_queue
@@ -48,7 +49,7 @@ class Admitted:
     def __init__(self, owner: str, devices: str = "all", caches: tuple = ()):
         self.owner, self.devices, self.caches = owner, devices, caches
 
-    def acquire(self, wait_s: float | None = None, poll_s: float = 1.0, stop=None) -> bool:
+    def acquire(self, wait_s: float | None = None, poll_s: float = 1.0, stop=None, since=None) -> bool:
         return True
 
     def held(self) -> bool:
@@ -69,15 +70,18 @@ def gpu_lease(settings: Settings, conn, owner: str, devices: str = "all", caches
     return gpu.GpuLease(conn, owner, devices, caches=caches, host=settings.gpu_host, gpu_ids=settings.gpu_ids)
 
 
-def acquire_within(lease, wait_s: float, stop=None) -> None:
-    """The lease, waited for at most `wait_s` (EYRIE_GPU_WAIT_S): past it, an error naming who holds
-    the GPUs; `stop()` ends the wait early by raising (the run cancelled, the worker stopping)."""
-    if lease.acquire(wait_s=wait_s, stop=stop):
-        return
-    raise EyrieError(f"{lease.owner} waited {wait_s:g} s for the GPU lease of {','.join(lease.device_ids)} on "
-                     f"{lease.host} and it is still held (holders: {gpu.holders_text(lease.conn)}).",
-                     "let the holder finish or stop it (`eyrie status RUN` shows the lease), or raise "
-                     "EYRIE_GPU_WAIT_S; the task is retried.")
+def acquire_within(lease, bound_s: float, stop=None) -> None:
+    """The lease, under the one rule for every wait for the GPUs (eyrie.work.gpu_wait): at most
+    `bound_s` (EYRIE_GPU_WAIT_S) in all, then an error naming who holds the GPUs and what to do;
+    inside an RQ job, a slice of it at a time, then the task goes back to its queue to wait on
+    (WaitingForGpus). `stop()` ends the wait early by raising (the run cancelled, the worker stopping)."""
+    wait = GpuWait(bound_s, lambda: f"the GPU lease of {','.join(lease.device_ids)} on {lease.host} ({lease.owner})")
+    if not lease.acquire(wait_s=0, stop=stop):
+        while True:
+            wait.check(lease.conn)
+            if lease.acquire(wait_s=wait.left_s(), stop=stop, since=wait.since):
+                break
+    wait.over()  # had: a later wait of the task (for a server, say) counts afresh
 
 
 @contextmanager

@@ -19,7 +19,11 @@ HANDED_BACK = "handed_back"  # a task's result status when it stopped on its wor
 
 class Stopping(Exception):
     """The worker was asked to stop (SIGTERM) while a task of it ran: the task stores what it has
-    done, lets go of its leases and returns HANDED_BACK; the task goes back to its queue at once."""
+    done, lets go of its leases and returns HANDED_BACK; the task goes back to its queue at once.
+    `counted`: whether the hand-back is one of the task's HAND_BACKS (eyrie.work.queue); a wait for
+    the GPUs handed back is not (eyrie.work.gpu_wait.WaitingForGpus)."""
+
+    counted = True
 
 
 STOP_REQUESTED = threading.Event()  # this process's worker was asked to stop (SIGTERM)

@@ -5,7 +5,8 @@ EYRIE_EXTRACT_VLLM_URL names one instead.
 
 A task's wait says in its live progress what it waits for (`eyrie status`: the server's state
 and when it last published itself), gives up after EYRIE_SERVE_DEADLINE_S with an error naming the
-problem and the fix, and ends early on a cancel of the run (`Cancelled`: the task ends cancelled)
+problem and the fix (while the server waits for the GPUs, the task waits for them under
+eyrie.work.gpu_wait's rule instead: EYRIE_GPU_WAIT_S in all), and ends early on a cancel of the run (`Cancelled`: the task ends cancelled)
 or on the worker's warm shutdown (SIGTERM: `WorkerStopping`; the task is handed back to its queue). A server that
 was ready and is not any more (state failed, no longer republished, its port refusing
 connections) is named dead, and so is one that stops answering in the middle of a shard.
@@ -21,6 +22,7 @@ from urllib.parse import urlparse
 from eyrie.core.errors import EyrieError
 from eyrie.work import inference
 from eyrie.work.cancel import Cancelled, Stopping
+from eyrie.work.gpu_wait import GpuWait
 from eyrie.work.inference import Endpoint
 from eyrie.work.queue import RETRY_INTERVALS_S
 from eyrie.work.worker_loop import stop_requested
@@ -83,23 +85,38 @@ def gave_up(endpoint: Endpoint | None, state: str, now: float, deadline_s: float
 
 class ServerWait:
     """One task's wait for the published server. `report(text)`: show what it waits for;
-    `cancelled()`: true once the run is cancelled."""
+    `cancelled()`: true once the run is cancelled; `gpu_wait_s` (EYRIE_GPU_WAIT_S): the bound of
+    its wait while the server waits for the GPUs (eyrie.work.gpu_wait)."""
 
-    def __init__(self, conn, deadline_s: float, report: Callable[[str], None], cancelled: Callable[[], bool]):
+    def __init__(self, conn, deadline_s: float, report: Callable[[str], None], cancelled: Callable[[], bool],
+                 gpu_wait_s: float):
         self.conn, self.deadline_s, self.report, self.cancelled = conn, deadline_s, report, cancelled
+        self.gpu_wait_s = gpu_wait_s
 
     def ready(self) -> Endpoint:
-        """The published server once it is ready; raises past the bound, on a cancel or a SIGTERM."""
-        limit = time.monotonic() + self.deadline_s
+        """The published server once it is ready; raises past the bound, on a cancel or a SIGTERM.
+        While the server waits for the GPUs, that is the task's wait for them (eyrie.work.gpu_wait:
+        EYRIE_GPU_WAIT_S in all, a slice per RQ job), and the bound counts from when it is not."""
+        limit, seen = time.monotonic() + self.deadline_s, ""
+        gpus = GpuWait(self.gpu_wait_s, lambda: seen)
         while True:
             self._stop_if_asked()
             endpoint, now = inference.read_extract(self.conn), time.time()
             state = health(endpoint, now)
             if state == "ready":
+                gpus.over()
                 return endpoint
-            if time.monotonic() >= limit:
-                raise gave_up(endpoint, state, now, self.deadline_s)
-            self.report(f"{describe(endpoint, state, now)}, for at most {self.deadline_s:g} s ({BOUND})")
+            seen = describe(endpoint, state, now)
+            if inference.waiting_for_gpus(endpoint, now):
+                seen += f": {endpoint.progress or 'waiting for the GPUs'}"
+                gpus.check(self.conn)
+                limit = time.monotonic() + self.deadline_s
+                self.report(f"{seen}, for at most {self.gpu_wait_s:g} s in all (EYRIE_GPU_WAIT_S)")
+            else:
+                gpus.over()
+                if time.monotonic() >= limit:
+                    raise gave_up(endpoint, state, now, self.deadline_s)
+                self.report(f"{seen}, for at most {self.deadline_s:g} s ({BOUND})")
             time.sleep(POLL_S)
 
     def _stop_if_asked(self) -> None:
@@ -114,7 +131,7 @@ def server_url(settings, conn, report: Callable[[str], None], cancelled: Callabl
     """EYRIE_EXTRACT_VLLM_URL, else the server `eyrie serve-extract` published, waited for (ServerWait)."""
     if settings.extract_vllm_url:
         return settings.extract_vllm_url
-    return ServerWait(conn, settings.serve_deadline_s, report, cancelled).ready().url
+    return ServerWait(conn, settings.serve_deadline_s, report, cancelled, settings.gpu_wait_s).ready().url
 
 
 def api_base(url: str) -> str:

@@ -137,11 +137,12 @@ class GpuLease:
         self.keys = [keys.gpu_device(self.host, d) + suffix for d in self.device_ids]
         self.token = ("" if mode == "own" else f"{mode}:") + uuid.uuid4().hex
 
-    def acquire(self, wait_s: float | None = None, poll_s: float = 1.0, stop=None) -> bool:
-        """Block until every device of the set is ours (visible as waiting in status meanwhile); False
-        after `wait_s`. `stop()`, asked every poll, ends the wait early by raising (a cancel, a SIGTERM)."""
+    def acquire(self, wait_s: float | None = None, poll_s: float = 1.0, stop=None, since: float | None = None) -> bool:
+        """Block until every device of the set is ours (visible as waiting in status meanwhile, since
+        `since`: when its task began to wait, else now); False after `wait_s`. `stop()`, asked every
+        poll, ends the wait early by raising (a cancel, a SIGTERM)."""
         deadline = None if wait_s is None else time.monotonic() + wait_s
-        since = time.time()
+        since = since or time.time()
         try:
             while True:
                 if stop is not None:

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from eyrie.core.errors import EyrieError
 from eyrie.work import keys
 from eyrie.work.cancel import Stopping
+from eyrie.work.gpu_wait import GpuWait
 
 
 class Endpoint(BaseModel):
@@ -36,8 +37,15 @@ TURN_S = 60.0  # the longest a generate task waits its turn in its worker before
 
 class WaitingTurn(Stopping):
     """Another run's generation holds the stack's inference server (eyrie.runs.serve_turns): the
-    task goes back to its queue (handed back: no attempt counted, no failure) so that its worker
-    takes other tasks meanwhile, and waits its turn there."""
+    task goes back to its queue (handed back: no attempt counted, no failure, not one of its stop
+    hand-backs) so that its worker takes other tasks meanwhile, and waits its turn there."""
+
+    counted = False
+
+
+def waiting_for_gpus(endpoint: Endpoint | None, now: float) -> bool:
+    """A published server alive and waiting for the GPUs (its last word fresh)."""
+    return endpoint is not None and endpoint.state == "waiting" and now - endpoint.updated_at < WAITING_FRESH_S
 
 
 def publish(conn: redis.Redis, endpoint: Endpoint) -> None:
@@ -71,26 +79,36 @@ def wait_all_ready(conn: redis.Redis, deadline_s: float, name: str = "default") 
                        "OpenAI-compatible server.")
 
 
-def wait_serving(conn: redis.Redis, deadline_s: float, serves, target: str, stop=None, holder=None) -> list[Endpoint]:
+def wait_serving(conn: redis.Redis, deadline_s: float, serves, target: str, *, gpu_wait_s: float,
+                 stop=None, holder=None) -> list[Endpoint]:
     """Every ready endpoint that serves a run's target (`serves(endpoint)`), once one does (the
     default first): a run whose target is not served waits for its server, whatever else is up
     meanwhile (another run's target), and never asks a server of another target. `stop()`: give up
     early (a cancelled run); it raises what it likes. While the target's server is alive and waiting
-    for the GPUs (another run's later stages hold them), the deadline counts from when it is not.
+    for the GPUs (another run's later stages hold them), that is the task's wait for the GPUs
+    (eyrie.work.gpu_wait: `gpu_wait_s`, EYRIE_GPU_WAIT_S, in all; a slice per RQ job) and
+    `deadline_s` counts from when it is not.
     `holder()`: the run whose generation holds the stack's server meanwhile, if any (eyrie.runs.
     serve_turns.holder): the deadline does not count either, and after min(deadline_s, TURN_S) of
     it the task hands itself back (WaitingTurn)."""
     turn = _Turn(holder, min(deadline_s, TURN_S))
+    says = ""  # what the server waiting for the GPUs says it waits for (who holds them)
+    gpus = GpuWait(gpu_wait_s, lambda: f"the GPUs its server of {target} waits for ({says})")
 
     def ready() -> tuple[list[Endpoint], str, bool]:
+        nonlocal says
         if stop is not None:
             stop()
-        published = read_all(conn)
+        published, now = read_all(conn), time.time()
         serving = sorted((e for e in published if e.state == "ready" and serves(e)), key=lambda e: e.name != "default")
         others = ", ".join(f"{e.name}: {e.model} ({e.state})" for e in published) or "never published"
-        coming = any(e.state == "waiting" and serves(e) and time.time() - e.updated_at < WAITING_FRESH_S
-                     for e in published)
-        return serving, others, coming or (not serving and turn.waiting())
+        coming = [e for e in published if serves(e) and waiting_for_gpus(e, now)]
+        if coming and not serving:
+            says = coming[0].progress or "waiting"
+            gpus.check(conn)
+        else:
+            gpus.over()
+        return serving, others, bool(coming) or (not serving and turn.waiting())
 
     return _wait_ready(ready, deadline_s, f"no ready inference endpoint serves the run's target {target}",
                        f"serve the run's target (`eyrie serve --model {target}`, or the run's config: "

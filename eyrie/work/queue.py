@@ -48,8 +48,8 @@ class EyrieJob(Job):
         as RQ requeues a job that returns Retry: no failure counted, no callback run."""
         result = super()._execute()
         if isinstance(result, dict) and result.get("status") == HANDED_BACK:
-            if result.get("waiting_turn"):  # another run's generation may hold the server for days: no bound
-                self.number_of_retries = None
+            if result.get("counted") is False and self.number_of_retries:
+                self.number_of_retries -= 1  # RQ counts it back: not one of HAND_BACKS (a wait for the GPUs, a turn)
             return Retry(max=HAND_BACKS)
         return result
 

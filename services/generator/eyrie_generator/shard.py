@@ -121,7 +121,8 @@ class ShardRunner(ShardedStageTask):
         # visible in `eyrie status` while its server loads, or while only other targets are served
         self._report(waiting_for=f"a server for target {target.model}")
         return inference.wait_serving(self.conn, self.settings.serve_deadline_s, lambda e: same_target(target, e),
-                                      target.model, stop=self.stop_if_asked, holder=self._turn_held_by)
+                                      target.model, gpu_wait_s=self.settings.gpu_wait_s, stop=self.stop_if_asked,
+                                      holder=self._turn_held_by)
 
     def _turn_held_by(self) -> str | None:
         """The run whose generation holds the stack's inference server while this run waits its turn
