@@ -5,8 +5,9 @@ run's layers; the shared directory the extractor reads) and publishes itself. An
 it until every shard is extracted; a hybrid or online run (extract.storage) until its drafter is
 trained, since the trainer asks it for the hidden states not stored (an online run's extract stage
 needs none, its training does: it is started for a run already extracted too). Then, or once the
-run is cancelled or no longer active, it stops vLLM and hands the GPUs back (to the trainer, after
-an offline run). For a hybrid or online run it leases the GPUs in "share" mode and starts vLLM at the
+run can no longer use it (the stage reading it failed for good, the run blocked, cancelled or no
+longer active: within Server.RELEASE_S, as the inference server), it stops vLLM and hands the GPUs
+back (to the trainer, after an offline run); while it waits for the GPUs, it stops waiting. For a hybrid or online run it leases the GPUs in "share" mode and starts vLLM at the
 --gpu-memory-utilization the plan names for it, so that the run's trainer may train on one of them
 beside it (eyrie.work.gpu; `eyrie run --plan` refuses where the trainer cannot fit there)."""
 
@@ -20,9 +21,10 @@ from eyrie.core.errors import EyrieError
 from eyrie.core.storage import trains_on_demand
 from eyrie.core.vllm import on_cpu, serve_env
 from eyrie.data.manifest import Layout, load_run_manifest
-from eyrie.runs.pipeline import stored_config
+from eyrie.runs.pipeline import can_go_on, stored_config
 from eyrie.runs.projection import project
 from eyrie.runs.storage_plan import vllm_utilization
+from eyrie.stages import PipelineStage, stage
 from eyrie.work import inference, keys
 from eyrie_extractor.vllm_backend import clear_orphans, connector_env, extract_command
 from eyrie_inference.server import Server
@@ -31,15 +33,24 @@ UTILIZATION = "--gpu-memory-utilization"
 
 
 def extraction_run(conn, store) -> str | None:
-    """An active pipeline on the vLLM backend that needs the server now (needs_server)."""
+    """An active pipeline on the vLLM backend that needs the server now (needs_server) and can use
+    it: one whose stage reading it failed for good, or that is blocked or cancelled, holds no
+    server (and no GPUs) until `eyrie retry` or a rerun (can_go_on)."""
     for run in sorted(m.decode() for m in conn.smembers(keys.ACTIVE_PIPELINES)):
         try:
             manifest = load_run_manifest(store, run)
         except EyrieError:
             continue
-        if manifest.extract and manifest.extract.backend == "vllm" and needs_server(store, manifest):
+        if manifest.extract and manifest.extract.backend == "vllm" and needs_server(store, manifest) \
+                and can_go_on(conn, store, run, reading_stage(store, manifest)):
             return run
     return None
+
+
+def reading_stage(store, manifest) -> PipelineStage:
+    """The stage that reads the server now: extract until every shard is extracted, then the
+    training of a run that trains on demand."""
+    return stage("train" if extracted(store, manifest) else "extract")
 
 
 def needs_server(store, manifest) -> bool:
@@ -109,7 +120,7 @@ class ExtractServer(Server):
         self._said_training = False
         self.config, self.manifest = stored_config(store, run), load_run_manifest(store, run)
         settings = settings.model_copy(update={"server": "vllm", "endpoint_name": "extract"})
-        super().__init__(settings, conn, self.config.target.model, self.config.serve)
+        super().__init__(settings, conn, self.config.target.model, self.config.serve, run)
 
     def command(self) -> list[str]:
         Path(self.settings.extract_shared_dir).mkdir(parents=True, exist_ok=True)
@@ -134,15 +145,22 @@ class ExtractServer(Server):
         pass  # started for a run that extracts, or trains on demand, now
 
     def _drained(self) -> bool:
-        """Done: the run no longer needs the server (needs_server), or it is cancelled or no longer active."""
+        """Done: the run no longer needs the server (needs_server), or can no longer use it (can_go_on:
+        the stage reading it failed for good, or the run is blocked, cancelled or no longer active);
+        seen at the next poll (Server.POLL_S), then vLLM is stopped: the GPUs are free within
+        Server.RELEASE_S."""
         run = self.run_name
         if not needs_server(self.store, self.manifest):  # first: a finished run is also no longer active
             return self._done(f"run {run} is trained" if trains_on_demand(self.manifest) else f"run {run} is extracted")
-        if self.conn.exists(keys.cancelled(run)) or not self.conn.sismember(keys.ACTIVE_PIPELINES, run):
-            return self._done(f"run {run} is cancelled or no longer active")
+        reading = reading_stage(self.store, self.manifest)
+        if not can_go_on(self.conn, self.store, run, reading):
+            return self._done(f"run {run} can no longer use it (its {reading.name} failed for good, or it is "
+                              "blocked, cancelled or no longer active)")
         if self.proc is not None and not self._said_training:
             self._say_when_training()
         return False
+
+    _given_up = _drained  # asked while it waits for the GPUs too (Server._acquire_gpus)
 
     def _say_when_training(self) -> None:
         if trains_on_demand(self.manifest) and extracted(self.store, self.manifest):

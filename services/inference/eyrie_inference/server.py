@@ -148,7 +148,8 @@ class Server:
             lease = gpu_lease(self.settings, self.conn, f"{self.OWNER}@{socket.gethostname()}")
             self.gpu = in_mode(lease, self.gpu_mode())
             print("eyrie serve: waiting for the GPU lease", flush=True)
-            self._acquire_gpus()
+            if not self._acquire_gpus():
+                return False
             threading.Thread(target=self._renew_gpu_lease, daemon=True).start()
         print(f"eyrie serve: {shlex.join(with_cpu_dtype(cmd))}", flush=True)  # as start_server runs it
         self.proc = start_server(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env(),
@@ -157,10 +158,18 @@ class Server:
         self._publish("starting", progress="")
         return True
 
-    def _acquire_gpus(self) -> None:
-        """The GPU lease, published meanwhile as `waiting` (who holds the GPUs): the run's
-        generate tasks wait for a server that is on its way, however long the holder keeps them."""
-        acquired = threading.Event()
+    def _acquire_gpus(self) -> bool:
+        """The GPU lease, published meanwhile as `waiting` (who holds the GPUs): the run's tasks wait
+        for a server that is on its way (for at most EYRIE_GPU_WAIT_S: eyrie.work.gpu_wait). False:
+        the run served can no longer use it (`_given_up`, asked every POLL_S): it stops waiting."""
+        acquired, asked = threading.Event(), time.monotonic()
+
+        def given_up() -> None:
+            nonlocal asked
+            if time.monotonic() - asked >= self.POLL_S:
+                asked = time.monotonic()
+                if self._given_up():
+                    raise _NotNeeded()
 
         def announce() -> None:
             while not acquired.is_set():
@@ -173,7 +182,11 @@ class Server:
         announcer = threading.Thread(target=announce, daemon=True)
         announcer.start()
         try:
-            self.gpu.acquire()
+            return self.gpu.acquire(stop=given_up)
+        except _NotNeeded:
+            print(f"eyrie serve: run {self.serving} no longer needs the server (it failed for good, or is done, "
+                  "blocked, cancelled or no longer active): no longer waiting for the GPUs", flush=True)
+            return False
         finally:
             acquired.set()
             announcer.join()
@@ -301,6 +314,10 @@ class Server:
             self._publish("stopped")
         if self.gpu:  # released only once the server has exited and freed the memory
             self.gpu.release()
+
+
+class _NotNeeded(Exception):
+    """The run a server waits for the GPUs for can no longer use it: the wait ends."""
 
 
 def _interrupt(signum, frame):
