@@ -115,7 +115,7 @@ def test_serve_extract_waiting_for_the_gpus_stops_waiting_once_its_run_is_cancel
                  or proc.poll() is not None, "the server waiting for the GPUs", 60)
         assert "trainer@elsewhere" in inference.read_extract(conn).progress, log.read_text()
         conn.set(keys.cancelled(RUN), "now")
-        assert proc.wait(Server.POLL_S + 10) == 0, log.read_text()
+        assert proc.wait(Server.POLL_S + 25) == 0, log.read_text()
         text = log.read_text()
         assert "no longer waiting for the GPUs" in text and "extract_hidden_states" not in text, text
         assert inference.read_extract(conn).state == "stopped"
