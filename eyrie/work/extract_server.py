@@ -6,8 +6,8 @@ EYRIE_EXTRACT_VLLM_URL names one instead.
 A task's wait says in its live progress what it waits for (`eyrie status`: the server's state
 and when it last published itself), gives up after EYRIE_SERVE_DEADLINE_S with an error naming the
 problem and the fix (while the server waits for the GPUs, the task waits for them under
-eyrie.work.gpu_wait's rule instead: EYRIE_GPU_WAIT_S in all), and ends early on a cancel of the run (`Cancelled`: the task ends cancelled)
-or on the worker's warm shutdown (SIGTERM: `WorkerStopping`; the task is handed back to its queue). A server that
+eyrie.work.gpu_wait's rule instead: EYRIE_GPU_WAIT_S in all), and ends early on a cancel of the
+run (`Cancelled`: the task ends cancelled) or on the worker's warm shutdown (SIGTERM: `WorkerStopping`; the task is handed back to its queue). A server that
 was ready and is not any more (state failed, no longer republished, its port refusing
 connections) is named dead, and so is one that stops answering in the middle of a shard.
 """

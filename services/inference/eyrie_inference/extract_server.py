@@ -7,7 +7,8 @@ trained, since the trainer asks it for the hidden states not stored (an online r
 needs none, its training does: it is started for a run already extracted too). Then, or once the
 run can no longer use it (the stage reading it failed for good, the run blocked, cancelled or no
 longer active: within Server.RELEASE_S, as the inference server), it stops vLLM and hands the GPUs
-back (to the trainer, after an offline run); while it waits for the GPUs, it stops waiting. For a hybrid or online run it leases the GPUs in "share" mode and starts vLLM at the
+back (to the trainer, after an offline run); while it waits for the GPUs, it stops waiting. For a
+hybrid or online run it leases the GPUs in "share" mode and starts vLLM at the
 --gpu-memory-utilization the plan names for it, so that the run's trainer may train on one of them
 beside it (eyrie.work.gpu; `eyrie run --plan` refuses where the trainer cannot fit there)."""
 
