@@ -149,23 +149,25 @@ def _result(label: str, metric: str, name: str, config: str, value) -> EvalResul
                       metric_type=metric, metric_name=name, metric_config=config, metric_value=value)
 
 
-def card_data(manifest: RunManifest, license: License, model_name: str) -> ModelCardData:
+def card_data(manifest: RunManifest, license: License, model_name: str, answers: str | None) -> ModelCardData:
     target, dataset = manifest.target.model, manifest.dataset
+    datasets = [dataset.source] * (dataset.kind == "hf") + [answers] * bool(answers)
     return ModelCardData(
-        base_model=target if is_hub_id(target) else None,
-        datasets=[dataset.source] if dataset.kind == "hf" else None,
+        base_model=target if is_hub_id(target) else None, datasets=datasets or None,
         license=license.id, license_name=license.name, license_link=license.link, library_name=LIBRARY,
         tags=TAGS, model_name=model_name, eval_results=eval_results(manifest))
 
 
-def model_card(store, manifest: RunManifest, served_as: str, forced: list[str], license: License) -> ModelCard:
+def model_card(store, manifest: RunManifest, served_as: str, forced: list[str], license: License,
+               answers: str | None = None) -> ModelCard:
     """The card of the run's exported drafter, served from `served_as` (a hub id or a directory), under the
-    target's `license`; `forced`: the refusals `--force` overrode, said at the top."""
+    target's `license`; `forced`: the refusals `--force` overrode, said at the top; `answers`: the hub dataset its
+    answers were published to."""
     name = f"EAGLE-3 drafter for {Path(manifest.target.model).name}"
-    data = card_data(manifest, license, name)
+    data = card_data(manifest, license, name, answers)
     sections = [_head(manifest, name, forced), _serve(manifest, served_as), _target(manifest, license),
-                _data(store, manifest, dataset_license(manifest.dataset)), _recipe(manifest), _figures(manifest),
-                _outputs(manifest)]
+                _data(store, manifest, dataset_license(manifest.dataset), answers), _recipe(manifest),
+                _figures(manifest), _outputs(manifest)]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
 
 
@@ -198,19 +200,21 @@ def _target(manifest: RunManifest, license: License) -> str:
     return "## Target\n\n" + _table(("", ""), rows)
 
 
-def _data(store, manifest: RunManifest, license: License) -> str:
-    d = manifest.dataset
+def _data(store, manifest: RunManifest, license: License, answers: str | None) -> str:
+    d, figures = manifest.dataset, audit(store, manifest.run)
     lines = ["## Training data", "",
              _table(("source", "kind", "revision", "split", "rows", "license"),
                     [(f"`{redact(d.source)}`", d.kind, f"`{d.revision}`", d.split, f"{d.row_start}-{d.row_end}",
                       f"{license.id} (read from {license.where})")]), "",
              "Samples per stage (eyrie audit's figures, from the store):", "",
              _table(("stage", "in", "done", "skipped", "failed", "lost", "pending"),
-                    [(f.stage, f.samples_in, f.done, f.skipped, f.failed, f.lost, f.pending)
-                     for f in audit(store, manifest.run)])]
+                    [(f.stage, f.samples_in, f.done, f.skipped, f.failed, f.lost, f.pending) for f in figures]),
+             *[f"\n{f.stage}: {f.note}" for f in figures if f.note]]
     reasons = skip_reasons(store, manifest)
     if reasons:
         lines += ["", "Prompts skipped, by reason: " + "; ".join(f"{r}: {n}" for r, n in sorted(reasons.items()))]
+    if answers:
+        lines += ["", f"The target's answers it was trained on: the dataset `{answers}` (token ids and provenance)."]
     return "\n".join(lines)
 
 
