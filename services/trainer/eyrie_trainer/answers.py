@@ -1,8 +1,7 @@
-"""`eyrie publish --with-answers` (issue 43, item 4): the run's generated answers as a hub dataset, so that training a
-drafter for the same target elsewhere can start at extraction. One parquet file per finished generate shard under
-data/ (a row per answered sample: its messages, the answer, the exact token ids the target was given and gave,
-every turn of a conversation, and which row and shard it came from), the run's provenance (eyrie-answers.json:
-target and revision, chat template, prompt dataset, sampling, the shards) and a dataset card naming the prompt
+"""`eyrie publish --with-answers` (issue 43, item 4): the run's generated answers as a hub dataset (its layout:
+eyrie.data.answers_set), so that training a drafter for the same target elsewhere starts at extraction (item 6).
+One parquet file per finished generate shard under data/, the run's provenance (eyrie-answers.json: target and
+revision, chat template, prompt dataset and its license, sampling, the shards) and a dataset card naming the prompt
 source's license and the target's, whose terms may reach its outputs."""
 
 from __future__ import annotations
@@ -15,19 +14,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from huggingface_hub import DatasetCard, DatasetCardData
 
+from eyrie.data.answers_set import ANSWERS, PROVENANCE, schema, to_row
 from eyrie.data.manifest import Layout, RunManifest, ShardManifest
-from eyrie_trainer.card import License, dataset_license, redact
+from eyrie_trainer.card import License, prompts_license, redact
 
-ANSWERS = "answers"  # the dataset's directory beside the drafter's files in `--to DIR`
-PROVENANCE = "eyrie-answers.json"
 # hub license ids a prompt source's license text may name (README tables name them in words: "MIT + Apache-2.0")
 HUB_LICENSES = ("apache-2.0", "mit", "cc0-1.0", "cc-by-4.0", "cc-by-sa-4.0", "cc-by-nc-4.0", "cc-by-nc-sa-4.0",
                 "bsd-2-clause", "bsd-3-clause", "gpl-3.0", "lgpl-3.0", "odc-by", "odbl", "cdla-permissive-2.0")
-SCHEMA = pa.schema([("sample_id", pa.string()), ("row", pa.int64()), ("shard", pa.int32()),
-                    ("messages", pa.string()), ("reasoning", pa.string()), ("content", pa.string()),
-                    ("finish_reason", pa.string()), ("prompt_token_ids", pa.list_(pa.int32())),
-                    ("completion_token_ids", pa.list_(pa.int32())), ("turns", pa.string())])
-JSON_COLUMNS = ("messages", "turns")  # kept as JSON text: their shape varies (message parts, per-turn fields)
 
 
 def write_answers(store, manifest: RunManifest, dest: Path, check) -> dict:
@@ -42,29 +35,24 @@ def write_answers(store, manifest: RunManifest, dest: Path, check) -> dict:
         shard = ShardManifest.model_validate(store.get_json(key))
         data = store.get_verified(shard.object, shard.sha256)
         check(f"{ANSWERS} of generate shard {plan.index}", data)
-        rows = [_row(r, plan.index) for line in data.splitlines() if line.strip()
+        rows = [to_row(r, plan.index) for line in data.splitlines() if line.strip()
                 if (r := orjson.loads(line))["status"] == "done"]
         name = f"data/train-{plan.index:05d}.parquet"
-        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), dest / name)
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema()), dest / name)
         shards.append({"file": name, "shard": plan.index, "samples": len(rows), "answers_sha256": shard.sha256})
-    provenance = _provenance(manifest, shards)
+    license = prompts_license(manifest)
+    provenance = _provenance(manifest, shards, license)
     (dest / PROVENANCE).write_bytes(orjson.dumps(provenance, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
-    (dest / "README.md").write_bytes(dataset_card(manifest, provenance).content.encode())
+    (dest / "README.md").write_bytes(dataset_card(manifest, provenance, license).content.encode())
     return provenance
 
 
-def _row(record: dict, shard: int) -> dict:
-    row = {name: record.get(name) for name in SCHEMA.names}
-    row.update(shard=shard, **{name: orjson.dumps(record[name]).decode() if record.get(name) is not None else None
-                               for name in JSON_COLUMNS})
-    return row
-
-
-def _provenance(manifest: RunManifest, shards: list[dict]) -> dict:
-    """What a run starting from these answers checks (the same target, revision and chat template) and names."""
+def _provenance(manifest: RunManifest, shards: list[dict], license: License) -> dict:
+    """What a run starting from these answers checks (the same target, revision and chat template) and keeps."""
     target = manifest.target.model_dump()
     dataset = {**manifest.dataset.model_dump(), "source": redact(manifest.dataset.source)}
     return {"run": manifest.run, "code_version": manifest.code_version, "target": target, "dataset": dataset,
+            "dataset_license": {"id": license.id, "where": license.where},
             "generate": manifest.generate.model_dump(), "shards": shards,
             "samples": sum(s["samples"] for s in shards), "shards_planned": len(manifest.generate_shards)}
 
@@ -77,8 +65,8 @@ def hub_license_ids(stated: License) -> list[str]:
     return named or ["unknown"]
 
 
-def dataset_card(manifest: RunManifest, provenance: dict) -> DatasetCard:
-    stated, target = dataset_license(manifest.dataset), manifest.target
+def dataset_card(manifest: RunManifest, provenance: dict, stated: License) -> DatasetCard:
+    target = manifest.target
     n = provenance["samples"]
     data = DatasetCardData(
         license=hub_license_ids(stated), task_categories=["text-generation"],

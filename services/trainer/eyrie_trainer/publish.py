@@ -22,9 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from eyrie.core.errors import EyrieError
+from eyrie.data.answers_set import ANSWERS
 from eyrie.data.manifest import RunManifest, load_run_manifest
 from eyrie.data.verify_outputs import BEYOND, VERDICTS
-from eyrie_trainer.answers import ANSWERS, write_answers
+from eyrie_trainer.answers import write_answers
 from eyrie_trainer.card import model_card, redact, target_license
 from eyrie_trainer.export import download
 
