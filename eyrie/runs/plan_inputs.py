@@ -42,6 +42,12 @@ def dataset_rows(config, missing_ok: bool = False) -> tuple[int, DatasetRef | No
     return d.limit, None
 
 
+def published_answers(config) -> str | None:
+    """Where the run's answers come from where its dataset is a published answers set (eyrie.runs.from_answers)."""
+    found = answers_set.find(config.dataset.source, config.dataset.revision)
+    return found.where if found else None
+
+
 def estimated_mean(config, ref: DatasetRef, max_tokens: int) -> tuple[int, str] | None:
     """The mean sample (prompt + answer) in tokens from the dataset's first rows: the prompts as
     they are, the answers at the rows' own answers' length where most rows have one (another
