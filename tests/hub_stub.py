@@ -1,4 +1,4 @@
-"""A stand-in for huggingface.co, which is not reachable from here: its model repositories' HTTP API as far as
+"""A stand-in for huggingface.co, which is not reachable from here: its model and dataset repositories' HTTP API as far as
 huggingface_hub (1.x) uses it to create a repository, list its files, commit to it and download from it (repo
 info, tree, the check of a card's metadata, preupload, commit, resolve). A new repository holds the hub's own first commit (.gitattributes).
 Every file is committed as a regular git blob (base64 in the commit): the real hub takes weights through LFS or
@@ -49,6 +49,11 @@ def metadata_errors(readme: str) -> list[str]:
     return errors
 
 
+def web_path(repo: tuple[str, str]) -> str:
+    """A repository's path on the hub's site: a dataset's under datasets/."""
+    return f"datasets/{repo[1]}" if repo[0] == "dataset" else repo[1]
+
+
 def blob_id(data: bytes) -> str:
     return hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
 
@@ -56,21 +61,22 @@ def blob_id(data: bytes) -> str:
 class Hub:
     def __init__(self, token: str):
         self.token, self.url = token, ""
-        self.repos: dict[str, dict] = {}  # id -> {"private": bool, "commits": [{oid, message, files, changed}]}
+        # (type, id) -> {"private": bool, "commits": [{oid, message, files, changed}]}; type: model | dataset
+        self.repos: dict[tuple[str, str], dict] = {}
         self.requests: list[str] = []  # "METHOD path -> status", for a failing test to show
 
-    def commits(self, repo: str) -> list[dict]:
+    def commits(self, repo: str, kind: str = "model") -> list[dict]:
         """The commits a repository received after its first (the hub's own), oldest first."""
-        return self.repos[repo]["commits"][1:]
+        return self.repos[kind, repo]["commits"][1:]
 
-    def files(self, repo: str, revision: str = "main") -> dict[str, bytes]:
-        return self._commit(repo, revision)["files"]
+    def files(self, repo: str, kind: str = "model", revision: str = "main") -> dict[str, bytes]:
+        return self._commit((kind, repo), revision)["files"]
 
-    def _commit(self, repo: str, revision: str) -> dict:
+    def _commit(self, repo: tuple[str, str], revision: str) -> dict:
         commits = self.repos[repo]["commits"]
         return commits[-1] if revision == "main" else next(c for c in commits if c["oid"] == revision)
 
-    def _add_commit(self, repo: str, message: str, changed: dict[str, bytes]) -> dict:
+    def _add_commit(self, repo: tuple[str, str], message: str, changed: dict[str, bytes]) -> dict:
         commits = self.repos[repo]["commits"]
         files = {**(commits[-1]["files"] if commits else {}), **changed}
         oid = hashlib.sha1(f"{repo}{len(commits)}{message}".encode()).hexdigest()
@@ -86,7 +92,7 @@ class Hub:
             self.requests.append(f"{request.method} {request.url.path} -> {response.status_code}")
             return response
 
-        def refused(request: Request, repo: str | None = None, write: bool = True) -> Response | None:
+        def refused(request: Request, repo: tuple[str, str] | None = None, write: bool = True) -> Response | None:
             if repo is not None and repo not in self.repos:
                 return JSONResponse({"error": "Repository not found"}, 404, headers={"X-Error-Code": "RepoNotFound"})
             if not write and repo is not None and not self.repos[repo]["private"]:
@@ -103,36 +109,40 @@ class Hub:
         @app.post("/api/repos/create")
         async def create(request: Request):
             body = await request.json()
-            repo = f"{body['organization']}/{body['name']}"
+            repo = (body.get("type") or "model", f"{body['organization']}/{body['name']}")
             if denied := refused(request):
                 return denied
+            url = f"{self.url}/{web_path(repo)}"
             if repo in self.repos:
-                return JSONResponse({"error": "You already created this model repo", "url": f"{self.url}/{repo}"}, 409)
+                return JSONResponse({"error": f"You already created this {repo[0]} repo", "url": url}, 409)
             self.repos[repo] = {"private": body.get("visibility", "public") == "private", "commits": []}
             self._add_commit(repo, "initial commit", {".gitattributes": GITATTRIBUTES})
-            return {"url": f"{self.url}/{repo}", "name": repo, "id": repo}
+            return {"url": url, "name": repo[1], "id": repo[1]}
 
-        @app.get("/api/models/{owner}/{name}")
-        @app.get("/api/models/{owner}/{name}/revision/{revision}")
-        async def info(owner: str, name: str, request: Request, revision: str = "main"):
-            repo = f"{owner}/{name}"
+        def of(kind: str, owner: str, name: str) -> tuple[str, str]:
+            return kind.removesuffix("s"), f"{owner}/{name}"  # /api/models/..., /api/datasets/...
+
+        @app.get("/api/{kind}/{owner}/{name}")
+        @app.get("/api/{kind}/{owner}/{name}/revision/{revision}")
+        async def info(kind: str, owner: str, name: str, request: Request, revision: str = "main"):
+            repo = of(kind, owner, name)
             if denied := refused(request, repo, write=False):
                 return denied
             commit = self._commit(repo, revision)
-            return {"id": repo, "sha": commit["oid"], "private": self.repos[repo]["private"],
+            return {"id": repo[1], "sha": commit["oid"], "private": self.repos[repo]["private"],
                     "siblings": [{"rfilename": path} for path in sorted(commit["files"])]}
 
-        @app.get("/api/models/{owner}/{name}/tree/{revision}")
-        async def tree(owner: str, name: str, revision: str, request: Request):
-            repo = f"{owner}/{name}"
+        @app.get("/api/{kind}/{owner}/{name}/tree/{revision}")
+        async def tree(kind: str, owner: str, name: str, revision: str, request: Request):
+            repo = of(kind, owner, name)
             if denied := refused(request, repo, write=False):
                 return denied
             return [{"type": "file", "path": path, "size": len(data), "oid": blob_id(data)}
                     for path, data in sorted(self._commit(repo, revision)["files"].items())]
 
-        @app.post("/api/models/{owner}/{name}/preupload/{revision}")
-        async def preupload(owner: str, name: str, revision: str, request: Request):
-            repo = f"{owner}/{name}"
+        @app.post("/api/{kind}/{owner}/{name}/preupload/{revision}")
+        async def preupload(kind: str, owner: str, name: str, revision: str, request: Request):
+            repo = of(kind, owner, name)
             if denied := refused(request, repo):
                 return denied
             held = self._commit(repo, revision)["files"]
@@ -140,9 +150,9 @@ class Hub:
                                "oid": blob_id(held[f["path"]]) if f["path"] in held else None}
                               for f in (await request.json())["files"]]}
 
-        @app.post("/api/models/{owner}/{name}/commit/{revision}")
-        async def commit(owner: str, name: str, revision: str, request: Request):
-            repo = f"{owner}/{name}"
+        @app.post("/api/{kind}/{owner}/{name}/commit/{revision}")
+        async def commit(kind: str, owner: str, name: str, revision: str, request: Request):
+            repo = of(kind, owner, name)
             if denied := refused(request, repo):
                 return denied
             lines = [json.loads(line) for line in (await request.body()).splitlines() if line.strip()]
@@ -150,12 +160,18 @@ class Hub:
             changed = {item["value"]["path"]: base64.b64decode(item["value"]["content"])
                        for item in lines if item["key"] == "file"}
             made = self._add_commit(repo, header["summary"], changed)
-            return {"commitUrl": f"{self.url}/{repo}/commit/{made['oid']}", "commitOid": made["oid"],
+            return {"commitUrl": f"{self.url}/{web_path(repo)}/commit/{made['oid']}", "commitOid": made["oid"],
                     "pullRequestUrl": None}
+
+        @app.api_route("/datasets/{owner}/{name}/resolve/{revision}/{path:path}", methods=["GET", "HEAD"])
+        async def resolve_dataset(owner: str, name: str, revision: str, path: str, request: Request):
+            return download(("dataset", f"{owner}/{name}"), revision, path, request)
 
         @app.api_route("/{owner}/{name}/resolve/{revision}/{path:path}", methods=["GET", "HEAD"])
         async def resolve(owner: str, name: str, revision: str, path: str, request: Request):
-            repo = f"{owner}/{name}"
+            return download(("model", f"{owner}/{name}"), revision, path, request)
+
+        def download(repo: tuple[str, str], revision: str, path: str, request: Request) -> Response:
             if denied := refused(request, repo, write=False):
                 return denied
             commit = self._commit(repo, revision)

@@ -25,7 +25,7 @@ from eyrie.data.store import FileStore
 from eyrie.data.verify_outputs import set_blocks, worst
 from eyrie_trainer import verify
 from eyrie_trainer.card import redact
-from eyrie_trainer.publish import publish, same_content
+from eyrie_trainer.publish import files, publish, same_content
 from eyrie_trainer.verify_figures import benchmark_result, k_figures
 from hub_stub import metadata_errors, running
 from test_served_drafter import K, exported
@@ -65,6 +65,18 @@ def verify_record(drafter: dict, accepted: float = 130.0, changed: bool = False)
     return result
 
 
+def answered(n: int, **more) -> dict:
+    """A generate record of a done sample, as the generator writes it (the fields a dataset row keeps and others)."""
+    return {"sample_id": f"s{n}", "row": n, "status": "done", "reason": None, "error": None, "attempts": 1,
+            "messages": [{"role": "user", "content": f"question {n}"}], "reasoning": f"think {n}",
+            "reasoning_source": "reasoning", "content": f"answer {n}", "finish_reason": "stop",
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4}, "prompt_token_ids": [1, 2, 100 + n],
+            "completion_token_ids": [7, 8, 9, 200 + n], "latency_s": 0.5, **more}
+
+
+ANSWERED = [answered(0), answered(1, turns=[{"content": "first"}, {"content": "answer 1"}]), answered(2)]
+
+
 def jsonl(rows: list[dict]) -> bytes:
     return b"".join(orjson.dumps(r) + b"\n" for r in rows)
 
@@ -81,8 +93,8 @@ def finished_run(tmp_path: Path, *, verified: bool = True, **saved) -> FileStore
     layout, manifest = Layout(RUN), load_run_manifest(store, RUN)
     ids = [f"s{i}" for i in range(4)]
     rows = store.put_bytes(layout.generate_input(0), jsonl([{"sample_id": i, "row": n} for n, i in enumerate(ids)]))
-    answers = store.put_bytes(layout.generate_shard(0), jsonl(
-        [{"sample_id": i, "status": "done"} for i in ids[:3]] + [{"sample_id": ids[3], "status": "skipped"}]))
+    answers = store.put_bytes(layout.generate_shard(0), jsonl(ANSWERED + [{"sample_id": ids[3], "row": 3, "status": "skipped",
+                                                                           "reason": "prompt over max_length"}]))
     store.put_json(layout.generate_shard_manifest(0), shard(
         "generate", Counts(total=4, done=3, skipped=1), object=answers.key, sha256=answers.sha256,
         skip_reasons={"prompt over max_length": 1}))
@@ -153,7 +165,8 @@ def test_to_dir_writes_the_exported_drafter_and_a_card_made_from_the_manifest(tm
     assert " / ".join(f"{p:.3f}" for p in heldout["vllm_per_position_acceptance"]) in text
     for said in (manifest.target.revision, manifest.dataset.revision, RECIPE, "MIT + Apache-2.0 (as its parts)",
                  "prompt over max_length: 1", "CPU: test host, 2 cores", "vLLM 0.32.0", "1.5x / 1.3x",
-                 f"**{manifest.verify['outputs_verdict']}**", "| generate | 4 | 3 | 1 | 0 | 0 | 0 |"):
+                 f"**{manifest.verify['outputs_verdict']}**", "| generate | 4 | 3 | 1 | 0 | 0 | 0 |",
+                 "train: counted from the plan"):  # no train/samples.json in this store: audit says so
         assert said in text, said
     assert "--force" not in text
 
@@ -275,20 +288,23 @@ def test_publish_commits_once_what_to_dir_holds_and_again_only_what_changed(tmp_
     out = tmp_path / "published"
     with running(TOKEN) as (url, hub):
         env = hub_env(tmp_path, url)
-        said = eyrie("publish", "--run", RUN, "--repo", REPO, "--to", str(out), env=env).stdout
-        assert f"{REPO}: commit" in said and "wrote README.md, config.json, model.safetensors" in said
-        [first] = hub.commits(REPO)
-        written = {p.name: p.read_bytes() for p in out.iterdir()}
-        assert first["changed"] == written  # the commit holds exactly the files of --to DIR
-        assert f"run {RUN}" in first["message"] and hub.repos[REPO]["private"]
+        said = eyrie("publish", "--run", RUN, "--repo", REPO, "--to", str(out), "--with-answers", env=env).stdout
+        assert f"model {REPO}: commit" in said and f"dataset {REPO}: commit" in said
+        [first], [answers] = hub.commits(REPO), hub.commits(REPO, "dataset")
+        written = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+        assert first["changed"] == written  # the commit holds exactly the files of --to DIR (the answers: DIR/answers)
+        assert answers["changed"] == {n: (out / "answers" / n).read_bytes() for n in files(out / "answers")}
+        assert len(answers["changed"]) == 3 and hub.repos["dataset", REPO]["private"]
+        assert f"run {RUN}" in first["message"] and hub.repos["model", REPO]["private"]
         assert "POST /api/validate-yaml -> 200" in hub.requests  # huggingface_hub had the hub check the card
-        no_secrets(first["changed"])
+        no_secrets({**first["changed"], **answers["changed"]})
         card = ModelCard.load(out / "README.md")
         assert card_figures(card) == expected_figures(load_run_manifest(store, RUN))
         assert f'"model": "{REPO}"' in card.text  # the card serves the drafter from the repository
 
-        again = eyrie("publish", "--run", RUN, "--repo", REPO, "--to", str(out), env=env).stdout
-        assert "no commit" in again and "unchanged" in again and len(hub.commits(REPO)) == 1
+        again = eyrie("publish", "--run", RUN, "--repo", REPO, "--to", str(out), "--with-answers", env=env).stdout
+        assert again.count("no commit") == 2 and "unchanged" in again
+        assert len(hub.commits(REPO)) == len(hub.commits(REPO, "dataset")) == 1
 
         set_manifest(store, verify=verify_record(load_run_manifest(store, RUN).drafter, accepted=150.0))
         eyrie("publish", "--run", RUN, "--repo", REPO, env=env)
@@ -304,14 +320,14 @@ def test_refusals_and_hub_errors_name_their_fix_and_commit_nothing(tmp_path):
         env = hub_env(tmp_path, url)
         refused = eyrie("publish", "--run", RUN, "--repo", REPO, env=env, check=False)
         assert refused.returncode == 1 and "vLLM has not verified its drafter" in refused.stderr
-        assert "--force" in refused.stderr and REPO not in hub.repos
+        assert "--force" in refused.stderr and not hub.repos
         bad = eyrie("publish", "--run", RUN, "--repo", REPO, "--force", env={**env, "HF_TOKEN": "hf_wrong"},
                     check=False)
         assert bad.returncode == 1 and "refused publishing to alice/tiny-drafter (401" in bad.stderr
         assert "HF_TOKEN" in bad.stderr and "hf_wrong" not in bad.stderr + bad.stdout
         offline = eyrie("publish", "--run", RUN, "--repo", REPO, "--force", env={**env, **OFFLINE}, check=False)
         assert offline.returncode == 1 and "HF_HUB_OFFLINE is set" in offline.stderr
-        assert REPO not in hub.repos
+        assert not hub.repos
         eyrie("publish", "--run", RUN, "--repo", REPO, "--force", env=env)
         assert "Published with `--force`" in hub.files(REPO)["README.md"].decode()
 

@@ -161,19 +161,25 @@ def publish(run: str = typer.Option(..., "--run", help="Run name (its drafter ex
                                               "(offline or air-gapped hosts)."),
             force: bool = typer.Option(False, "--force", help="Publish a drafter vLLM did not verify, or whose "
                                        "verify failed or changed answers; its card says so."),
-            public: bool = typer.Option(False, "--public", help="Create the repository public (default: private).")):
+            public: bool = typer.Option(False, "--public", help="Create the repository public (default: private)."),
+            with_answers: bool = typer.Option(False, "--with-answers", help="The run's generated answers too, as a "
+                                              "dataset (parquet, token ids, provenance): DIR/answers, and the "
+                                              "dataset repository of the same name.")):
     """Share the run's drafter with a model card generated from its manifest: what vLLM measured, the
     data, the recipe, the command that serves it. Publishing what is already there commits nothing."""
     from eyrie.core.config import load_settings
     from eyrie.data.store import open_store
     from eyrie.stages import entry
 
-    result = entry("eyrie_trainer.publish.publish")(open_store(load_settings()), run, repo, to, force, public)
+    result = entry("eyrie_trainer.publish.publish")(open_store(load_settings()), run, repo, to, force, public,
+                                                     with_answers)
     if "to" in result:
         changed = result["to"]["changed"]
         typer.echo(f"run {run}: {result['to']['path']}: " + (f"wrote {', '.join(changed)}" if changed
                                                              else "unchanged (it holds these files already)"))
-    if "repo" in result:
-        done = result["repo"]
-        typer.echo(f"run {run}: {repo}: " + (f"commit {done['commit']} ({', '.join(done['changed'])}) {done['url']}"
-                                            if done["commit"] else "unchanged (it holds these files already): no commit"))
+    for key, kind in (("repo", "model"), ("answers", "dataset")):
+        if key in result:
+            done = result[key]
+            typer.echo(f"run {run}: {kind} {repo}: " + (f"commit {done['commit']} ({', '.join(done['changed'])}) "
+                                                       f"{done['url']}" if done["commit"]
+                                                       else "unchanged (it holds these files already): no commit"))

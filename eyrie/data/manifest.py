@@ -279,6 +279,10 @@ class RunManifest(BaseModel):
     states_from: str | None = Field(None, description="The run whose generated answers and hidden states this run "
                                                       "trains on (same target, dataset, generate and extract "
                                                       "settings): its shard manifests refer to that run's objects.")
+    answers_from: dict | None = Field(None, description="Where the run's answers came from where it generated none: "
+                                                       "a published answers set (eyrie.data.answers_set): where, "
+                                                       "revision, the run that generated them, samples, the "
+                                                       "prompts' license.")
     train: TrainParams | None = None
     drafter: dict | None = Field(None, description="The exported drafter: objects, sha256, τ, path taken.")
     verify: dict | None = Field(None, description="The drafter served by vLLM: its acceptance, identical outputs.")

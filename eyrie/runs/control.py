@@ -15,6 +15,7 @@ from eyrie.core.support import refuse_unsupported_config
 from eyrie.data.manifest import Layout, RunManifest, check_run_name, load_run_manifest, now_iso
 from eyrie.runs.pipeline import (advance_or_record, check_config, config_key, run_job_ids, run_view, save_config,
                                  stored_config)
+from eyrie.runs.from_answers import answers_of, plan_from_answers
 from eyrie.runs.projection import refuse_before_start
 from eyrie.runs.restart import hold_cancel, pending
 from eyrie.runs.reuse import check_train_as, owner_of, states_to_reuse, train_on_states
@@ -39,22 +40,27 @@ def start_pipeline(settings, conn, store, cfg, states: RunManifest | None = None
     next. A rerun continues. Returns at once: `start_and_plan` also waits for the planning.
     A new run whose target, dataset, generate and extract settings equal an earlier run's (or
     `states`: the run `eyrie train --as` names) trains on that run's answers and hidden states: it
-    starts at train, with nothing generated or extracted (eyrie.runs.reuse)."""
+    starts at train, with nothing generated or extracted (eyrie.runs.reuse). One whose dataset is a
+    published answers set for its target starts at extract (eyrie.runs.from_answers)."""
     first = PIPELINE[0]
     # every refusal before anything is written: a refused rerun leaves the run as it was
     refuse_unsupported_config(cfg)  # a run the pinned vLLM cannot carry: refused before anything starts
     refuse_before_start(cfg, settings)  # what --plan refuses: expected bytes over the budget, too few GPUs
     check_config(store, cfg)
     planned = load_run_manifest(store, cfg.run) if store.exists(Layout(cfg.run).manifest) else None
-    reuse = None if planned else states or states_to_reuse(store, cfg)
-    if reuse is None and not (planned and planned.states_from):
+    answers = None if planned or states else answers_of(cfg)  # a published answers set: its target checked
+    reuse = None if planned or answers else states or states_to_reuse(store, cfg)
+    plans = reuse is None and answers is None and not (planned and (planned.states_from or planned.answers_from))
+    if plans:
         first.check_start(store, cfg.run, first.settings_in(cfg), cfg.dataset)
     save_config(conn, store, cfg)
     conn.delete(keys.blocked(cfg.run))  # the user's rerun retries a refusal
     if reuse is not None:
         planned = train_on_states(store, reuse, cfg.run)
+    if answers is not None:
+        planned = plan_from_answers(store, cfg.run, answers, cfg.target.model)
+    if reuse is not None or answers is not None:
         conn.sadd(keys.RUNS, cfg.run)
-    plans = reuse is None and not (planned and planned.states_from)
     view = run_view(conn, store, cfg.run)
     ahead = [kind for each in PIPELINE for kind in each.pipeline_start_tasks(view)]
     # a cancelled run's cancel stays until these have planned, one after another (eyrie.runs.restart)
@@ -67,7 +73,8 @@ def start_pipeline(settings, conn, store, cfg, states: RunManifest | None = None
             each.on_pipeline_start(view)
     stage = advance_or_record(conn, store, cfg.run)
     return {"run": cfg.run, "planning": first.planner.task_id(cfg.run) if plans else None,
-            "started": stage, "states_from": planned.states_from if planned else None}
+            "started": stage, "states_from": planned.states_from if planned else None,
+            "answers_from": planned.answers_from["where"] if planned and planned.answers_from else None}
 
 
 def _start_first(settings, conn, store, cfg, plans: bool) -> None:
@@ -128,6 +135,10 @@ def await_started(conn, store, run: str, started: Started) -> Started:
 
 def pipeline_started(out: dict) -> str:
     """The line `eyrie run` (and `eyrie demo`) prints for what start_and_plan returned."""
+    if out.get("answers_from"):
+        return (f"run {out['run']}: starts at extraction on the answers in {out['answers_from']} ({out['rows']} "
+                "prompt rows; the same target): nothing is generated; " + (f"{out['started']} started" if out["started"]
+                                                                    else "stages follow by themselves"))
     if out.get("states_from"):
         return (f"run {out['run']}: trains on run {out['states_from']}'s generated answers and hidden states "
                 f"({out['rows']} rows; the same target, dataset, generate and extract settings): nothing is "

@@ -11,6 +11,7 @@ from statistics import fmean
 from eyrie.core.budget import parse_size
 from eyrie.core.errors import EyrieError
 from eyrie.core.target import load_tokenizer
+from eyrie.data import answers_set
 from eyrie.data.dataset import iter_rows, looks_like_path, resolve
 from eyrie.data.manifest import DatasetRef
 from eyrie.data.prompts import Skip, to_turns
@@ -25,10 +26,13 @@ def dataset_rows(config, missing_ok: bool = False) -> tuple[int, DatasetRef | No
     """The rows the run will use, and the dataset where this host has it. A name that is not here
     is a missing file where it looks like a path (`./x`, `x.jsonl`, `a/b/c`: resolve says where it
     looked), else a hub id, which --plan does not download: its rows are dataset.limit.
-    `missing_ok`: a started run's plan on another host (the file is where the run started)."""
+    `missing_ok`: a started run's plan on another host (the file is where the run started).
+    A published answers set on the hub is downloaded (a few megabytes): its rows are its answers."""
     d = config.dataset
-    if Path(d.source).exists() or (looks_like_path(d.source) and not missing_ok):
-        ref = resolve(d.source, d.split, d.revision, d.limit)
+    published = None if Path(d.source).exists() or looks_like_path(d.source) else answers_set.find(d.source, d.revision)
+    source = str(published.path) if published else d.source
+    if Path(source).exists() or (looks_like_path(source) and not missing_ok):
+        ref = resolve(source, d.split, d.revision if published is None else None, d.limit)
         return ref.row_end, ref
     if d.limit is None:
         raise EyrieError(f"dataset {d.source} is not a file or directory in {Path.cwd()}, so it is taken as a "
@@ -36,6 +40,12 @@ def dataset_rows(config, missing_ok: bool = False) -> tuple[int, DatasetRef | No
                          "set dataset.limit in the run config (the rows the run will use), or give the path of "
                          "a local dataset.")
     return d.limit, None
+
+
+def published_answers(config) -> str | None:
+    """Where the run's answers come from where its dataset is a published answers set (eyrie.runs.from_answers)."""
+    found = answers_set.find(config.dataset.source, config.dataset.revision)
+    return found.where if found else None
 
 
 def estimated_mean(config, ref: DatasetRef, max_tokens: int) -> tuple[int, str] | None:

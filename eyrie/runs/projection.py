@@ -24,7 +24,7 @@ from eyrie.data.store import open_store
 from eyrie.runs.pipeline import RunConfig
 from eyrie.runs.plan_checks import (budget_verdict, gpu_lines, gpu_plan, on_demand_quota, over_budget, refuse,
                                    storage_refusal, unknown_mean)
-from eyrie.runs.plan_inputs import dataset_rows, estimated_mean, requests
+from eyrie.runs.plan_inputs import dataset_rows, estimated_mean, published_answers, requests
 from eyrie.runs.reuse import states_to_reuse
 from eyrie.runs.storage_plan import sharing_lines, storage_lines, storage_plan, target_weights
 from eyrie.stages.extract import Extract
@@ -102,6 +102,7 @@ def project(config: RunConfig, settings, measure: bool = True) -> dict:
              target_download_bytes=0 if Path(config.target.model).is_dir() else weights)
     p["generate_measured"] = measured_generation(config, settings) if measure else None
     p["states_from"] = reused_from(config, settings) if measure else None
+    p["answers_from"] = published_answers(config) if measure else None
     p["lengths"] = length
     p["train_recipe"] = train_recipe(config, p, device)
     p["hours"] = hours(config, p)
@@ -245,6 +246,9 @@ def hours(config: RunConfig, p: dict) -> dict:
     if p.get("states_from"):  # nothing generated or extracted again (eyrie.runs.reuse)
         for name in (Generate.name, Extract.name):
             stages[name] = {"tokens": 0, "tokens_per_s": None, "hours": 0, "source": f"run {p['states_from']}'s, reused"}
+    if p.get("answers_from"):  # nothing generated (eyrie.runs.from_answers)
+        stages[Generate.name] = {"tokens": 0, "tokens_per_s": None, "hours": 0, "source": f"the answers in "
+                                 f"{p['answers_from']}"}
     stages[DOWNLOAD] = download_hours(config, p["target_download_bytes"])
     known = [s["hours"] for s in stages.values()]
     return {**stages, "basis": "upper bound" if p["mean_tokens"] is None else "expected mean",
@@ -349,8 +353,10 @@ def _hour_lines(p: dict) -> list[str]:
         s = h[stage]
         rate = f"{s['tokens_per_s']:,.0f} tok/s ({s['source']})" if s["tokens_per_s"] else s["source"]
         took = f"{s['hours']:,.2f} h" if s["hours"] is not None else "? h"
-        lines.append(f"    {stage:<8} {took:>10}: " + (f"none: {s['source']} (same settings and rows)" if p.get("states_from")
-                     and stage != Train.name else f"{s['tokens']:,} {what[stage]} at {rate}"))
+        reused = p.get("states_from") and stage != Train.name
+        lines.append(f"    {stage:<8} {took:>10}: " + (f"none: {s['source']} (same settings and rows)" if reused else
+                     f"none: {s['source']}" if p.get("answers_from") and stage == Generate.name else
+                     f"{s['tokens']:,} {what[stage]} at {rate}"))
     lines.append(f"    total    {h['total']:>8,.2f} h" if h["total"] is not None else
                  "    total: unknown until every rate is given")
     return lines

@@ -1,7 +1,9 @@
-"""`eyrie publish`: a run's exported drafter shared with its model card (eyrie_trainer.card): written into a
+"""`eyrie publish`: a run's exported drafter shared with its model card (eyrie_trainer.card), written into a
 directory (`--to DIR`, for offline or air-gapped hosts) and/or committed to a model repository on a Hugging Face
 hub (`--repo OWNER/NAME`: huggingface_hub's own token and endpoint settings, HF_TOKEN and HF_ENDPOINT; private
-unless asked otherwise; one commit per publish, its message naming the run). Both get the same files.
+unless asked otherwise; one commit per publish, its message naming the run). Both get the same files. With
+`--with-answers`, the run's generated answers too, as a dataset (eyrie_trainer.answers): DIR/answers, and the
+dataset repository of the same name.
 
 Refused: a drafter that vLLM did not verify, whose verify was skipped, measured another checkpoint or saw answers
 change beyond the target's own batch variance (`--force` publishes it, and the card says what it overrode); a
@@ -20,8 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from eyrie.core.errors import EyrieError
+from eyrie.data.answers_set import ANSWERS
 from eyrie.data.manifest import RunManifest, load_run_manifest
 from eyrie.data.verify_outputs import BEYOND, VERDICTS
+from eyrie_trainer.answers import write_answers
 from eyrie_trainer.card import model_card, redact, target_license
 from eyrie_trainer.export import download
 
@@ -32,12 +36,40 @@ SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVA
 
 
 def publish(store, run: str, repo: str | None = None, to: Path | None = None, force: bool = False,
-            public: bool = False) -> dict:
-    """The run's drafter and card into `to` and/or the hub repository `repo`: what each of them got."""
+            public: bool = False, with_answers: bool = False) -> dict:
+    """The run's drafter and card (`with_answers`: and its answers, a dataset) into `to` and/or the hub repository
+    `repo` (the answers: the dataset repository of that name): what each of them got."""
     if repo is None and to is None:
         raise EyrieError("nowhere to publish to.", "pass --repo OWNER/NAME, --to DIR, or both.")
     manifest = load_run_manifest(store, run)
-    overridden = refusals(manifest)
+    overridden, license = refuse_unshareable(manifest, force)
+    result = {"run": run}
+    with tempfile.TemporaryDirectory(prefix="eyrie-publish-") as tmp:
+        folder, held = Path(tmp), secrets()
+        download(store, run, folder)
+        if with_answers:
+            write_answers(store, manifest, folder / ANSWERS, lambda name, data: refuse_secret(name, data, held))
+        answers_id = repo if with_answers and repo else None
+        card = model_card(store, manifest, repo or str(to.resolve()), overridden, license, answers_id)
+        (folder / CARD).write_bytes(card.content.encode())
+        for name in files(folder):
+            for chunk in overlapping_chunks(folder / name):
+                refuse_secret(name, chunk, held)
+        if to is not None:
+            result["to"] = {"path": str(to), "changed": write_to(folder, to)}
+        if repo is not None:
+            message = f"eyrie publish: run {run}, checkpoint {manifest.drafter['checkpoint']}"
+            result["repo"] = upload(folder, [n for n in files(folder) if not n.startswith(f"{ANSWERS}/")], repo,
+                                    "model", message, public)
+            if with_answers:
+                result["answers"] = upload(folder / ANSWERS, files(folder / ANSWERS), repo, "dataset",
+                                           f"eyrie publish: run {run}'s answers", public)
+    return result
+
+
+def refuse_unshareable(manifest: RunManifest, force: bool):
+    """What `--force` overrode, and the target's license; refused: what should not be shared."""
+    run, overridden = manifest.run, refusals(manifest)
     if overridden and not force:
         raise EyrieError(f"run {run}'s drafter is not published: {'; '.join(overridden)}.",
                          f"verify it (`eyrie verify --run {run}`, or `eyrie retry {run}`), or pass --force to publish "
@@ -48,18 +80,12 @@ def publish(store, run: str, repo: str | None = None, to: Path | None = None, fo
                          f"{license.no_derivatives} (read from {license.where}). Nothing was published.",
                          "a drafter trained on its outputs and hidden states is one; share it only with the "
                          "licensor's permission, by hand (`eyrie export`). No option of eyrie overrides a license.")
-    result = {"run": run}
-    with tempfile.TemporaryDirectory(prefix="eyrie-publish-") as tmp:
-        folder = Path(tmp)
-        download(store, run, folder)
-        card = model_card(store, manifest, repo or str(to.resolve()), overridden, license)
-        (folder / CARD).write_bytes(card.content.encode())
-        refuse_secrets(folder)
-        if to is not None:
-            result["to"] = {"path": str(to), "changed": write_to(folder, to)}
-        if repo is not None:
-            result["repo"] = upload(folder, repo, manifest, public)
-    return result
+    return overridden, license
+
+
+def files(folder: Path) -> list[str]:
+    """Every file under `folder`, as a path relative to it."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
 def refusals(manifest: RunManifest) -> list[str]:
@@ -93,37 +119,44 @@ def secrets() -> list[bytes]:
     return [v.encode() for v in values if v and len(v) >= 8]
 
 
-def refuse_secrets(folder: Path) -> None:
-    held = secrets()
-    for path in sorted(folder.iterdir()):
-        data = path.read_bytes()
-        if any(secret in data for secret in held) or CREDENTIALS.search(data):
-            raise EyrieError(f"{path.name} would publish a token, a secret of this environment or a URL with "
-                             "credentials. Nothing was published.",
-                             "find where the run's manifest holds it (its dataset source, target, recipe) and "
-                             "restate it without the secret; report it if eyrie wrote it there.")
+def refuse_secret(name: str, data: bytes, held: list[bytes]) -> None:
+    if any(secret in data for secret in held) or CREDENTIALS.search(data):
+        raise EyrieError(f"{name} would publish a token, a secret of this environment or a URL with "
+                         "credentials. Nothing was published.",
+                         "find where the run holds it (its dataset source, target, recipe, its prompts and answers) "
+                         "and restate it without the secret; report it if eyrie wrote it there.")
+
+
+def overlapping_chunks(path: Path, size: int = 1 << 24, overlap: int = 4096):
+    """A file's bytes in pieces that overlap (a secret across a boundary is whole in one), not all in memory: the
+    weights of a large target's drafter are gigabytes."""
+    with path.open("rb") as f:
+        tail = b""
+        while chunk := f.read(size):
+            yield tail + chunk
+            tail = chunk[-overlap:]
 
 
 def write_to(folder: Path, to: Path) -> list[str]:
     """The published files into `to` (new, or holding only files eyrie publishes); the names that changed."""
-    names = sorted(p.name for p in folder.iterdir())
+    names = files(folder)
     if to.exists():
         if not to.is_dir():
             raise EyrieError(f"--to {to} is a file.", "pass a directory (a new one is made).")
-        others = sorted(p.name for p in to.iterdir() if p.name not in names)
+        others = [n for n in files(to) if n not in names and not n.startswith(f"{ANSWERS}/")]  # answers: eyrie's
         if others:
             raise EyrieError(f"--to {to} holds files eyrie does not publish: {', '.join(others)}.",
                              "pass a new or empty directory, or one an earlier `eyrie publish --to` wrote.")
-    to.mkdir(parents=True, exist_ok=True)
     changed = [n for n in names if not (to / n).is_file() or sha256(to / n) != sha256(folder / n)]
     for name in changed:
-        part = to / f".{name}.part"
+        (to / name).parent.mkdir(parents=True, exist_ok=True)
+        part = (to / name).with_name(f".{Path(name).name}.part")
         shutil.copyfile(folder / name, part)
         part.replace(to / name)
     return changed
 
 
-def upload(folder: Path, repo: str, manifest: RunManifest, public: bool) -> dict:
+def upload(folder: Path, names: list[str], repo: str, repo_type: str, message: str, public: bool) -> dict:
     """The files the repository does not hold already (by content), in one commit; none: no commit."""
     from huggingface_hub import CommitOperationAdd, HfApi, get_token
     from huggingface_hub.constants import is_offline_mode
@@ -137,14 +170,14 @@ def upload(folder: Path, repo: str, manifest: RunManifest, public: bool) -> dict
                          "set HF_TOKEN to a token with write access (or log in once with `hf auth login`).")
     api = HfApi()
     with hub_errors(api.endpoint, repo):
-        api.create_repo(repo, private=not public, exist_ok=True)
-        held = {f.path: f for f in api.list_repo_tree(repo, recursive=True) if isinstance(f, RepoFile)}
-        changed = [p.name for p in sorted(folder.iterdir()) if not same_content(held.get(p.name), p)]
+        api.create_repo(repo, repo_type=repo_type, private=not public, exist_ok=True)
+        held = {f.path: f for f in api.list_repo_tree(repo, repo_type=repo_type, recursive=True)
+                if isinstance(f, RepoFile)}
+        changed = [name for name in names if not same_content(held.get(name), folder / name)]
         if not changed:
             return {"repo": repo, "commit": None, "changed": []}
-        message = f"eyrie publish: run {manifest.run}, checkpoint {manifest.drafter['checkpoint']} ({', '.join(changed)})"
         info = api.create_commit(repo, [CommitOperationAdd(name, folder / name) for name in changed],
-                                 commit_message=message)
+                                 repo_type=repo_type, commit_message=f"{message} ({', '.join(changed)})")
     return {"repo": repo, "commit": info.oid, "url": info.commit_url, "changed": changed}
 
 
