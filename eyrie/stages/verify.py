@@ -8,6 +8,7 @@ import json
 import time
 
 from eyrie.core.config import load_settings
+from eyrie.data.verify_outputs import outputs_failure
 from eyrie.stages.base import LIVE_JOB_STATES, PipelineStage, RunView, state_of
 from eyrie.stages.generate import Generate
 from eyrie.work import keys, progress
@@ -54,8 +55,8 @@ class Verify(PipelineStage):
 
     def status(self, view: RunView) -> StageStatus | None:
         """Once the pipeline's drafter is exported (or a verify ran or was asked for by hand):
-        pending, in progress, failed with its task's errors, or done (verified, or skipped: why
-        and how to verify shows under train)."""
+        pending, in progress, failed with its task's errors or its outputs' verdict, or done
+        (verified, or skipped: why and how to verify shows under train)."""
         manifest, job = view.manifest, self.work.task_id(view.run)
         state = job_state(view.conn, job)
         result = manifest.verify if manifest else None
@@ -63,6 +64,8 @@ class Verify(PipelineStage):
             return None
         common = {"total": 1, "workers": workers_on(view.conn, self.queue)}
         if result is not None and state not in LIVE_JOB_STATES:  # (a failed task since verified by hand: done)
+            if failure := outputs_failure(result):
+                return StageStatus(state="failed", failed=1, errors=[" Fix: ".join(failure)], **common)
             skipped = int(bool(result.get("skipped")))
             return StageStatus(state="done", done=1 - skipped, skipped=skipped, **common)
         jobs = {state or "pending": 1}
@@ -70,8 +73,10 @@ class Verify(PipelineStage):
                            errors=job_errors(view.conn, [job]), **common)
 
     def on_retry(self, view: RunView) -> None:
-        """A skipped verify is decided afresh (a verifier may be up now: the skip's fix says so)."""
-        if view.manifest is not None and view.manifest.verify and view.manifest.verify.get("skipped"):
+        """A skipped verify is decided afresh (a verifier may be up now: the skip's fix says so); one that
+        failed on its outputs runs again."""
+        verify = view.manifest.verify if view.manifest is not None else None
+        if verify and (verify.get("skipped") or outputs_failure(verify)):
             view.manifest.verify = None
             view.store.put_json(view.layout.manifest, view.manifest.model_dump())
 
