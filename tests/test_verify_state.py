@@ -1,7 +1,8 @@
 """A run's verify stage has a state of its own (issue 29, defect 2): a failed verify fails the run
 in `eyrie status`, the API and /metrics, with its error; `eyrie retry` takes a skipped or failed
 verify up again; a verifier that restarts as the run exports does not make the skip permanent; a
-verify whose drafter changes more answers than the target alone fails (issue 41, item 8).
+verify whose drafter changes more answers than the target alone fails (issue 41, item 8); one killed
+with its verifier runs again on retry (issue 41, item 12).
 In process, on a real Redis and a file store: the run is an exported one written as its stages
 write it (no shards, a drafter), its verify task a real RQ job that failed (vLLM stands in for
 nothing here: no GPU, so the verifier's failure is the job's record)."""
@@ -9,6 +10,7 @@ nothing here: no GPU, so the verifier's failure is the job's record)."""
 import json
 import subprocess
 
+import psutil
 import pytest
 import redis
 from fastapi.testclient import TestClient
@@ -29,6 +31,8 @@ from eyrie.runs.pipeline import advance, load_config, save_config
 from eyrie.runs.status import overall_state, run_status
 from eyrie.stages import VERIFY
 from eyrie.stages.verify import verify_skipped
+from eyrie.work import keys
+from eyrie.work.gpu import GpuLease
 from eyrie.work.queue import job_state, queue
 from eyrie_trainer.verify import benchmark_result, headline
 
@@ -179,3 +183,32 @@ def test_a_verify_whose_drafter_changes_more_answers_than_the_target_fails_the_r
     store.put_json(Layout("vb").manifest, {**manifest.model_dump(), "run": "vb"})
     assert overall_state(run_status(conn, store, "vb")) == "done"
 
+
+def test_a_verify_killed_with_its_verifier_runs_again_on_retry(env, tmp_path):
+    """A verifier SIGKILLed mid-task (an OOM kill, `docker kill`) leaves its task listed as started by RQ for good:
+    it is neither finished nor skipped, and `eyrie retry` (or a rerun) puts it back on the queue."""
+    conn, store = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(load_settings())
+    exported_run(conn, store, tmp_path, "vk")
+    holder = GpuLease(conn, "another stage", ttl_s=600)  # the task waits for the GPUs inside: mid-task
+    assert holder.acquire(5)
+    verifier = subprocess.Popen([str(BIN / "eyrie"), "worker", "verify"], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    task = VERIFY.task_id("vk")
+    try:
+        wait_for(lambda: Worker.count(queue=queue(conn, VERIFY.queue)), "the verify worker up", timeout=120)
+        advance(conn, store, "vk")
+        wait_for(lambda: conn.hlen(keys.GPU_WAITING), "the verify task waiting for the GPUs", timeout=60)
+        forked = psutil.Process(verifier.pid).children(recursive=True)  # RQ's scheduler
+        verifier.kill()
+        verifier.wait(10)
+        for child in forked:
+            child.kill()
+        wait_for(lambda: not conn.exists(keys.task_lease(task), keys.job_alive(task)), "its leases lapsed", timeout=60)
+        assert job_state(conn, task) == "started"  # as RQ left it
+        retry_run(conn, store, "vk")
+        assert job_state(conn, task) == "queued" and load_run_manifest(store, "vk").verify is None
+        assert run_status(conn, store, "vk").stages["verify"].jobs == {"queued": 1}
+    finally:
+        holder.release()
+        if verifier.poll() is None:
+            verifier.kill()

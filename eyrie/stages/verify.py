@@ -43,15 +43,22 @@ class Verify(PipelineStage):
 
     def start(self, view: RunView) -> bool:
         if job_state(view.conn, self.work.task_id(view.run)) in LIVE_JOB_STATES:
-            return True  # enqueued already (maybe waiting for a restarting verifier): not decided again
+            # enqueued already (maybe waiting for a restarting verifier): not decided again. RQ lists a task whose
+            # verifier was SIGKILLed under it as started for good: enqueue replaces it (its lease lapsed), so a
+            # retried or rerun run verifies again instead of waiting on a dead task
+            self._enqueue(view)
+            return True
         skipped = verify_skipped(view.conn, view.config)
         if skipped is None:
-            timeout_s = verify_timeout_s(view.conn, view.config, view.manifest)
-            enqueue(view.conn, self.work, {"run": view.run}, timeout_s=timeout_s)
+            self._enqueue(view)
             return True
         view.manifest.verify = skipped  # never skipped in silence: the run's status says why and how
         view.store.put_json(view.layout.manifest, view.manifest.model_dump())
         return False
+
+    def _enqueue(self, view: RunView) -> None:
+        """Its task, unless a live one is queued or running (eyrie.work.queue.enqueue_task)."""
+        enqueue(view.conn, self.work, {"run": view.run}, timeout_s=verify_timeout_s(view.conn, view.config, view.manifest))
 
     def status(self, view: RunView) -> StageStatus | None:
         """Once the pipeline's drafter is exported (or a verify ran or was asked for by hand):
