@@ -1,13 +1,13 @@
 """verify's judgement of the drafter's answers: its match rate (equal to plain decoding at 1 in flight) beside the
-target's own at 1 vs 8 in flight, against a floor and a margin. Pure logic, no vLLM (the passes it judges are the real
+target's own at 1 vs 8 in flight, against a floor and a margin, on at least MIN_COMPARED answers. Pure logic, no vLLM (the passes it judges are the real
 ones in test_pipeline and bench/greedy_identity.py)."""
 
 import pytest
 
 from eyrie.commands.display import verify_lines
 from eyrie.data.charts import benchmark_series
-from eyrie.data.verify_outputs import (BEYOND, FAILED, IDENTICAL, MATCH_FLOOR, MATCH_MARGIN, WITHIN, outputs_failure,
-                                       outputs_judged, worst)
+from eyrie.data.verify_outputs import (BEYOND, FAILED, IDENTICAL, MATCH_FLOOR, MATCH_MARGIN, MIN_COMPARED, WITHIN,
+                                       outputs_failure, outputs_judged, too_few, worst)
 from eyrie_trainer.verify import benchmark_result
 
 COUNTERS = ({"drafts": 10, "accepted_tokens": 10, "per_pos": {0: 5.0}}, {"drafts": 20, "accepted_tokens": 25, "per_pos": {0: 10.0}})
@@ -47,8 +47,9 @@ def test_a_drafter_that_changes_more_answers_than_the_target_alone_fails_however
     assert (figures["match_rate"], figures["target_match_rate"]) == (0.375, 0.875)
     assert figures["match_rate_required"] == 0.875 - MATCH_MARGIN and figures["outputs_verdict"] == FAILED
     # the target alone batch-variant on every serial prompt excuses the drafter only down to the floor
-    assert outputs_judged(53, 3, 4, 4, 4)["outputs_verdict"] == FAILED  # 1 of 4 equal at 1 in flight
-    assert outputs_judged(53, 2, 4, 4, 4)["match_rate_required"] == MATCH_FLOOR
+    assert outputs_judged(53, 5, 8, 8, 8)["outputs_verdict"] == FAILED  # 3 of 8 equal at 1 in flight
+    assert outputs_judged(53, 4, 8, 8, 8)["match_rate_required"] == MATCH_FLOOR
+    assert outputs_judged(53, 4, 8, 8, 8)["outputs_verdict"] == WITHIN  # 4 of 8: at the floor
 
 
 @pytest.mark.parametrize("drafter, target, verdict", [
@@ -61,13 +62,36 @@ def test_a_drafter_that_changes_more_answers_than_the_target_alone_fails_however
     ((0, 0), 0, IDENTICAL),  # float32 (bench/greedy_identity.py): the target alone batch-invariant
 ])
 def test_every_measured_drafter_passes(drafter, target, verdict):
-    assert outputs_judged(*drafter, 4, target, 4)["outputs_verdict"] == verdict
+    """Measured on 4 serial prompts: too few to judge, failing nothing; the same shares of verify's default 8 pass."""
+    assert outputs_judged(*drafter, 4, target, 4)["outputs_verdict"] == (IDENTICAL if verdict == IDENTICAL else too_few(4))
+    assert outputs_judged(drafter[0], 2 * drafter[1], 8, 2 * target, 8)["outputs_verdict"] == verdict
 
 
 def test_where_the_target_alone_is_batch_invariant_one_answer_in_eight_is_the_margin():
+    assert MATCH_MARGIN * MIN_COMPARED == 1  # on the fewest answers judged, one near-tie flip is the margin
     assert outputs_judged(1, 1, 8, 0, 8)["outputs_verdict"] == WITHIN  # one near-tie flip of verify's default 8
     assert outputs_judged(2, 2, 8, 0, 8)["outputs_verdict"] == FAILED
-    assert outputs_judged(1, 1, 4, 0, 4)["outputs_verdict"] == FAILED  # one of 4 is more than the margin
+    assert outputs_judged(1, 1, 4, 0, 4)["outputs_verdict"] == too_few(4)  # one flip of 4 would be over the margin
+
+
+def test_a_verdict_on_too_few_answers_says_so_and_fails_nothing():
+    """tests/test_real_model.py[s3] verifies 2 prompts a set: one answer compared at 1 in flight, which differed
+    (a near tie), read as a match rate of 0% and failed the run. Below MIN_COMPARED the verdict is not taken."""
+    alone = a_pass(answers(2, set()), answers(1, set()))
+    drafted = a_pass(answers(2, {0}, tag=5), answers(1, {0}, tag=5))
+    bench = benchmark_result(alone, {3: drafted}, 2)
+    figures = bench["k"]["3"]
+    assert (figures["match_rate"], figures["differing_outputs_at_1"]) == (0.0, 1)
+    assert figures["outputs_verdict"] == too_few(1) == f"too few answers compared to judge (1 of {MIN_COMPARED})"
+    verify = {"outputs_verdict": worst([IDENTICAL, WITHIN, too_few(4), too_few(1)]), "benchmarks": {"gsm8k": bench}}
+    assert verify["outputs_verdict"] == too_few(1)  # of those too few, the fewest
+    assert worst([too_few(0), FAILED]) == FAILED and worst([BEYOND, too_few(2)]) == BEYOND
+    assert outputs_failure(verify) is None
+    assert verify_lines("r", verify)[-1].endswith(f"at 1 in flight 0% equal to plain decoding (the target alone at 1 "
+                                                  f"vs 8 in flight 100%; at least 88% asked): {too_few(1)}")
+    assert benchmark_series({"gsm8k": bench})["gsm8k"]["3"]["outputs_beyond_variance"] is False
+    assert outputs_judged(0, 0, 1, 0, 1)["outputs_verdict"] == IDENTICAL  # nothing differs: no judgement needed
+    assert outputs_judged(1, 0, 0, 0, 0)["outputs_verdict"] == too_few(0)  # a second turn none compared at 1
 
 
 def test_a_failed_verdict_fails_the_verify_with_the_sets_named():

@@ -8,7 +8,7 @@ give its mean acceptance length (1 + accepted draft tokens / drafts) and the acc
 draft position; outputs with and without the drafter compared (greedy speculative decoding is lossless
 up to numerics: vLLM's docs): the share equal to plain decoding at 1 in flight beside the target's own at 1
 vs 8 in flight (its batch variance), a verify failing below it (outputs_verdict: eyrie.data.verify_outputs
-states the floor and the margin); tokens/s with 8 requests in flight (every prompt)
+states the floor, the margin and the fewest answers judged); tokens/s with 8 requests in flight (every prompt)
 and with 1 (the first `serial_prompts`). MT-Bench (and a file with 2+ `turns` a row) is asked its second turn
 too, as FastChat asks it: each server after its own first answers (eyrie_trainer.verify_turns), measured per
 turn and over both turns. The result goes into the run manifest (`verify`): per set under `benchmarks` (a
@@ -35,7 +35,8 @@ from eyrie.core.errors import EyrieError
 from eyrie.core.target import load_tokenizer
 from eyrie.core.vllm import eagle3_flags, on_cpu, serve_argv, serve_env, start_server, stop_server
 from eyrie.data.manifest import Layout, load_run_manifest, now_iso
-from eyrie.data.verify_outputs import FAILED, IDENTICAL, MATCH_FLOOR, MATCH_MARGIN, WITHIN, worst
+from eyrie.data.verify_outputs import (FAILED, IDENTICAL, MATCH_FLOOR, MATCH_MARGIN, MIN_COMPARED, TOO_FEW, WITHIN,
+                                       worst)
 from eyrie.runs.pipeline import ServeSection, VerifySection, stored_config
 from eyrie.stages import VERIFY
 from eyrie.stages.verify import record_verify_rates
@@ -294,8 +295,9 @@ DEFINITIONS = {
     "target_match_rate": "the share of the first serial_prompts the target alone answers the same at 1 and at 8 in "
                          "flight (1 - target_differing_1_vs_8 / serial_prompts)",
     "match_rate_required": f"the match rate that passes: target_match_rate - {MATCH_MARGIN}, at least {MATCH_FLOOR}",
-    "outputs_verdict": f"identical; {WITHIN} (match_rate >= match_rate_required); or '{FAILED}' (below it: the verify "
-                       "fails); a second turn with no answer compared at 1 in flight: not measured",
+    "outputs_verdict": f"identical; {WITHIN} (match_rate >= match_rate_required); '{FAILED}' (below it: the verify "
+                       f"fails); or '{TOO_FEW} (n of {MIN_COMPARED})' where fewer answers were compared at 1 in "
+                       "flight (a single near-tie flip would decide it: fails nothing)",
     "turns": "a set with second turns (MT-Bench): its own figures are its first turn; turns['2'] its second, asked "
              "by each server after its own first answer (FastChat's way), its answers compared only where the first "
              "answers were equal (compared_prompts); turns['both'] the two turns together: acceptance over both "
