@@ -41,11 +41,12 @@ CREDENTIALS = re.compile(rb"://[^/\s@\"'`<>]+@")
 
 def passes(rate_1: float, rate_8: float, drafts: float = 0, accepted: float = 0, per_pos: dict | None = None,
            answers: list | None = None) -> dict:
-    """One server's pass over a set as verify's Client.one_pass records it (4 prompts, 2 of them at 1 in flight)."""
-    answers = answers or [[1, 2, 3], [4, 5], [6], [7, 8]]
+    """One server's pass over a set as verify's Client.one_pass records it (8 prompts, all of them at 1 in flight:
+    verify's default serial_prompts, the fewest answers its outputs verdict judges)."""
+    answers = answers or [[1, 2, 3], [4, 5], [6], [7, 8], [9], [10, 11], [12], [13]]
     before = {"drafts": 0.0, "accepted_tokens": 0.0, "per_pos": {}}
     after = {"drafts": drafts, "accepted_tokens": accepted, "per_pos": per_pos or {}}
-    return {"outputs": answers, "serial_outputs": answers[:2], "tokens_per_s": {"1": rate_1, "8": rate_8},
+    return {"outputs": answers, "serial_outputs": answers, "tokens_per_s": {"1": rate_1, "8": rate_8},
             "seconds": {"1": 1.0, "8": 1.0}, "counters": (before, after)}
 
 
@@ -55,8 +56,8 @@ def verify_record(drafter: dict, accepted: float = 130.0, changed: bool = False)
     changes answers the target alone gives the same at 1 and 8 in flight."""
     alone = passes(10.0, 40.0)
     spec = passes(15.0, 52.0, 100.0, accepted, {0: 70.0, 1: 40.0, 2: accepted - 110.0},
-                  [[9], [9], [6], [7, 8]] if changed else None)
-    benchmarks = {name: benchmark_result(alone, {K: spec}, 4) for name in (verify.HELDOUT, "gsm8k")}
+                  [[9], [9], [6], [7, 8], [9], [10, 11], [12], [13]] if changed else None)
+    benchmarks = {name: benchmark_result(alone, {K: spec}, 8) for name in (verify.HELDOUT, "gsm8k")}
     result = verify.headline(benchmarks[verify.HELDOUT], K, drafter)
     verdicts = {f["outputs_verdict"] for b in benchmarks.values() for f in k_figures(b)}
     result.update(benchmarks=benchmarks, ks=[K], verified_at="2026-01-02T03:04:05+00:00", definitions=verify.DEFINITIONS,

@@ -1,6 +1,8 @@
 """A run's verify stage has a state of its own (issue 29, defect 2): a failed verify fails the run
 in `eyrie status`, the API and /metrics, with its error; `eyrie retry` takes a skipped or failed
-verify up again; a verifier that restarts as the run exports does not make the skip permanent.
+verify up again; a verifier that restarts as the run exports does not make the skip permanent; a
+verify whose drafter changes more answers than the target alone fails, one judged on too few answers
+fails nothing (issue 41, item 8); one killed with its verifier runs again on retry (issue 41, item 12).
 In process, on a real Redis and a file store: the run is an exported one written as its stages
 write it (no shards, a drafter), its verify task a real RQ job that failed (vLLM stands in for
 nothing here: no GPU, so the verifier's failure is the job's record)."""
@@ -8,6 +10,7 @@ nothing here: no GPU, so the verifier's failure is the job's record)."""
 import json
 import subprocess
 
+import psutil
 import pytest
 import redis
 from fastapi.testclient import TestClient
@@ -22,12 +25,16 @@ from eyrie.core.config import load_settings
 from eyrie.data.manifest import (DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams, TargetRef,
                                  TrainParams, load_run_manifest, now_iso)
 from eyrie.data.store import open_store
+from eyrie.data.verify_outputs import BEYOND, FAILED, MIN_COMPARED, too_few
 from eyrie.runs.control import retry_run
 from eyrie.runs.pipeline import advance, load_config, save_config
 from eyrie.runs.status import overall_state, run_status
 from eyrie.stages import VERIFY
 from eyrie.stages.verify import verify_skipped
+from eyrie.work import keys
+from eyrie.work.gpu import GpuLease
 from eyrie.work.queue import job_state, queue
+from eyrie_trainer.verify import benchmark_result, headline
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
 
@@ -143,3 +150,87 @@ def test_a_verifier_restarting_as_the_run_exports_does_not_skip_verify(env, tmp_
     assert stopped.returncode == 0, stopped.stderr
     wait_for(lambda: not Worker.count(queue=queue(conn, VERIFY.queue)), "the verify worker gone", timeout=10)
     assert verify_skipped(conn, config) is None
+
+
+def test_a_verify_whose_drafter_changes_more_answers_than_the_target_fails_the_run_and_retry_runs_it_again(env, tmp_path):
+    """The verdict fails: its outputs' verdict (eyrie.data.verify_outputs) reads as the stage's failure, with the
+    sets named; `eyrie retry` verifies again. A verdict recorded before match rates fails nothing."""
+    conn, store = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(load_settings())
+    exported_run(conn, store, tmp_path, "vo")
+    counters = ({"drafts": 0, "accepted_tokens": 0, "per_pos": {}}, {"drafts": 10, "accepted_tokens": 10, "per_pos": {0: 5}})
+    answers = [[i, 0] for i in range(40)]
+    alone = {"outputs": answers, "serial_outputs": [[0, 1], *answers[1:8]], "tokens_per_s": {"1": 1.0, "8": 4.0}}
+    drafted = {"outputs": [[i, 5] for i in range(30)] + answers[30:],  # 5 of 8 changed at 1 in flight
+               "serial_outputs": [[i, 5] for i in range(5)] + answers[5:8], "tokens_per_s": {"1": 1.0, "8": 4.0},
+               "counters": counters}
+    bench = benchmark_result(alone, {3: drafted}, 40)  # as the verify task measures it
+    assert bench["k"]["3"]["outputs_verdict"] == FAILED  # 3 of 8 equal, the target alone 7 of 8
+    manifest = load_run_manifest(store, "vo")
+    manifest.verify = {**headline(bench, 3, manifest.drafter), "benchmarks": {"heldout": bench},
+                       "identical_outputs": False, "outputs_verdict": bench["k"]["3"]["outputs_verdict"]}
+    store.put_json(Layout("vo").manifest, manifest.model_dump())
+    status = run_status(conn, store, "vo")
+    assert overall_state(status) == "failed" and status.stages["verify"].state == "failed"
+    assert "heldout K=3: 30 of 40 differ" in status.stages["verify"].errors[0]
+    assert "verify error" in eyrie_in_process("status", "vo", env=env).stdout
+    retry_run(conn, store, "vo")
+    assert load_run_manifest(store, "vo").verify is None and job_state(conn, VERIFY.task_id("vo")) == "queued"
+
+    manifest.verify["outputs_verdict"] = bench["k"]["3"]["outputs_verdict"] = BEYOND  # as a verify before match rates
+    for key in ("match_rate", "target_match_rate", "match_rate_required"):
+        del bench["k"]["3"][key]
+    exported_run(conn, store, tmp_path, "vb")
+    store.put_json(Layout("vb").manifest, {**manifest.model_dump(), "run": "vb"})
+    assert overall_state(run_status(conn, store, "vb")) == "done"
+
+
+def test_a_verdict_on_too_few_answers_is_recorded_and_said_and_fails_nothing(env, tmp_path):
+    """tests/test_real_model.py[s3] verifies 2 prompts a set, so a second turn compares 1 answer at 1 in flight: its
+    one near-tie flip read 0% and failed the run. Under MIN_COMPARED the verdict says so and the run is done."""
+    conn, store = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(load_settings())
+    exported_run(conn, store, tmp_path, "vt")
+    counters = ({"drafts": 0, "accepted_tokens": 0, "per_pos": {}}, {"drafts": 10, "accepted_tokens": 10, "per_pos": {0: 5}})
+    alone = {"outputs": [[0, 0], [1, 0]], "serial_outputs": [[0, 0]], "tokens_per_s": {"1": 1.0, "8": 4.0}}
+    drafted = {"outputs": [[0, 5], [1, 0]], "serial_outputs": [[0, 5]], "tokens_per_s": {"1": 1.0, "8": 4.0},
+               "counters": counters}
+    bench = benchmark_result(alone, {3: drafted}, 2)  # the one answer compared at 1 in flight differs
+    assert bench["k"]["3"]["outputs_verdict"] == too_few(1)
+    manifest = load_run_manifest(store, "vt")
+    manifest.verify = {**headline(bench, 3, manifest.drafter), "benchmarks": {"heldout": bench},
+                       "identical_outputs": False, "outputs_verdict": bench["k"]["3"]["outputs_verdict"]}
+    store.put_json(Layout("vt").manifest, manifest.model_dump())
+    status = run_status(conn, store, "vt")
+    assert overall_state(status) == "done" and status.stages["verify"].state == "done", status.stages["verify"]
+    shown = " ".join(eyrie_in_process("status", "vt", env=env).stdout.split())
+    assert f"outputs too few answers compared to judge (1 of {MIN_COMPARED})" in shown, shown
+    assert load_run_manifest(store, "vt").verify["outputs_verdict"] == too_few(1)  # recorded as it was judged
+
+
+def test_a_verify_killed_with_its_verifier_runs_again_on_retry(env, tmp_path):
+    """A verifier SIGKILLed mid-task (an OOM kill, `docker kill`) leaves its task listed as started by RQ for good:
+    it is neither finished nor skipped, and `eyrie retry` (or a rerun) puts it back on the queue."""
+    conn, store = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(load_settings())
+    exported_run(conn, store, tmp_path, "vk")
+    holder = GpuLease(conn, "another stage", ttl_s=600)  # the task waits for the GPUs inside: mid-task
+    assert holder.acquire(5)
+    verifier = subprocess.Popen([str(BIN / "eyrie"), "worker", "verify"], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    task = VERIFY.task_id("vk")
+    try:
+        wait_for(lambda: Worker.count(queue=queue(conn, VERIFY.queue)), "the verify worker up", timeout=120)
+        advance(conn, store, "vk")
+        wait_for(lambda: conn.hlen(keys.GPU_WAITING), "the verify task waiting for the GPUs", timeout=60)
+        forked = psutil.Process(verifier.pid).children(recursive=True)  # RQ's scheduler
+        verifier.kill()
+        verifier.wait(10)
+        for child in forked:
+            child.kill()
+        wait_for(lambda: not conn.exists(keys.task_lease(task), keys.job_alive(task)), "its leases lapsed", timeout=60)
+        assert job_state(conn, task) == "started"  # as RQ left it
+        retry_run(conn, store, "vk")
+        assert job_state(conn, task) == "queued" and load_run_manifest(store, "vk").verify is None
+        assert run_status(conn, store, "vk").stages["verify"].jobs == {"queued": 1}
+    finally:
+        holder.release()
+        if verifier.poll() is None:
+            verifier.kill()

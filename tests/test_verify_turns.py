@@ -11,7 +11,7 @@ from eyrie.commands.display import verify_lines
 from eyrie.core.target import load_tokenizer
 from eyrie.data.charts import benchmark_series
 from eyrie.data.manifest import RunManifest
-from eyrie.data.verify_outputs import IDENTICAL
+from eyrie.data.verify_outputs import IDENTICAL, too_few
 from eyrie.work.status_models import TrainStatus
 from eyrie_trainer.benchmarks import load_benchmark
 from eyrie_trainer.verify import Client, benchmark_result, benchmark_sets, measured_paces
@@ -107,10 +107,11 @@ def test_each_server_is_asked_the_second_turn_after_its_own_first_answer_and_com
     assert drafted["second_turn"]["asked"] == [0, 1, 2]
     bench = benchmark_result(alone, {3: drafted}, 3)
     one, two, both = bench["k"]["3"], bench["turns"]["2"]["k"]["3"], bench["turns"]["both"]["k"]["3"]
-    assert (one["differing_outputs"], one["outputs_verdict"]) == (1, "differ beyond the target's own batch variance")
+    assert (one["differing_outputs"], one["match_rate"], one["outputs_verdict"]) == (1, 0.5, too_few(2))
     # question 1's second prompts differ (other first answers): compared on questions 0 and 2; question 2 differs
     assert (two["prompts"], two["compared_prompts"], two["differing_outputs"]) == (3, 2, 1)
     assert (two["compared_prompts_at_1"], two["differing_outputs_at_1"]) == (1, 0)  # the first 2 asked at 1 in flight
+    assert (two["outputs_verdict"], both["outputs_verdict"]) == (too_few(1), too_few(3))  # 2 + 1 compared at 1
     assert bench["turns"]["2"]["prompts"] == 3 and bench["turns"]["2"]["questions"] == 3
     assert one["vllm_drafts"] == two["vllm_drafts"] == 10 and both["vllm_drafts"] == 20  # turn 1 + turn 2 counted
     assert one["vllm_acceptance_length"] == 2.0 and two["vllm_acceptance_length"] == 2.5  # the counters read per pass

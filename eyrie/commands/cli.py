@@ -277,12 +277,12 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
     run_verify = entry("eyrie_trainer.verify.verify")
     with held_gpu(settings, conn, VERIFY.name, "all", typer.echo):  # vLLM takes the GPUs, as the verify task's does
         result = run_verify(settings, store, run, request, log=(lambda m: None) if as_json else typer.echo)
-    if as_json:
-        typer.echo(orjson.dumps(result).decode())
-        return
     from eyrie.commands.display import verify_lines
-    for line in verify_lines(run, result):
+    from eyrie.data.verify_outputs import outputs_failure
+    for line in [orjson.dumps(result).decode()] if as_json else verify_lines(run, result):
         typer.echo(line)
+    if failure := outputs_failure(result):  # recorded in the manifest too: the run's verify reads failed
+        raise EyrieError(*failure)
 
 
 @app.command()

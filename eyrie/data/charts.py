@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from eyrie.data.manifest import Layout
-from eyrie.data.verify_outputs import BEYOND, outputs_summary, set_blocks
+from eyrie.data.verify_outputs import BEYOND, FAILED, outputs_summary, set_blocks
 
 MAX_POINTS = 512  # a curve this long has its neighbouring points averaged in pairs
 
@@ -111,7 +111,8 @@ def benchmark_series(benchmarks: dict) -> dict:
     length, its rate per draft position and the speedups."""
     return {name: {k: {"acceptance_length": f["vllm_acceptance_length"], "per_position": f["vllm_per_position_acceptance"],
                        "speedup": f["speedup"], "identical_outputs": f["identical_outputs"],
-                       "outputs": outputs_summary(bench, f), "outputs_beyond_variance": f.get("outputs_verdict") == BEYOND}
+                       "outputs": outputs_summary(bench, f),
+                       "outputs_beyond_variance": f.get("outputs_verdict") in (BEYOND, FAILED)}
                    for k, f in bench["k"].items()} for name, bench in set_blocks(benchmarks)}
 
 

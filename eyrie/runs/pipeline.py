@@ -89,7 +89,9 @@ class VerifySection(_Section):
     prompts: int | None = Field(None, ge=1, description="At most this many prompts per set (held-out included; "
                                                        "file order).")
     max_tokens: int | None = Field(None, ge=1, description="Answer length (unset: generate.max_tokens).")
-    serial_prompts: int = Field(8, ge=1, description="Prompts answered one at a time for tokens/s at 1 in flight.")
+    serial_prompts: int = Field(8, ge=1, description="Prompts answered one at a time: tokens/s at 1 in flight, and the "
+                                "answers the outputs verdict is judged on (under 8: too few to judge, "
+                                "eyrie.data.verify_outputs.MIN_COMPARED).")
 
     @field_validator("benchmarks", "ks", mode="before")
     @classmethod

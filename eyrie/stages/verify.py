@@ -8,6 +8,7 @@ import json
 import time
 
 from eyrie.core.config import load_settings
+from eyrie.data.verify_outputs import outputs_failure
 from eyrie.stages.base import LIVE_JOB_STATES, PipelineStage, RunView, state_of
 from eyrie.stages.generate import Generate
 from eyrie.work import keys, progress
@@ -42,20 +43,27 @@ class Verify(PipelineStage):
 
     def start(self, view: RunView) -> bool:
         if job_state(view.conn, self.work.task_id(view.run)) in LIVE_JOB_STATES:
-            return True  # enqueued already (maybe waiting for a restarting verifier): not decided again
+            # enqueued already (maybe waiting for a restarting verifier): not decided again. RQ lists a task whose
+            # verifier was SIGKILLed under it as started for good: enqueue replaces it (its lease lapsed), so a
+            # retried or rerun run verifies again instead of waiting on a dead task
+            self._enqueue(view)
+            return True
         skipped = verify_skipped(view.conn, view.config)
         if skipped is None:
-            timeout_s = verify_timeout_s(view.conn, view.config, view.manifest)
-            enqueue(view.conn, self.work, {"run": view.run}, timeout_s=timeout_s)
+            self._enqueue(view)
             return True
         view.manifest.verify = skipped  # never skipped in silence: the run's status says why and how
         view.store.put_json(view.layout.manifest, view.manifest.model_dump())
         return False
 
+    def _enqueue(self, view: RunView) -> None:
+        """Its task, unless a live one is queued or running (eyrie.work.queue.enqueue_task)."""
+        enqueue(view.conn, self.work, {"run": view.run}, timeout_s=verify_timeout_s(view.conn, view.config, view.manifest))
+
     def status(self, view: RunView) -> StageStatus | None:
         """Once the pipeline's drafter is exported (or a verify ran or was asked for by hand):
-        pending, in progress, failed with its task's errors, or done (verified, or skipped: why
-        and how to verify shows under train)."""
+        pending, in progress, failed with its task's errors or its outputs' verdict, or done
+        (verified, or skipped: why and how to verify shows under train)."""
         manifest, job = view.manifest, self.work.task_id(view.run)
         state = job_state(view.conn, job)
         result = manifest.verify if manifest else None
@@ -63,6 +71,8 @@ class Verify(PipelineStage):
             return None
         common = {"total": 1, "workers": workers_on(view.conn, self.queue)}
         if result is not None and state not in LIVE_JOB_STATES:  # (a failed task since verified by hand: done)
+            if failure := outputs_failure(result):
+                return StageStatus(state="failed", failed=1, errors=[" Fix: ".join(failure)], **common)
             skipped = int(bool(result.get("skipped")))
             return StageStatus(state="done", done=1 - skipped, skipped=skipped, **common)
         jobs = {state or "pending": 1}
@@ -70,8 +80,10 @@ class Verify(PipelineStage):
                            errors=job_errors(view.conn, [job]), **common)
 
     def on_retry(self, view: RunView) -> None:
-        """A skipped verify is decided afresh (a verifier may be up now: the skip's fix says so)."""
-        if view.manifest is not None and view.manifest.verify and view.manifest.verify.get("skipped"):
+        """A skipped verify is decided afresh (a verifier may be up now: the skip's fix says so); one that
+        failed on its outputs runs again."""
+        verify = view.manifest.verify if view.manifest is not None else None
+        if verify and (verify.get("skipped") or outputs_failure(verify)):
             view.manifest.verify = None
             view.store.put_json(view.layout.manifest, view.manifest.model_dump())
 

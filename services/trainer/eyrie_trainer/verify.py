@@ -6,8 +6,9 @@ on any benchmark sets asked for (mt-bench, gsm8k, humaneval or a file: eyrie_tra
 with the target's chat template), greedy. Per set and K: vLLM's spec-decode counters (`/metrics`)
 give its mean acceptance length (1 + accepted draft tokens / drafts) and the acceptance rate per
 draft position; outputs with and without the drafter compared (greedy speculative decoding is lossless
-up to numerics: vLLM's docs) beside the target's own batch variance, its answers alone at 1 and at 8 in
-flight (in bf16 on a CPU they differ: outputs_verdict); tokens/s with 8 requests in flight (every prompt)
+up to numerics: vLLM's docs): the share equal to plain decoding at 1 in flight beside the target's own at 1
+vs 8 in flight (its batch variance), a verify failing below it (outputs_verdict: eyrie.data.verify_outputs
+states the floor, the margin and the fewest answers judged); tokens/s with 8 requests in flight (every prompt)
 and with 1 (the first `serial_prompts`). MT-Bench (and a file with 2+ `turns` a row) is asked its second turn
 too, as FastChat asks it: each server after its own first answers (eyrie_trainer.verify_turns), measured per
 turn and over both turns. The result goes into the run manifest (`verify`): per set under `benchmarks` (a
@@ -34,7 +35,8 @@ from eyrie.core.errors import EyrieError
 from eyrie.core.target import load_tokenizer
 from eyrie.core.vllm import eagle3_flags, on_cpu, serve_argv, serve_env, start_server, stop_server
 from eyrie.data.manifest import Layout, load_run_manifest, now_iso
-from eyrie.data.verify_outputs import IDENTICAL, worst
+from eyrie.data.verify_outputs import (FAILED, IDENTICAL, MATCH_FLOOR, MATCH_MARGIN, MIN_COMPARED, TOO_FEW, WITHIN,
+                                       worst)
 from eyrie.runs.pipeline import ServeSection, VerifySection, stored_config
 from eyrie.stages import VERIFY
 from eyrie.stages.verify import record_verify_rates
@@ -267,6 +269,7 @@ def headline(heldout: dict, k: int, drafter: dict) -> dict:
     vllm_tau, eyrie_tau = figures["vllm_acceptance_length"], drafter["tau"]
     return {key: figures[key] for key in ("vllm_acceptance_length", "vllm_drafts", "vllm_accepted_tokens",
                                           "vllm_per_position_acceptance", "k", "differing_outputs")} | {
+        "match_rate": figures.get("match_rate"), "target_match_rate": figures.get("target_match_rate"),
         "prompts": heldout["prompts"], "tokens_per_s_target": heldout["tokens_per_s_target"]["8"],
         "tokens_per_s_drafter": figures["tokens_per_s"]["8"], "speedup": figures["speedup"]["8"],
         "speedup_1_in_flight": figures["speedup"]["1"], "eyrie_acceptance_length": eyrie_tau,
@@ -287,9 +290,14 @@ DEFINITIONS = {
                          "differing_outputs_at_1: the first serial_prompts, 1 in flight)",
     "target_differing_1_vs_8": "of the first serial_prompts, those the target alone answers differently at 1 and at "
                                "8 in flight: its own batch variance (bf16 on a CPU: most; float32: none)",
-    "outputs_verdict": "identical; within the target's own batch variance (the target alone answers differently at "
-                       "1 and 8 in flight: target_differing_1_vs_8 > 0); or beyond it (the target alone was "
-                       "batch-invariant, yet answers differ with the drafter: worth a look)",
+    "match_rate": "the share of the first serial_prompts whose answer with the drafter equals plain decoding's, "
+                  "both at 1 in flight",
+    "target_match_rate": "the share of the first serial_prompts the target alone answers the same at 1 and at 8 in "
+                         "flight (1 - target_differing_1_vs_8 / serial_prompts)",
+    "match_rate_required": f"the match rate that passes: target_match_rate - {MATCH_MARGIN}, at least {MATCH_FLOOR}",
+    "outputs_verdict": f"identical; {WITHIN} (match_rate >= match_rate_required); '{FAILED}' (below it: the verify "
+                       f"fails); or '{TOO_FEW} (n of {MIN_COMPARED})' where fewer answers were compared at 1 in "
+                       "flight (a single near-tie flip would decide it: fails nothing)",
     "turns": "a set with second turns (MT-Bench): its own figures are its first turn; turns['2'] its second, asked "
              "by each server after its own first answer (FastChat's way), its answers compared only where the first "
              "answers were equal (compared_prompts); turns['both'] the two turns together: acceptance over both "

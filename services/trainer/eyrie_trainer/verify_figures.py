@@ -9,7 +9,7 @@ turn's pass also `asked`: the questions it asked, in order (its outputs are thei
 
 from __future__ import annotations
 
-from eyrie.data.verify_outputs import differing, outputs_verdict, worst
+from eyrie.data.verify_outputs import differing, outputs_judged
 
 SECOND, BOTH = "2", "both"  # a set's `turns`: its second turn, and both turns together (the set's own: its first)
 
@@ -49,11 +49,12 @@ def speed(spec_rates: dict, alone_rates: dict) -> dict:
             "speedup": {n: round(spec_rates[n] / alone_rates[n], 3) if alone_rates[n] else None for n in alone_rates}}
 
 
-def outputs_compared(alone: tuple[list, list], spec: tuple[list, list], target_differing: int) -> dict:
-    """The answers with the drafter against the target's alone, pairwise: (at 8 in flight, at 1 in flight) each."""
-    at_8 = differing(alone[0], spec[0])
-    return {"identical_outputs": at_8 == 0, "differing_outputs": at_8, "differing_outputs_at_1": differing(alone[1], spec[1]),
-            "outputs_verdict": outputs_verdict(at_8, target_differing)}
+def outputs_compared(alone: tuple[list, list], spec: tuple[list, list], target: tuple[int, int]) -> dict:
+    """The answers with the drafter against the target's alone, pairwise: (at 8 in flight, at 1 in flight) each,
+    judged beside the target's own (answers differing between 1 and 8 in flight, of its serial prompts)."""
+    at_8, at_1 = differing(alone[0], spec[0]), differing(alone[1], spec[1])
+    return {"identical_outputs": at_8 == 0 and at_1 == 0, "differing_outputs": at_8, "differing_outputs_at_1": at_1,
+            **outputs_judged(at_8, at_1, len(alone[1]), *target)}
 
 
 def benchmark_result(alone: dict, drafted: dict[int, dict], prompts: int) -> dict:
@@ -65,7 +66,7 @@ def benchmark_result(alone: dict, drafted: dict[int, dict], prompts: int) -> dic
     for k, spec in drafted.items():
         by_k[str(k)] = {**summarize(*spec["counters"], k),
                         **outputs_compared((alone["outputs"], alone["serial_outputs"]),
-                                           (spec["outputs"], spec["serial_outputs"]), target_differing),
+                                           (spec["outputs"], spec["serial_outputs"]), (target_differing, serial)),
                         **speed(spec["tokens_per_s"], alone["tokens_per_s"])}
     result = {"prompts": prompts, "serial_prompts": serial, "target_differing_1_vs_8": target_differing,
               "tokens_per_s_target": alone["tokens_per_s"], "k": by_k}
@@ -88,7 +89,8 @@ def second_turn_result(alone: dict, drafted: dict[int, dict]) -> dict:
         at_1 = _paired(own["asked"], own["serial_outputs"], theirs["asked"], theirs["serial_outputs"], same_first)
         by_k[str(k)] = {**summarize(*theirs["counters"], k), "prompts": len(theirs["asked"]),
                         "compared_prompts": len(at_8[0]), "compared_prompts_at_1": len(at_1[0]),
-                        **outputs_compared((at_8[0], at_1[0]), (at_8[1], at_1[1]), target_differing),
+                        **outputs_compared((at_8[0], at_1[0]), (at_8[1], at_1[1]),
+                                           (target_differing, len(own["serial_outputs"]))),
                         **speed(theirs["tokens_per_s"], own["tokens_per_s"])}
     return {"prompts": len(own["asked"]), "questions": own["questions"], "serial_prompts": len(own["serial_outputs"]),
             "target_differing_1_vs_8": target_differing, "tokens_per_s_target": own["tokens_per_s"], "k": by_k}
@@ -103,7 +105,7 @@ def _paired(asked_a: list[int], outputs_a: list, asked_b: list[int], outputs_b: 
 
 def both_turns_result(first: dict, second: dict, alone: dict, drafted: dict[int, dict]) -> dict:
     """Both turns together: acceptance over the two 8-in-flight passes' counters, tokens/s over both passes' tokens
-    and seconds, and the two turns' answer comparisons summed (a verdict: the worse)."""
+    and seconds, and the two turns' answer comparisons summed and judged together (each turn is judged too)."""
     target_rates = joint_rates(alone, alone["second_turn"])
     by_k = {}
     for k, spec in drafted.items():
@@ -114,11 +116,21 @@ def both_turns_result(first: dict, second: dict, alone: dict, drafted: dict[int,
                         "identical_outputs": one["identical_outputs"] and two["identical_outputs"],
                         "differing_outputs": one["differing_outputs"] + two["differing_outputs"],
                         "differing_outputs_at_1": one["differing_outputs_at_1"] + two["differing_outputs_at_1"],
-                        "outputs_verdict": worst([one["outputs_verdict"], two["outputs_verdict"]]),
+                        **both_judged(first, second, one, two),
                         **speed(joint_rates(spec, spec["second_turn"]), target_rates)}
     return {"prompts": first["prompts"] + second["prompts"], "serial_prompts": first["serial_prompts"] + second["serial_prompts"],
             "target_differing_1_vs_8": first["target_differing_1_vs_8"] + second["target_differing_1_vs_8"],
             "tokens_per_s_target": target_rates, "k": by_k}
+
+
+def both_judged(first: dict, second: dict, one: dict, two: dict) -> dict:
+    """Both turns' answers judged together: the first turn's serial prompts and the second's compared ones at 1 in
+    flight, beside the target's own serial prompts of both turns."""
+    return outputs_judged(one["differing_outputs"] + two["differing_outputs"],
+                          one["differing_outputs_at_1"] + two["differing_outputs_at_1"],
+                          first["serial_prompts"] + two["compared_prompts_at_1"],
+                          first["target_differing_1_vs_8"] + second["target_differing_1_vs_8"],
+                          first["serial_prompts"] + second["serial_prompts"])
 
 
 def joint_rates(*passes: dict) -> dict:
