@@ -21,6 +21,11 @@ NOT_A_STAGE = {
     ("services/trainer/eyrie_trainer/engine.py", "train"): "speculators' own subcommand (`speculators train`)",
     ("services/trainer/eyrie_trainer/runner.py", "generate"): "speculators' on_missing value: make states on demand",
     ("services/inference/eyrie_inference/extract_server.py", "extract"): "the extraction server's endpoint name",
+    ("eyrie/runs/from_answers.py", "generate"): "a published answers set's provenance key: the run manifest's "
+                                                "generate section, as eyrie-answers.json holds it",
+    ("services/trainer/eyrie_trainer/answers.py", "generate"): "eyrie-answers.json's key for the manifest's "
+                                                               "generate section (the published format)",
+    ("services/trainer/eyrie_trainer/answers.py", "train"): "a hub dataset split's name",
 }
 
 

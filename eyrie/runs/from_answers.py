@@ -15,6 +15,7 @@ from eyrie.data.answers_set import AnswersSet, find
 from eyrie.data.manifest import (Counts, DatasetRef, GenerateParams, Layout, RunManifest, ShardManifest, ShardPlan,
                                  TargetRef, code_version, now_iso)
 from eyrie.runs.reuse import target_identity
+from eyrie.stages import PIPELINE
 
 
 def answers_of(config) -> AnswersSet | None:
@@ -93,7 +94,7 @@ def _shard(store, layout: Layout, index: int, records: list[dict], where: str) -
                     tokens=completion, bytes=answers.size)
     at = now_iso()
     store.put_json(layout.generate_shard_manifest(index), ShardManifest(
-        run=layout.run, stage="generate", shard=index, object=answers.key, sha256=answers.sha256, bytes=answers.size,
+        run=layout.run, stage=PIPELINE[0].name, shard=index, object=answers.key, sha256=answers.sha256, bytes=answers.size,
         counts=counts, skip_reasons={}, failure_errors={}, started_at=at, finished_at=at,
         worker=f"published answers ({where})").model_dump())
     return ShardPlan(index=index, row_start=records[0]["row"], row_end=records[-1]["row"] + 1, input_key=inputs.key,

@@ -25,7 +25,7 @@ from eyrie.data.manifest import Layout, load_run_manifest
 from eyrie.runs.pipeline import can_go_on, stored_config
 from eyrie.runs.projection import project
 from eyrie.runs.storage_plan import vllm_utilization
-from eyrie.stages import PipelineStage, stage
+from eyrie.stages import EXTRACT, PIPELINE, TRAIN, PipelineStage
 from eyrie.work import inference, keys
 from eyrie_extractor.vllm_backend import clear_orphans, connector_env, extract_command
 from eyrie_inference.server import Server
@@ -51,7 +51,8 @@ def extraction_run(conn, store) -> str | None:
 def reading_stage(store, manifest) -> PipelineStage:
     """The stage that reads the server now: extract until every shard is extracted, then the
     training of a run that trains on demand."""
-    return stage("train" if extracted(store, manifest) else "extract")
+    work = TRAIN if extracted(store, manifest) else EXTRACT
+    return next(s for s in PIPELINE if s.work is work)
 
 
 def needs_server(store, manifest) -> bool:
