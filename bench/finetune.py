@@ -9,7 +9,8 @@ learning curve serves its points (its measurements are shared: what one script m
   scratch     slice n from scratch, the recipe its tokens choose: S optimizer steps (the learning curve's own point)
   base        the slice's samples of one category (e.g. math) from scratch, their own recipe
   finetune    from the base (speculators' from_pretrained, the base's own draft vocabulary) on slice n: S steps
-  finetune/2  the same at S/2 steps (max_steps: the learning rate decays over the shorter budget)
+  finetune/2  the same at S/2 steps (max_steps: the learning rate decays over the shorter budget; --budgets 0.5:
+              this one alone)
 Writes --out (JSON) and a section of --results. A rerun continues: points judged in an earlier sitting are reused.
 """
 
@@ -98,7 +99,7 @@ def points(store, manifest, a) -> list[dict]:
                     linked_from=eval_dir)
         (data / "done").touch()
     tuned = []
-    for budget in (steps, steps // 2):
+    for budget in (round(steps * f) for f in a.budgets):
         folder = work / "finetune" / f"from-{a.base_category}-{a.size}-{budget}"
         d2t, t2d = save_vocab_mapping(ready, folder / "base-vocab")
         options = t.options(slice_n, folder, data_path=str(data), from_pretrained=str(ready), d2t_path=str(d2t),
@@ -136,10 +137,13 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--prompts", type=int, default=40, help="prompts per benchmark")
     p.add_argument("--max-tokens", type=int, default=256, help="answer length in vLLM")
     p.add_argument("--k", type=int, help="draft length K (default: the run's ttt_steps)")
+    p.add_argument("--budgets", default="1,0.5", help="the finetunes' optimizer steps as shares of the from-scratch "
+                   "point's, the goal's own (half) last; 0.5 alone saves a sitting the full-length one")
     p.add_argument("--out", type=Path, help="JSON (default: EYRIE_CACHE_DIR/../results/RUN-finetune.json)")
     p.add_argument("--results", type=Path, help="Markdown (default: RESULTS.md beside --out)")
     a = p.parse_args(argv)
     a.size = int(float(a.size[:-1]) * 1000) if a.size.lower().endswith("k") else int(a.size)
+    a.budgets = [float(f) for f in a.budgets.split(",")]
     a.command = "python bench/finetune.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     return a
 

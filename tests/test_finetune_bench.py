@@ -39,3 +39,9 @@ def test_the_section_has_a_row_per_point_with_its_steps_and_acceptance_per_set()
     assert lines[-1].endswith("heldout +0.02, gsm8k +0.02. Goal (within 0.05 of from scratch on every set): holds.")
     r["points"][-1]["sets"]["gsm8k"]["vllm_acceptance_length"] = 2.24
     assert finetune.section(r)[-1].endswith("gsm8k -0.06. Goal (within 0.05 of from scratch on every set): does not hold.")
+
+
+def test_budgets_are_shares_of_the_scratch_points_steps_half_last():
+    a = finetune.parse_args(["--run", "r", "--size", "1k", "--budgets", "0.5"])
+    assert (a.size, a.budgets) == (1000, [0.5])
+    assert finetune.parse_args(["--run", "r", "--size", "1000"]).budgets == [1.0, 0.5]
