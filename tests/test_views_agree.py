@@ -1,7 +1,9 @@
 """Every view of a run counts from one source (issue 41, item 10). The samples training left out:
 status, `eyrie logs` and the dashboard's API read the trainer's record over every attempt
 (train/samples.json), which the trainer saves soon after a step leaves one out; before, `eyrie logs`
-and the dashboard counted the running attempt's drops from Redis and read 0 after a retry. The loss
+and the dashboard counted the running attempt's drops from Redis and read 0 after a retry. Grouped by
+speculators' reason with its numbers as N (its words name the row and the attempt: one reason, not
+one per sample), one example each. The loss
 and accuracy charts: drawn from the trainer's live curve while it trains, to the step just done;
 before, from the store's copy, written only with each checkpoint. Real Redis, a real store (a local
 directory); the trainer's own code (its runner, its record, speculators' training on CPU)."""
