@@ -68,16 +68,18 @@ def show(run: str = typer.Argument(..., help="Run name."),
     charts of loss and accuracy per TTT position over the steps, acceptance length per checkpoint
     (eyrie's, vLLM's where verified) and acceptance per draft position."""
     from eyrie.commands.display import render_charts, render_manifest
-    from eyrie.data.charts import load_chart_series
     from eyrie.data.manifest import load_run_manifest
+    from eyrie.stages import RunView
+    from eyrie.stages.train import evaluation_of, train_charts
 
-    _, _, store = context()
+    _, conn, store = context()
     manifest = load_run_manifest(store, run)
     if as_json:
         _print_json(manifest.model_dump())
     else:
         render_manifest(manifest.model_dump())
-        render_charts(load_chart_series(store, manifest))
+        view = RunView(conn, store, run, manifest=manifest)
+        render_charts(train_charts(view, evaluation_of(view)))
 
 
 def _on_run(action: str, run: str) -> dict:
@@ -127,8 +129,9 @@ def logs(run: str = typer.Argument(..., help="Run name."),
         typer.echo(line)
     for reason in failures(conn, store, run):
         if reason.kind != "task":  # the task errors are the lines above
-            sample = (reason.example or {}).get("sample_id")
-            where = f" (e.g. sample {sample}, row {reason.example.get('row')})" if sample else ""
+            example = reason.example or {}
+            row = f", row {example['row']}" if example.get("row") is not None else ""
+            where = f" (e.g. sample {example['sample_id']}{row})" if example.get("sample_id") else ""
             typer.echo(f"{reason.stage}: {reason.count} {reason.kind}: {reason.reason}{where}")
 
 

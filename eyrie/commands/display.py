@@ -113,6 +113,9 @@ def render_train(s: TrainStatus) -> None:
         acc = " ".join(f"{a:.2f}" for a in s.acc or [])
         console.print(f"train: epoch {(s.epoch or 0) + 1}/{s.epochs}, loss {s.loss:.3f}, "
                       f"accuracy per TTT step [{acc}]" + (f", val loss {s.val_loss:.3f}" if s.val_loss else ""))
+    if s.dropped:
+        console.print(f"[yellow]train: {s.dropped} sample(s) left out[/] ({'; '.join(s.drop_reasons)}); "
+                      "`eyrie logs RUN` names one of each")
     if s.path:
         console.print(f"train: {s.path['path']} path ({s.path['draft_attn_impl']} attention, "
                       f"{s.path['loss_implementation']} loss)")

@@ -1,13 +1,13 @@
 """The series people look at rather than read: loss and accuracy per TTT position over the
-training steps (the trainer's curve, train/curve.json), acceptance length per checkpoint (eyrie's,
-and vLLM's verified figure) and acceptance per draft position. The status API (`charts` of the
-train stage) and `eyrie show` both take them from `chart_series`."""
+training steps (the trainer's curve: live in Redis while it trains, train/curve.json in the store
+with each checkpoint), acceptance length per checkpoint (eyrie's, and vLLM's verified figure) and
+acceptance per draft position. The status API (`charts` of the train stage) and `eyrie show` both
+take them from eyrie.stages.train.train_charts."""
 
 from __future__ import annotations
 
 import re
 
-from eyrie.data.manifest import Layout
 from eyrie.data.verify_outputs import BEYOND, FAILED, outputs_summary, set_blocks
 
 MAX_POINTS = 512  # a curve this long has its neighbouring points averaged in pairs
@@ -114,10 +114,3 @@ def benchmark_series(benchmarks: dict) -> dict:
                        "outputs": outputs_summary(bench, f),
                        "outputs_beyond_variance": f.get("outputs_verdict") in (BEYOND, FAILED)}
                    for k, f in bench["k"].items()} for name, bench in set_blocks(benchmarks)}
-
-
-def load_chart_series(store, manifest) -> dict:
-    """chart_series of a run, read from the store (`manifest`: its RunManifest)."""
-    layout = Layout(manifest.run)
-    stored = [store.get_json(key) if store.exists(key) else None for key in (layout.evaluation, layout.train_curve)]
-    return chart_series(stored[0], manifest.verify, stored[1])

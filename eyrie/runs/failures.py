@@ -1,6 +1,6 @@
 """A run's failures by reason, per stage: samples failed or skipped (from the finished shards'
-manifests, one example each), samples training left out, and failed tasks (their last error line).
-What the dashboard and `eyrie logs` show."""
+manifests, one example each), samples training left out (eyrie.stages.train.left_out, as status
+counts them), and failed tasks (their last error line). What the dashboard and `eyrie logs` show."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from eyrie.data.manifest import ShardManifest
 from eyrie.runs.pipeline import run_view
 from eyrie.stages import PIPELINE, RunView
 from eyrie.stages.sharded import ShardedStage
-from eyrie.stages.train import Train
+from eyrie.stages.train import Train, left_out
 from eyrie.tasks.executor import outcomes
 from eyrie.work import progress
 from eyrie.work.queue import job_errors
@@ -78,11 +78,8 @@ def _examples_of(store, shard: ShardManifest) -> dict:
 
 def _dropped(view: RunView, stage: Train) -> list[Reason]:
     live = progress.read(view.conn, view.run, stage.name).get("0", {})
-    if not live.get("dropped"):
-        return []
-    reasons = live.get("drop_reasons") or ["see the trainer's log"]
-    return [Reason(stage=stage.name, kind="dropped", reason=reasons[-1], count=live["dropped"],
-                   example={"detail": "; ".join(dict.fromkeys(reasons))})]
+    return [Reason(stage=stage.name, kind="dropped", reason=d.reason, count=d.count,
+                   example=d.example) for d in left_out(view, live)]
 
 
 def _tasks(view: RunView, stage) -> list[Reason]:

@@ -4,6 +4,9 @@ manifest), then one task that trains the drafter with speculators, evaluates and
 
 from __future__ import annotations
 
+import re
+from typing import NamedTuple
+
 from eyrie.data.charts import chart_series
 from eyrie.stages.base import PipelineStage, RunView, state_of
 from eyrie.stages.start_checks import check_train
@@ -43,7 +46,7 @@ class Train(PipelineStage):
 def train_status(view: RunView, stage: Train) -> TrainStatus:
     """The one training task: steps as its progress, the latest loss and per-TTT-step accuracy,
     checkpoints, τ per checkpoint once evaluated, the exported drafter, and the charts' series."""
-    conn, store, manifest, layout = view.conn, view.store, view.manifest, view.layout
+    conn, manifest = view.conn, view.manifest
     live = progress.read(conn, view.run, stage.name).get("0", {})
     job = stage.work.task_id(view.run)
     state = job_state(conn, job) or "missing"
@@ -52,10 +55,8 @@ def train_status(view: RunView, stage: Train) -> TrainStatus:
     elapsed = max(1e-6, live.get("updated_at", 0) - live.get("started", 0))
     steps_this_attempt = step - live.get("resumed_at_step", 0)
     rate = steps_this_attempt / elapsed if steps_this_attempt > 0 else None
-    evaluation, curve, read = (store.get_json(key) if store.exists(key) else None
-                               for key in (layout.evaluation, layout.train_curve, layout.train_samples))
-    if read and read["dropped"]:  # left out and never read, over every attempt (eyrie_trainer.ledger)
-        live = {**live, "dropped": len(read["dropped"]), "drop_reasons": sorted(set(read["dropped"].values()))[:5]}
+    evaluation = evaluation_of(view)
+    dropped = left_out(view, live)
     return TrainStatus(
         state="done" if done else state_of(0, 1, {state: 1}, step),
         total=total, done=step, tokens=live.get("tokens", 0),
@@ -65,9 +66,47 @@ def train_status(view: RunView, stage: Train) -> TrainStatus:
         epochs=manifest.train.epochs, steps_per_epoch=live.get("steps_per_epoch"), loss=live.get("loss"),
         val_loss=live.get("val_loss"),
         acc=live.get("acc"), path=live.get("path"), notes=live.get("notes", []), on_demand=live.get("on_demand", 0),
-        dropped=live.get("dropped", 0), drop_reasons=live.get("drop_reasons", []),
+        dropped=sum(d.count for d in dropped), drop_reasons=[d.reason for d in dropped],
         checkpoints=live.get("checkpoints", []), evaluation=evaluation, drafter=manifest.drafter,
-        verify=manifest.verify, charts=chart_series(evaluation, manifest.verify, curve),
+        verify=manifest.verify, charts=train_charts(view, evaluation),
         waiting_for=[live["waiting_for"]] if live.get("waiting_for") and live.get("phase") == "waiting" else [],
         workers=workers_on(conn, stage.queue), errors=job_errors(conn, [job]), jobs={state: 1},
         params=manifest.train.model_dump())
+
+
+class Dropped(NamedTuple):
+    reason: str  # speculators' words, its numbers (a row, an attempt) as N: one reason for many samples
+    count: int
+    example: dict | None  # one sample: its id and speculators' own words, where the record names them
+
+
+def left_out(view: RunView, live: dict) -> list[Dropped]:
+    """The samples training left out, by reason, most first: the record over every attempt
+    (train/samples.json, eyrie_trainer.ledger: left out and never read since; the trainer saves it
+    with each checkpoint and within eyrie_trainer.runner.LEDGER_SAVE_S of a step that left one
+    out), else, before its first save, this attempt's live count. Status, `eyrie logs` and the
+    dashboard count from here."""
+    by_reason: dict[str, list[tuple[str | None, str]]] = {}
+    if view.store.exists(view.layout.train_samples):
+        dropped = view.store.get_json(view.layout.train_samples)["dropped"].items()
+    else:
+        dropped = [(None, (live.get("drop_reasons") or ["see the trainer's log"])[-1])] * live.get("dropped", 0)
+    for sample, why in dropped:
+        by_reason.setdefault(re.sub(r"\d+", "N", why), []).append((sample, why))
+    return sorted((Dropped(reason, len(found), {"sample_id": found[0][0], "detail": found[0][1]} if found[0][0]
+                           else None) for reason, found in by_reason.items()), key=lambda d: -d.count)
+
+
+def train_charts(view: RunView, evaluation: dict | None) -> dict:
+    """chart_series of the run (its manifest planned): the curve live from Redis while it trains
+    (the step just done), the store's copy (written with each checkpoint) once it is exported or
+    when Redis has none."""
+    curve = None if view.manifest.drafter else progress.read_curve(view.conn, view.run, Train.name)
+    if curve is None and view.store.exists(view.layout.train_curve):
+        curve = view.store.get_json(view.layout.train_curve)
+    return chart_series(evaluation, view.manifest.verify, curve)
+
+
+def evaluation_of(view: RunView) -> dict | None:
+    """train/evaluation.json: tau per checkpoint, once training evaluated them."""
+    return view.store.get_json(view.layout.evaluation) if view.store.exists(view.layout.evaluation) else None

@@ -78,6 +78,9 @@ class Live:
         progress.report(self.conn, self.run, self.stage, self.task, self.started,
                         worker=socket.gethostname(), **fields)
 
+    def curve(self, data: dict) -> None:
+        progress.report_curve(self.conn, self.run, self.stage, data)
+
 
 class StageTask:
     """One task of a stage: its own work. A subclass sets `stage` and `Payload` and defines `run`;

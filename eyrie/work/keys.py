@@ -25,6 +25,7 @@ admit_lock = "eyrie:admit:{}:{}".format  # (GPU Job stage, run) one creator at a
 progress = "eyrie:progress:{}:{}".format  # (run, stage) a hash: task -> its live progress (JSON)
 stage_started = "eyrie:stage:{}:{}".format  # (run, stage) a hash: when its first progress came (started_at)
 rates = "eyrie:rates:{}:{}".format  # (run, stage) a hash: "task:width:interval" -> [time, tokens, started] (JSON)
+curve = "eyrie:curve:{}:{}".format  # (run, stage) the training curve so far (JSON), as its store copy will hold it
 
 VERIFY_RATES = "eyrie:verify:rates"  # a hash: target -> the slowest tok/s its verify measured at 8 and at 1 in flight
 

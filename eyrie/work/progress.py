@@ -30,11 +30,23 @@ def report(conn: redis.Redis, run: str, stage: str, task: str, started: float, *
 
 def reset(conn: redis.Redis, run: str, stage: str) -> None:
     """A new plan for a stage starts with no live progress (a run name may be reused)."""
-    conn.delete(keys.progress(run, stage), keys.stage_started(run, stage), keys.rates(run, stage))
+    conn.delete(keys.progress(run, stage), keys.stage_started(run, stage), keys.rates(run, stage),
+                keys.curve(run, stage))
 
 
 def read(conn: redis.Redis, run: str, stage: str) -> dict[str, dict]:
     return {k.decode(): orjson.loads(v) for k, v in conn.hgetall(keys.progress(run, stage)).items()}
+
+
+def report_curve(conn: redis.Redis, run: str, stage: str, curve: dict) -> None:
+    """The stage's curve to the step just done (eyrie.data.charts.Curve's snapshot): what the charts
+    draw while it runs; its store copy is written only with each checkpoint."""
+    conn.set(keys.curve(run, stage), orjson.dumps(curve))
+
+
+def read_curve(conn: redis.Redis, run: str, stage: str) -> dict | None:
+    value = conn.get(keys.curve(run, stage))
+    return orjson.loads(value) if value else None
 
 
 def started_at(conn: redis.Redis, run: str, stage: str) -> float | None:

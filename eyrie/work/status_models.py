@@ -59,10 +59,12 @@ class TrainStatus(StageStatus):
     notes: list[str] = Field(default_factory=list)
     on_demand: int = Field(0, description="Training samples whose hidden states the extraction service makes.")
     dropped: int = Field(0, description="Samples speculators left out: the extraction service's retries "
-                                        "exhausted, or states whose token ids did not match. Once a checkpoint "
+                                        "exhausted, or states whose token ids did not match. Once the trainer "
                                         "recorded them (train/samples.json), those never trained on in any "
-                                        "attempt; before it, this attempt's left-out steps.")
-    drop_reasons: list[str] = Field(default_factory=list, description="The last few reasons, speculators' words.")
+                                        "attempt; before, this attempt's left-out samples. `eyrie logs` and "
+                                        "the dashboard count the same (eyrie.stages.train.left_out).")
+    drop_reasons: list[str] = Field(default_factory=list, description="Their reasons, most samples first, "
+                                                                      "speculators' words.")
     checkpoints: list = Field(default_factory=list)
     evaluation: dict | None = None
     drafter: dict | None = None

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import redis
 import requests
 
 from eyrie.core.config import Settings, load_settings
@@ -24,6 +25,7 @@ from eyrie.runs.pipeline import ServeSection, can_go_on, drained_run, load_confi
 from eyrie.stages import PIPELINE
 from eyrie.tasks.gpu_admission import gpu_lease
 from eyrie.work import inference
+from eyrie.work.cancel import STOP_REQUESTED, stop_requested
 from eyrie.work.gpu import GpuLease, holder, in_mode
 from eyrie.work.queue import connect
 
@@ -307,13 +309,22 @@ class Server:
         inference.publish(self.conn, self.endpoint)
 
     def stop(self) -> None:
+        """vLLM stopped (within STOP_GRACE_S), then the endpoint published `stopped` and the GPU lease
+        returned. On SIGTERM with Redis away those fail at their first error (stop_requested), so
+        the stop ends within STOP_GRACE_S and a few seconds whether Redis answers or not."""
         self._stopping = True
         if self.proc:
             stop_server(self.proc, grace_s=self.STOP_GRACE_S)  # the whole group: vLLM's engine core goes with it
-        if self.endpoint.state != "failed":
-            self._publish("stopped")
-        if self.gpu:  # released only once the server has exited and freed the memory
-            self.gpu.release()
+        try:
+            if self.endpoint.state != "failed":
+                self._publish("stopped")
+            if self.gpu:  # released only once the server has exited and freed the memory
+                self.gpu.release()
+        except redis.exceptions.RedisError as exc:
+            if not stop_requested():
+                raise
+            print(f"eyrie serve: stopped; Redis did not answer ({exc}): its record of the endpoint is left as it "
+                  "was, and the GPU lease lapses by itself", flush=True)
 
 
 class _NotNeeded(Exception):
@@ -321,4 +332,7 @@ class _NotNeeded(Exception):
 
 
 def _interrupt(signum, frame):
+    """SIGTERM, seen as a worker's is (eyrie.work.cancel.STOP_REQUESTED): Redis commands stop waiting
+    out an away Redis, so the stop ends within its bound."""
+    STOP_REQUESTED.set()
     raise KeyboardInterrupt  # unwinds to Server.run's finally: the server stops, the lease is returned

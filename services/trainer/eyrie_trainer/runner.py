@@ -36,6 +36,7 @@ log = logging.getLogger("eyrie.trainer")
 # training wait; past it the sample is dropped, and 20 in a row stop training
 SERVICE_RETRIES = 7
 STALL_RETRIES = 2  # a training that stalls again after two resumes is not a passing hang
+LEDGER_SAVE_S = 30  # samples left out reach train/samples.json (what status counts) this soon, checkpoint or not
 
 
 class TaskLost(RuntimeError):
@@ -52,6 +53,8 @@ class TrainRunner(StageTask):
     eyrie_trainer.plan) is read in `run`, after the done-check."""
 
     stage, gpu_owner = TRAIN, "trainer"
+    _drops_unsaved, _ledger_saved = False, float("-inf")  # samples left out since the ledger's last save; when
+    curve: Curve | None = None  # loss and accuracy per step, once training starts
 
     def __init__(self, ctx: Context, payload: RunTask):
         super().__init__(ctx, payload)
@@ -237,6 +240,7 @@ class TrainRunner(StageTask):
     def _on_metrics(self, record: dict) -> None:
         self.curve.add_record(record)
         if "train" in record:
+            self._save_drops()
             metrics, profile = record["train"], record.get("profile") or {}
             self.live.update(step=record["global_step"] + 1, epoch=record.get("epoch"), loss=metrics.get("loss"),
                              acc=per_position(metrics, "full_acc"), lr=record.get("lr"))
@@ -253,6 +257,7 @@ class TrainRunner(StageTask):
         """Samples speculators left out of this step (it trains on the rest): counted, with why."""
         if dropped:
             self.live["dropped"] = self.live.get("dropped", 0) + dropped
+            self._drops_unsaved = True
             why = (self.live.get("drop_reasons") or ["see the trainer's log"])[-1]
             self._say(f"{dropped} sample(s) left out of a step of epoch {epoch}: {why}")
 
@@ -269,9 +274,16 @@ class TrainRunner(StageTask):
         if self.events is not None:
             self.events.push()
 
+    def _save_drops(self) -> None:
+        """The steps before this one left samples out (their rows are known once their step ended):
+        the ledger goes to the store, at most every LEDGER_SAVE_S."""
+        if self._drops_unsaved and time.monotonic() - self._ledger_saved > LEDGER_SAVE_S:
+            self._save_ledger()
+
     def _save_ledger(self) -> None:
         self.ledger.update(self.hooks.state.get("read", set()), self.hooks.state.get("dropped_rows", {}))
         self.ledger.save()
+        self._drops_unsaved, self._ledger_saved = False, time.monotonic()
 
     def _stored(self, label: str, epoch: int, local_step: int, entry: dict) -> None:
         self.live["checkpoints"].append({"label": label, "step": self.live.get("step"), "epoch": epoch,
@@ -298,6 +310,8 @@ class TrainRunner(StageTask):
         if force or time.monotonic() - self._last_report > 0.5:
             self._last_report = time.monotonic()
             self.progress.report(**self.live)
+            if self.curve is not None:  # the charts reach the step the status shows
+                self.progress.curve(self.curve.snapshot())
 
 
 def run_train_task(payload: dict) -> dict:
