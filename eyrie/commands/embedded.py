@@ -37,7 +37,12 @@ def start(name: str, args: list[str], env: dict | None = None) -> subprocess.Pop
                             start_new_session=True)
 
 
-def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
+STOP_S = 45  # past `eyrie serve`'s own STOP_GRACE_S (30 s for its model server, a group of its own) and a margin
+
+
+def stop(proc: subprocess.Popen, timeout: float = STOP_S) -> None:
+    """SIGTERM to the process's group, SIGKILL after `timeout`: long enough for a server to stop its own
+    model server first (killed sooner, that one outlived it, orphaned)."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
