@@ -28,7 +28,7 @@ from eyrie_trainer.data import done_samples, fetch_heldout_states, heldout_ids, 
 from eyrie_trainer.events import EventUploads
 from eyrie_trainer.export import evaluate_and_export
 from eyrie_trainer.ledger import TrainedSamples
-from eyrie_trainer.stall import StallWatch
+from eyrie_trainer.stall import Stalled, StallWatch
 
 log = logging.getLogger("eyrie.trainer")
 # speculators backs a failed request to the extraction service off 2, 4, ..., 128 s (~4 min) and
@@ -194,13 +194,15 @@ class TrainRunner(StageTask):
         """speculators' training, watched: stalled (no step, no new epoch for train_stall_s), it resumes
         from its last checkpoint, STALL_RETRIES times at most."""
         fast, stalls, limit_s = engine.fast_path(self.settings, device), 0, self.settings.train_stall_s
+        no_loader_workers = settings["num_workers"] == 0  # nothing to end: the training itself is interrupted
         while True:
-            watch = StallWatch(limit_s, lambda: (hooks.state.get("steps"), hooks.state.get("epoch")), self._say)
+            watch = StallWatch(limit_s, lambda: (hooks.state.get("steps"), hooks.state.get("epoch")), self._say,
+                               interrupt=no_loader_workers)
             try:
                 with watch:
                     return engine.train_with_fallback(settings, device, fast, hooks, self._say)
-            except Exception as exc:
-                if not watch.ended:
+            except (Exception, Stalled) as exc:
+                if not watch.fired:
                     raise
                 stalls += 1
                 if stalls > STALL_RETRIES:
