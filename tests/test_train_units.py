@@ -457,29 +457,3 @@ def test_a_mid_epoch_resume_counts_the_rows_of_the_batches_it_trains_on(hs_dir, 
     resumed = train()  # epoch 0 again, after its first `skip` batches
     assert len(resumed) == len(whole) - skip
     assert resumed[-1] == whole[-1] - whole[skip - 1]  # the rows of the batches trained on, each once
-
-
-def test_a_hung_data_loader_worker_is_named_its_stacks_logged_and_the_waiting_step_fails(tmp_path):
-    """speculators' loader as it is built on a GPU host (spawned, persistent workers), one worker hung
-    on an item: the stall watch fires, writes every thread's stack, ends the workers, and the loop
-    that waited raises instead of waiting for ever."""
-    import torch
-
-    from eyrie_trainer.stall import StallWatch
-    from hang_dataset import HangingDataset
-
-    loader = torch.utils.data.DataLoader(HangingDataset(8, hang_at=3), batch_size=1, num_workers=2,
-                                         persistent_workers=True, multiprocessing_context="spawn")
-    said, batches = [], []
-    stacks = (tmp_path / "stacks.txt").open("w")
-    with pytest.raises(RuntimeError, match="exited unexpectedly"):
-        batches_iter = iter(loader)
-        batches.append(next(batches_iter))  # the workers are up (each imports torch): the watch starts here
-        with StallWatch(3, lambda: len(batches), said.append, out=stacks) as watch:
-            for batch in batches_iter:
-                batches.append(batch)
-    stacks.close()
-    assert len(watch.ended) == 2 and [int(b) for b in batches] == [0, 1, 2]
-    assert "made no progress for" in said[0] and "ending its data-loader workers" in said[0]
-    assert "EYRIE_TRAIN_STALL_S=3" in said[0]
-    assert "test_a_hung_data_loader_worker" in (tmp_path / "stacks.txt").read_text()  # the waiting thread's frame

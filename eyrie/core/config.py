@@ -86,8 +86,9 @@ class Settings(BaseSettings):
                                 "(its spawned workers each import torch, then only compete for the cores).")
     train_stall_s: float = Field(
         1800, gt=0, description="Training with no step and no new epoch for this long is stalled: its stacks "
-                                "go to the log, its data-loader workers are ended and it resumes from its "
-                                "last checkpoint (twice at most, then the task fails).")
+                                "go to the log, its data-loader workers are ended (with none, the training "
+                                "is interrupted) and it resumes from its last checkpoint (twice at most, "
+                                "then the task fails).")
 
     api_token: SecretStr | None = Field(None, description="Bearer token every mutating API call needs; "
                                                           "unset: the API refuses them all.")
