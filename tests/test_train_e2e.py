@@ -218,11 +218,18 @@ def test_sigterm_saves_a_mid_epoch_checkpoint_and_the_trainer_resumes_there(pipe
     worker = subprocess.Popen([str(BIN / "eyrie"), "worker", "train"], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     layout = Layout("term")
-    deadline = time.monotonic() + 600
-    while (status("term", env)["stages"]["train"]["done"] or 0) < 3 and time.monotonic() < deadline:
-        assert worker.poll() is None
-        time.sleep(0.3)
+    conn, deadline = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), time.monotonic() + 600
+    # the live report straight from Redis (a status command took longer than the epoch on a loaded host,
+    # and the SIGTERM landed in epoch 1), then the worker held (SIGSTOP) where the report says, so the
+    # SIGTERM lands at a known step of epoch 0
+    while (live := progress.read(conn, "term", "train").get("0", {})).get("step", 0) < 2:
+        assert worker.poll() is None and time.monotonic() < deadline, live
+        time.sleep(0.02)
+    os.killpg(worker.pid, signal.SIGSTOP)
+    held = progress.read(conn, "term", "train")["0"]
+    assert held["step"] < held["steps_per_epoch"] - 1, f"held too late to stop epoch 0: {held}"
     worker.send_signal(signal.SIGTERM)  # what `docker stop` sends
+    os.killpg(worker.pid, signal.SIGCONT)
     assert worker.wait(120) == 0  # the worker itself stops, after the checkpoint
     saved = store.get_json(layout.checkpoint_manifest("0"))
     assert saved["local_step"] > 0  # mid-epoch 0
