@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import shutil
 import signal
 import subprocess
@@ -30,7 +29,7 @@ from eyrie.core.vllm import serve_argv, with_cpu_dtype
 from eyrie.data.manifest import Layout, ShardManifest
 from eyrie.work import progress
 from eyrie.work.queue import queue
-from vllm_real import SMALL, VLLM_PYTHON, start_vllm, stop_vllm, vllm_env
+from vllm_real import SMALL, VLLM_PYTHON, requests_served, start_vllm, stop_vllm, vllm_env
 
 DOCS = ROOT / "docs"
 ROWS = 48
@@ -415,8 +414,7 @@ def restartable_server(request, tmp_path):
         run in the second a status command takes, and CI saw the kill land after the last answer),
         the stub's from the generate stage's status (0.5 s an answer)."""
         if request.param == "vllm":
-            text = requests.get(f"{server['url']}/metrics", timeout=10).text
-            return int(sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M)))
+            return requests_served(server["url"])
         return generate_status(server["run"], server["env"])["done"]
 
     if request.param == "vllm":

@@ -13,7 +13,6 @@ materialized directory with samples stored as ids alone."""
 import contextlib
 import json
 import os
-import re
 import subprocess
 import signal
 import threading
@@ -43,6 +42,7 @@ from eyrie_extractor.storage_split import ids_object_bound, split, states_file_b
 from eyrie_extractor.vllm_backend import clear_orphans, connector_env, extract_command
 from eyrie_trainer.data import heldout_ids, materialize
 from vllm_real import SMALL, START_S, VLLM_PYTHON, stop_vllm, vllm_env
+from vllm_real import requests_served as vllm_requests_served
 
 LAYERS = [2, 4, 5]
 PROMPTS = 12  # two generate shards of 6
@@ -247,10 +247,8 @@ class Service:
         inference.publish_extract(self.conn, endpoint)
 
     def requests_served(self) -> int:
-        """vLLM's own count of finished requests."""
-        text = requests.get(f"{self.url}/metrics", timeout=10).text
-        served = sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
-        return self.served_before + int(served)
+        """vLLM's own count of finished requests, earlier processes' included."""
+        return self.served_before + vllm_requests_served(self.url)
 
     def stop(self) -> None:
         self.stopped.set()

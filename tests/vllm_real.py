@@ -4,10 +4,12 @@ flags that keep it small on 2 cores, and a starter that waits until it answers."
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
+import requests
 
 from conftest import OFFLINE, ROOT, wait_http
 
@@ -44,3 +46,9 @@ def stop_vllm(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
+
+
+def requests_served(url: str) -> int:
+    """vLLM's own count of finished requests (its /metrics), read in milliseconds."""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return int(sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M)))
