@@ -235,7 +235,7 @@ def test_sigterm_saves_a_mid_epoch_checkpoint_and_the_trainer_resumes_there(pipe
     assert saved["local_step"] > 0  # mid-epoch 0
     assert not store.exists(layout.drafter_manifest)
 
-    # the interrupted task is retried by itself (RQ's retry, 10 s later) by the next worker
+    # the interrupted task was handed back (queued again at once, no failed attempt): the next worker takes it
     worker = subprocess.Popen([str(BIN / "eyrie"), "worker", "train"], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
     try:

@@ -457,3 +457,28 @@ def test_a_mid_epoch_resume_counts_the_rows_of_the_batches_it_trains_on(hs_dir, 
     resumed = train()  # epoch 0 again, after its first `skip` batches
     assert len(resumed) == len(whole) - skip
     assert resumed[-1] == whole[-1] - whole[skip - 1]  # the rows of the batches trained on, each once
+
+
+def test_a_sigterm_in_a_steps_report_saves_that_step_counted(hs_dir, tmp_path):
+    """A SIGTERM that lands between a step's update and speculators' `global_step += 1` (its metrics log and
+    eyrie's progress report sit there) waits for the step's end: the interrupt checkpoint holds the step
+    counted. Raised at once, the checkpoint held the update with the step uncounted, so the next attempt
+    resumed a step short of the one reported and trained that batch again (test_train_stops, CI)."""
+    import os
+    import signal
+
+    hooks, seen = recording_hooks()
+    train_records = []
+
+    def on_metrics(record: dict) -> None:
+        if "train" in record:
+            train_records.append(record)
+            if len(train_records) == 3:  # the third step's report: its update is applied, not yet counted
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    hooks.on_metrics = on_metrics
+    engine.train_with_fallback(argv(hs_dir, tmp_path / "ck", "--epochs", "1"), "cpu", False, hooks, print)
+    assert hooks.state.get("interrupted") and hooks.state["signalled"] == "SIGTERM"
+    assert len(train_records) == 3 and seen["checkpoints"] == [("0", 3)]
+    state = json.loads((tmp_path / "ck" / "0" / "training_state.json").read_text())
+    assert state["global_step"] == 3 and state["local_step"] == 3

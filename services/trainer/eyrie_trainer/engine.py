@@ -154,6 +154,7 @@ def _trainer_class(device: str, hooks: Hooks):
                     self.maybe_update_best(epoch, self.val_epoch(epoch))
 
         def _after_step(self) -> None:
+            hooks.state["updating"] = False
             hooks.state["steps"] = hooks.state.get("steps", 0) + 1
             self._count_rows()
             if hooks.state.get("signalled"):  # a stop the data path swallowed: stop at this step's end
@@ -179,6 +180,13 @@ def _trainer_class(device: str, hooks: Hooks):
 
         def _reached_max_steps(self) -> bool:
             return self.config.max_steps is not None and self.global_step >= self.config.max_steps
+
+        def _optimizers_step(self):
+            # from the update to speculators' `global_step += 1` a stop waits for the step's end
+            # (_StopSignal): raised in between, the checkpoint would hold the step uncounted and the
+            # next attempt train its batch twice
+            hooks.state["updating"] = True
+            super()._optimizers_step()
 
         def maybe_save_checkpoint(self, epoch, local_step: int = 0):
             if epoch == "interrupted":  # a SIGTERM: save where we are, as a resumable mid-epoch point
@@ -219,7 +227,7 @@ class _StopSignal:
             return
         first = not self.state.get("signalled")
         self.state["signalled"] = signal.Signals(signum).name
-        if first:
+        if first and not self.state.get("updating"):  # mid-update: raised at the step's end
             raise TrainingInterruptedError(self.state["signalled"])
 
 

@@ -19,9 +19,11 @@ from eyrie.data.store import CorruptObject
 from eyrie.core.storage import trains_on_demand
 from eyrie.stages import EXTRACT, TRAIN
 from eyrie.tasks.executor import Context, RunTask, StageTask, execute
+from eyrie.work.cancel import Stopping
 from eyrie.work.extract_server import on_demand
 from eyrie.work.gpu import pick_device
 from eyrie.work.queue import enqueue
+from eyrie.work.worker_loop import stop_requested
 from eyrie_trainer import checkpoints, engine
 from eyrie_trainer.base import prepare_base, save_vocab_mapping
 from eyrie_trainer.data import done_samples, fetch_heldout_states, heldout_ids, materialize, split_ratio
@@ -41,10 +43,6 @@ LEDGER_SAVE_S = 30  # samples left out reach train/samples.json (what status cou
 
 class TaskLost(RuntimeError):
     """Another worker took the task over (this one stalled past its lease): stop, retry later."""
-
-
-class Interrupted(RuntimeError):
-    """SIGTERM: the checkpoint was saved; the task is retried from it."""
 
 
 class TrainRunner(StageTask):
@@ -101,6 +99,7 @@ class TrainRunner(StageTask):
         except CorruptObject as exc:
             return self._extract_again(exc)
         base = self._prepare_base() if self.params.base else {}
+        self.stop_if_asked()  # a cancel or the worker's SIGTERM while the data and the base were prepared
         restored = checkpoints.restore(self.store, self.layout, self.work / "checkpoints", self._say)
         if restored:
             self._say(f"resuming from checkpoint {restored['label']} (step {restored['local_step']} of epoch "
@@ -130,7 +129,7 @@ class TrainRunner(StageTask):
             self._report(phase="cancelled", force=True)
             return {"status": "cancelled", "step": self.live.get("step")}
         if hooks.state.get("interrupted"):
-            raise Interrupted("training interrupted (SIGTERM); the checkpoint is in the store")
+            self._hand_back()
         if hooks.state.get("signalled"):  # it came as training ended: finish the task, then the worker stops
             self._say(f"{hooks.state['signalled']} as training ended: the drafter is exported, then the worker stops")
             os.kill(os.getpid(), signal.SIGTERM)
@@ -141,6 +140,18 @@ class TrainRunner(StageTask):
                                          samples=self.ledger.summary())
         self._report(phase="done", path=path, final=True, force=True)
         return {"status": "done", **result}
+
+    def _hand_back(self) -> None:
+        """A SIGTERM: what was trained is in the store (speculators saved a resumable checkpoint); the
+        task goes back to its queue with no failed attempt counted (the executor's Stopping), and
+        the next attempt resumes there. speculators' handler took the signal meant for the worker:
+        it is handed on, so the worker stops after this task instead of taking the next one."""
+        if not stop_requested():
+            os.kill(os.getpid(), signal.SIGTERM)
+        self._say(f"the worker is stopping (SIGTERM): training handed back at step {self.live.get('step')}; "
+                  "the next attempt resumes from its checkpoint")
+        self._report(phase="queued", force=True)
+        raise Stopping(f"training stopped at step {self.live.get('step')}; its checkpoint is in the store")
 
     def _prepare_data(self) -> tuple[Path, Path]:
         """The held-out samples (evaluation's), their states fetched where the service makes them;
@@ -296,11 +307,15 @@ class TrainRunner(StageTask):
     def _on_step(self) -> None:
         if self.beat.lost:
             raise TaskLost("the task lease was lost (another worker took the task over)")
-        if self.cancelled():  # speculators saves a resumable checkpoint, then training returns
+        # speculators saves a resumable checkpoint, then training returns; a SIGTERM the worker's own
+        # handler took (it came before speculators' was installed) is seen here
+        stop = "cancelled" if self.cancelled() else "SIGTERM" if stop_requested() else None
+        if stop:
             from speculators.train.graceful_shutdown import TrainingInterruptedError
 
-            self._say("run cancelled: saving a checkpoint and stopping")
-            raise TrainingInterruptedError("cancelled")
+            if stop == "cancelled":
+                self._say("run cancelled: saving a checkpoint and stopping")
+            raise TrainingInterruptedError(stop)
 
     def _say(self, message: str) -> None:
         log.warning(message)
@@ -318,13 +333,7 @@ class TrainRunner(StageTask):
 
 def run_train_task(payload: dict) -> dict:
     """RQ entry point."""
-    try:
-        return execute(TrainRunner, payload)
-    except Interrupted:
-        # speculators' handler took the SIGTERM meant for the worker: hand it on, so the worker
-        # stops after this (failed, retried) task instead of taking the next one
-        os.kill(os.getpid(), signal.SIGTERM)
-        raise
+    return execute(TrainRunner, payload)
 
 
 def speculators_options(p, manifest, train_dir: Path, work: Path, workers: int, rows: tuple[int, int],
