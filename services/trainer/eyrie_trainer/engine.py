@@ -10,9 +10,7 @@ import contextlib
 import functools
 import inspect
 import logging
-import os
 import re
-import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +18,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from eyrie_trainer.stop_signal import StopSignal
 
 SPECULATORS_VERSION = "0.9.0"
 SAFE_PATH = {"draft_attn_impl": "sdpa", "loss_implementation": "eager"}
@@ -136,7 +136,7 @@ def _trainer_class(device: str, hooks: Hooks):
         def run_training(self):
             # speculators' loop without its barriers (one device), stopping at max_steps in total:
             # its own loop would run one more step in every later epoch.
-            with _StopSignal(hooks.state):
+            with StopSignal(hooks.state):
                 hooks.state.setdefault("read", set())
                 hooks.state.setdefault("dropped_rows", {})
                 hooks.on_start(len(self.train_loader), self.global_step)
@@ -183,7 +183,7 @@ def _trainer_class(device: str, hooks: Hooks):
 
         def _optimizers_step(self):
             # from the update to speculators' `global_step += 1` a stop waits for the step's end
-            # (_StopSignal): raised in between, the checkpoint would hold the step uncounted and the
+            # (StopSignal): raised in between, the checkpoint would hold the step uncounted and the
             # next attempt train its batch twice
             hooks.state["updating"] = True
             super()._optimizers_step()
@@ -202,33 +202,6 @@ def _trainer_class(device: str, hooks: Hooks):
                 hooks.on_checkpoint(str(epoch), epoch, local_step)
 
     return EyrieTrainer
-
-
-class _StopSignal:
-    """SIGTERM/SIGINT while training: remembered, then raised as speculators' handler does (it saves
-    a resumable checkpoint). Its own handler raises once and forgets; a raise that lands in the
-    data path (a request to the extraction service) is caught there as a failed attempt and
-    retried, and the stop was lost. Remembered, it is raised again at the step's end."""
-
-    def __init__(self, state: dict):
-        self.state, self.owner = state, os.getpid()
-
-    def __enter__(self):
-        self.previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _handler(self, signum, frame) -> None:
-        from speculators.train.graceful_shutdown import TrainingInterruptedError
-
-        if os.getpid() != self.owner:  # a forked data-loader worker: the trainer process decides
-            return
-        first = not self.state.get("signalled")
-        self.state["signalled"] = signal.Signals(signum).name
-        if first and not self.state.get("updating"):  # mid-update: raised at the step's end
-            raise TrainingInterruptedError(self.state["signalled"])
 
 
 def _install_no_sync_step_timer(trainer_module) -> Callable[[], None]:
