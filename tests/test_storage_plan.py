@@ -4,6 +4,7 @@ among the ways out, and whether the extraction service and the trainer share GPU
 project() and the storage functions called directly, the CLI once; no server."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -14,7 +15,9 @@ from eyrie.core.storage import resolve_mode, shard_allowance
 from eyrie.data.manifest import ExtractParams
 from eyrie.runs.pipeline import RunConfig, load_config
 from eyrie.runs.plan_checks import over_budget, refuse
-from eyrie.runs.projection import project, render
+from eyrie.runs.plan_lines import render
+from eyrie.runs.plan_result import Space
+from eyrie.runs.projection import project
 from eyrie.runs.storage_plan import gpu_sharing, vllm_utilization
 from eyrie_extractor.storage_split import ids_object_bound, split, states_file_bound
 
@@ -57,7 +60,7 @@ def test_the_seeds_modes_follow_the_formulas(settings):
     n, tokens = 25_000, 25_000 * 4096
     full, ids = tokens * PER_TOKEN_FP8 + n * 256, tokens * 8 + n * 256
     f = (2.8e12 - ids) / (full - ids)  # hybrid fills the budget: f x full + (1 - f) x ids
-    modes = p["storage"]["modes"]
+    modes = p.storage["modes"]
     off, hyb, onl = modes["offline"], modes["hybrid"], modes["online"]
     assert (off["stored_bytes"], off["extraction_passes"], off["stored_fraction"]) == (full, 1.0, 1.0)
     assert abs(hyb["stored_bytes"] - 2.8e12) <= 1 and hyb["stored_fraction"] == round(f, 4) == 0.9533
@@ -85,7 +88,7 @@ def test_the_seeds_modes_follow_the_formulas(settings):
 
 def test_a_service_slower_than_the_trainer_paces_the_epochs(settings):
     p = project(_small(storage="hybrid", budget="1.5GB"), settings(), measure=False)
-    modes = p["storage"]["modes"]
+    modes = p.storage["modes"]
     full, ids = 3600 * 1000 * (2 * 1024 * 2 + 8) + 3600 * 256, 3600 * 1000 * 8 + 3600 * 256
     f = (1.5e9 - ids) / (full - ids)
     assert modes["hybrid"]["stored_fraction"] == round(f, 4)
@@ -93,20 +96,20 @@ def test_a_service_slower_than_the_trainer_paces_the_epochs(settings):
     assert modes["online"]["wall_hours"] == 3.0  # each of 3 epochs waits on a full 1 h pass
     assert modes["hybrid"]["wall_hours"] == round(f * 1 + 3 * (f / 3 + (1 - f) * 1), 2)
     assert modes["online"]["service_gpu_hours"] == 6.0  # 3 passes x 1 h x tensor parallel 2
-    assert p["storage"]["chosen"] == "hybrid" and p["refusals"] == []
+    assert p.storage["chosen"] == "hybrid" and p.refusals == []
 
 
 def test_auto_takes_offline_when_it_fits_and_hybrid_when_not(settings):
     roomy = project(_small(budget="20GB"), settings(), measure=False)
-    assert roomy["storage"]["chosen"] == "offline" and roomy["storage"]["why"].startswith("auto: every hidden state")
+    assert roomy.storage["chosen"] == "offline" and roomy.storage["why"].startswith("auto: every hidden state")
     tight = project(_small(budget="1GB"), settings(), measure=False)
-    assert tight["storage"]["chosen"] == "hybrid" and tight["refusals"] == []
-    assert "hybrid stores" in tight["storage"]["why"]
+    assert tight.storage["chosen"] == "hybrid" and tight.refusals == []
+    assert "hybrid stores" in tight.storage["why"]
     unbounded = project(_small(budget=None), settings(), measure=False)
-    assert unbounded["storage"]["chosen"] == "offline"
+    assert unbounded.storage["chosen"] == "offline"
     for p in (roomy, tight, unbounded):  # the plan and the extract stage's resolve_mode agree
-        full = p["storage"]["modes"]["offline"]["stored_bytes"]
-        assert resolve_mode("auto", full, p["budget_bytes"]) == p["storage"]["chosen"]
+        full = p.storage["modes"]["offline"]["stored_bytes"]
+        assert resolve_mode("auto", full, p.budget_bytes) == p.storage["chosen"]
 
 
 def test_an_explicit_offline_over_budget_is_refused_with_the_storage_modes_as_ways_out(settings):
@@ -125,7 +128,7 @@ def test_an_explicit_offline_over_budget_is_refused_with_the_storage_modes_as_wa
 @pytest.mark.parametrize("storage", ["auto", "offline", "hybrid", "online"])
 def test_a_budget_too_small_for_the_token_ids_is_refused_in_every_mode(storage, settings):
     p = project(_small(storage=storage, budget="20MB"), settings(), measure=False)  # ids: 29.7 MB
-    assert not any(m["fits"] for m in p["storage"]["modes"].values())
+    assert not any(m["fits"] for m in p.storage["modes"].values())
     with pytest.raises(EyrieError) as err:
         refuse(p)
     if storage == "offline":
@@ -141,8 +144,8 @@ def test_the_seed_with_25000_samples_fits_its_budget_through_hybrid(settings):
     config = _seed()
     assert config.dataset.limit == 25_000 and config.extract.storage == "auto" and config.extract.budget == "2.8TB"
     p = project(config, settings(), measure=False)
-    s = p["storage"]
-    assert s["chosen"] == "hybrid" and s["modes"]["hybrid"]["stored_bytes"] <= 2.8e12 and p["refusals"] == []
+    s = p.storage
+    assert s["chosen"] == "hybrid" and s["modes"]["hybrid"]["stored_bytes"] <= 2.8e12 and p.refusals == []
     assert "online would end sooner (34.6 h) at 277.0 service GPU-h held and 9 GPUs at once" in s["why"]
 
 
@@ -153,12 +156,12 @@ def test_the_extract_shards_fill_the_budget_by_the_plans_rule(settings):
     49.7 MB hold 12 states files and a tenth of another: not the ids of the other 88 as well."""
     shards, per_shard, tokens = 36, 100, 1000
     p = project(_small(storage="hybrid", budget="1.79GB"), settings(), measure=False)
-    hybrid = p["storage"]["modes"]["hybrid"]
-    assert p["samples"] == shards * per_shard and abs(hybrid["stored_bytes"] - p["budget_bytes"]) <= 1
-    params = ExtractParams(backend="vllm", aux_layers=p["aux_layers"], dtype=p["dtype"], max_length=tokens,
-                           num_layers=p["num_layers"], hidden_size=p["hidden_size"], samples=p["samples"],
-                           tokens=p["samples"] * tokens, truncated=0, projected_bytes=1, budget_bytes=p["budget_bytes"],
-                           storage="hybrid", shard_allowance_bytes=shard_allowance("hybrid", p["budget_bytes"], shards))
+    hybrid = p.storage["modes"]["hybrid"]
+    assert p.samples == shards * per_shard and abs(hybrid["stored_bytes"] - p.budget_bytes) <= 1
+    params = ExtractParams(backend="vllm", aux_layers=p.aux_layers, dtype=p.dtype, max_length=tokens,
+                           num_layers=p.num_layers, hidden_size=p.hidden_size, samples=p.samples,
+                           tokens=p.samples * tokens, truncated=0, projected_bytes=1, budget_bytes=p.budget_bytes,
+                           storage="hybrid", shard_allowance_bytes=shard_allowance("hybrid", p.budget_bytes, shards))
     todo = [{"sample_id": f"s{row}", "row": row, "input_ids": [0] * tokens} for row in range(per_shard)]
     kept, ids_only = split(params, [], todo)
     shard_bytes = len(kept) * states_file_bound(tokens, params) + len(ids_only) * ids_object_bound(tokens)
@@ -168,7 +171,7 @@ def test_the_extract_shards_fill_the_budget_by_the_plans_rule(settings):
 
 def test_gpu_memory_of_the_service_and_the_trainer(settings):
     p = project(_seed(), settings(), measure=False)
-    g = p["storage"]["gpu_sharing"]
+    g = p.storage["gpu_sharing"]
     svc, trn = g["service"], g["trainer"]
     assert svc["weights"] == 540e9 / 8 and svc["weights_from"] == "plan.target_weights"
     assert svc["kv_floor"] == 2 * 61 * KIMI_H * 2 * 16384 // 8  # K and V, every layer, bf16, max_model_len
@@ -187,20 +190,20 @@ def test_gpu_memory_of_the_service_and_the_trainer(settings):
 
 
 def test_a_small_target_shares_and_a_shared_trainer_gpu_is_named(settings):
-    small = project(_small(), settings(), measure=False)["storage"]["gpu_sharing"]
+    small = project(_small(), settings(), measure=False).storage["gpu_sharing"]
     assert small["trainer_fits_beside"] and "estimated as a dense bf16 model" in small["service"]["weights_from"]
     split = {"inference_gpu_ids": "0,1,2,3,4,5,6,7", "extractor_gpu_ids": "0,1,2,3,4,5,6,7", "trainer_gpu_ids": "7"}
-    lines = "\n".join(render({**project(_seed(), settings(**split), measure=False), "space": _no_space()}))
+    lines = "\n".join(render(replace(project(_seed(), settings(**split), measure=False), space=_no_space())))
     assert "this host's split gives the trainer GPU 7, one of inference's (8 GPUs in all)" in lines
     assert "on 8 GPUs hybrid runs only with the service at --gpu-memory-utilization 0.68 and the trainer on GPU 7" \
         in lines
     nine = project(_seed(), settings(**{**split, "trainer_gpu_ids": "8"}), measure=False)
-    assert nine["storage"]["gpu_sharing"]["trainer_on_service_gpus"] == []
+    assert nine.storage["gpu_sharing"]["trainer_on_service_gpus"] == []
 
 
-def _no_space() -> dict:
-    return {"basis": "expected mean", "mode": "hybrid", "bucket_bytes": 0, "trainer_copy_bytes": 0,
-            "bucket_free": None, "trainer_free": None, "same_device": False}
+def _no_space() -> Space:
+    return Space(basis="expected mean", mode="hybrid", bucket_bytes=0, trainer_copy_bytes=0, bucket_dir=None,
+                 trainer_dir=None, bucket_free=None, trainer_free=None, same_device=False)
 
 
 def test_plan_prints_each_modes_bytes_and_hours(tmp_path):
@@ -226,12 +229,12 @@ def test_what_the_extract_stage_would_refuse_in_hybrid_and_online_is_refused_fir
     hf = _small(budget="1GB").model_copy(update={"extract": _small(budget="1GB").extract.model_copy(
         update={"backend": "hf"})})
     p = project(hf, settings(), measure=False)
-    assert p["storage"]["chosen"] == "hybrid"
-    problem, fix = next(r for r in p["refusals"] if "extract.backend is hf" in r[0])
+    assert p.storage["chosen"] == "hybrid"
+    problem, fix = next(r for r in p.refusals if "extract.backend is hf" in r[0])
     # offline: 3.6 M tokens x 4,104 B (2 states x 1,024 x bf16 + the token id)
     assert "extract.storage hybrid (auto's choice: offline's 14.78 GB exceed extract.budget 1.00 GB" in problem
     assert fix.startswith("set extract.backend: vllm")
     no_budget = project(_small(storage="hybrid", budget=None), settings(), measure=False)
     assert any("extract.storage: hybrid stores hidden states up to extract.budget, and none is set" in problem
-               for problem, _ in no_budget["refusals"])
-    assert project(_small(storage="online", budget=None), settings(), measure=False)["refusals"] == []
+               for problem, _ in no_budget.refusals)
+    assert project(_small(storage="online", budget=None), settings(), measure=False).refusals == []

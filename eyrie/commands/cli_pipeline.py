@@ -73,7 +73,9 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
 
     cfg = load_config(config)
     if plan:
-        from eyrie.runs.projection import project, refuse, render
+        from eyrie.runs.plan_checks import refuse
+        from eyrie.runs.plan_lines import render
+        from eyrie.runs.projection import project
 
         projection = project(cfg, load_settings())
         typer.echo(orjson.dumps(projection, option=orjson.OPT_INDENT_2).decode() if as_json

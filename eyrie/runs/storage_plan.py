@@ -11,14 +11,15 @@ from eyrie.core.budget import bytes_per_token, human, parse_size, token_id_bytes
 from eyrie.core.errors import EyrieError
 from eyrie.core.storage import MODES
 from eyrie.runs.plan_inputs import gpu_memory
+from eyrie.runs.plan_result import Plan
 from eyrie.stages.extract import Extract
 from eyrie.stages.train import Train
 
 TRAINER_GPUS = 1  # eyrie's trainer: speculators on one GPU (the seed's case)
 
 
-def storage_plan(config, p: dict) -> dict:
-    """p["storage"]: each mode's costs, the mode asked, the one the run takes and why."""
+def storage_plan(config, p: Plan) -> dict:
+    """p.storage: each mode's costs, the mode asked, the one the run takes and why."""
     modes = {mode: mode_costs(p, mode) for mode in MODES}
     asked = config.extract.storage
     chosen = auto_choice(modes) if asked == "auto" else asked
@@ -32,12 +33,12 @@ def auto_choice(modes: dict) -> str | None:
     return next((mode for mode in MODES if modes[mode]["fits"]), None)
 
 
-def full_and_ids_bytes(p: dict) -> tuple[int, int]:
+def full_and_ids_bytes(p: Plan) -> tuple[int, int]:
     """Every hidden state, and the token ids alone, in bytes: at the expected mean, else the upper bound."""
-    n = p["samples"]
-    if p["hidden_states_bytes_expected"] is not None:
-        return p["hidden_states_bytes_expected"], token_id_bytes(n * p["stored_mean_tokens"], n)
-    return p["hidden_states_bytes"][p["dtype"]], token_id_bytes(p["tokens_upper_bound"], n)
+    n = p.samples
+    if p.hidden_states_bytes_expected is not None:
+        return p.hidden_states_bytes_expected, token_id_bytes(n * p.stored_mean_tokens, n)
+    return p.hidden_states_bytes[p.dtype], token_id_bytes(p.tokens_upper_bound, n)
 
 
 def stored_fraction(mode: str, full: int, ids: int, budget: int | None) -> float:
@@ -51,26 +52,26 @@ def stored_fraction(mode: str, full: int, ids: int, budget: int | None) -> float
     return min(1.0, max(0.0, (budget - ids) / (full - ids)))
 
 
-def mode_costs(p: dict, mode: str) -> dict:
+def mode_costs(p: Plan, mode: str) -> dict:
     """One row of the table: bytes, extraction passes, GPU hours, wall hours, fits, GPUs at once."""
     full, ids = full_and_ids_bytes(p)
-    f = stored_fraction(mode, full, ids, p["budget_bytes"])
+    f = stored_fraction(mode, full, ids, p.budget_bytes)
     stored = round(f * full + (1 - f) * ids)
-    epochs = p["hours"][Train.name]["epochs"]
+    epochs = p.hours[Train.name]["epochs"]
     passes = f + (1 - f) * epochs
-    extract_h, train_h, serve = p["hours"][Extract.name]["hours"], p["hours"][Train.name]["hours"], p["gpus"]["serve_gpus"]
+    extract_h, train_h, serve = p.hours[Extract.name]["hours"], p.hours[Train.name]["hours"], p.gpus["serve_gpus"]
     per_pass = None if extract_h is None else extract_h * serve
     wall = wall_hours(f, extract_h, train_h, epochs)
     busy = per_pass and per_pass * passes
     # offline stops the service once extracted; hybrid and online hold its GPUs until training ends
     held = busy if mode == "offline" else wall and wall * serve
-    return {"stored_fraction": round(f, 4), "stored_bytes": stored, "bucket_bytes": stored + p["records_bytes"],
+    return {"stored_fraction": round(f, 4), "stored_bytes": stored, "bucket_bytes": stored + p.records_bytes,
             "trainer_cache_bytes": stored + (0 if f == 1 else _one_batch_bytes(p)),
             "extraction_passes": round(passes, 3), "service_gpu_hours_per_pass": _round(per_pass),
             "service_gpu_hours": _round(held), "service_gpu_hours_busy": _round(busy),
             "trainer_gpu_hours": _round(train_h and train_h * TRAINER_GPUS),
             "wall_hours": _round(wall),
-            "fits": p["budget_bytes"] is None or stored <= p["budget_bytes"],
+            "fits": p.budget_bytes is None or stored <= p.budget_bytes,
             "gpus_at_once": max(serve, TRAINER_GPUS) if mode == "offline" else serve + TRAINER_GPUS}
 
 
@@ -84,22 +85,22 @@ def wall_hours(f: float, extract_h: float | None, train_h: float | None, epochs:
     return f * extract_h + epochs * (f * epoch + (1 - f) * max(epoch, extract_h))
 
 
-def _one_batch_bytes(p: dict) -> int:
+def _one_batch_bytes(p: Plan) -> int:
     """The generated states the trainer holds at once: one batch of train.seq_len tokens (ArrowDataset
     deletes each file once loaded)."""
-    return int(p["lengths"]["train_seq_len"] * bytes_per_token(len(p["aux_layers"]) + 1, p["hidden_size"], p["dtype"]))
+    return int(p.lengths.train_seq_len * bytes_per_token(len(p.aux_layers) + 1, p.hidden_size, p.dtype))
 
 
-def _basis(p: dict) -> str:
-    return "upper bound" if p["hidden_states_bytes_expected"] is None else "expected mean"
+def _basis(p: Plan) -> str:
+    return "upper bound" if p.hidden_states_bytes_expected is None else "expected mean"
 
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 2)
 
 
-def _why(asked: str, chosen: str | None, modes: dict, p: dict) -> str:
-    budget = p["budget_bytes"]
+def _why(asked: str, chosen: str | None, modes: dict, p: Plan) -> str:
+    budget = p.budget_bytes
     if asked != "auto":
         fits = "" if modes[asked]["fits"] else ": does NOT fit extract.budget (refused below)"
         return "asked (extract.storage)" + fits
@@ -110,7 +111,7 @@ def _why(asked: str, chosen: str | None, modes: dict, p: dict) -> str:
     f = modes[chosen]["stored_fraction"]
     return (f"auto: offline's {human(modes['offline']['stored_bytes'])} exceed extract.budget {human(budget)}; "
             f"{chosen} stores {f:.1%} of the samples' hidden states and the service makes the rest in each of "
-            f"{p['hours'][Train.name]['epochs']} epochs" + _sooner(chosen, modes))
+            f"{p.hours[Train.name]['epochs']} epochs" + _sooner(chosen, modes))
 
 
 def _sooner(chosen: str, modes: dict) -> str:
@@ -133,14 +134,14 @@ VLLM_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization: the share of 
 RUNTIME_BYTES = 4 * 10**9  # a process's own share of a GPU (CUDA context, NCCL buffers, CUDA graphs): an allowance
 
 
-def gpu_sharing(config, p: dict) -> dict:
+def gpu_sharing(config, p: Plan) -> dict:
     """Per GPU: the service's and the trainer's memory, whether the trainer fits beside the service
     at vLLM's utilization, and the highest utilization at which it would."""
     gpu, gpu_from = gpu_memory(config)
     service, trainer = service_memory(config, p), trainer_memory(config, p)
     used = vllm_utilization(config.serve.extra_args)
     most = math.floor((gpu - trainer["total"]) / gpu * 100) / 100  # the highest share that leaves the trainer room
-    ids = p["gpus"]["ids"]
+    ids = p.gpus["ids"]
     return {"gpu_bytes": gpu, "gpu_memory_from": gpu_from, "service": service, "trainer": trainer, "utilization": used,
             "service_fits": service["total"] <= gpu,
             "trainer_fits_beside": service["total"] <= used * gpu and trainer["total"] <= (1 - used) * gpu,
@@ -171,21 +172,21 @@ def _fraction(value: str) -> float:
     return share
 
 
-def service_memory(config, p: dict) -> dict:
+def service_memory(config, p: Plan) -> dict:
     """One GPU of the vLLM service: its share of the target's weights (tensor x pipeline parallel
     split them), a KV cache of one max_model_len sequence (below that vLLM refuses to start) and
     the runtime. The KV floor is an upper bound: K and V of every layer at full hidden width in bf16
     (GQA and MLA, Kimi's, store less)."""
     weights, source = target_weights(config, p)
     gpus = config.serve.gpus
-    tokens = config.serve.max_model_len or p["lengths"]["extract_max_length"]
-    kv = 2 * p["num_layers"] * p["hidden_size"] * 2 * tokens
+    tokens = config.serve.max_model_len or p.lengths.extract_max_length
+    kv = 2 * p.num_layers * p.hidden_size * 2 * tokens
     parts = {"weights": weights // gpus, "kv_floor": kv // gpus, "runtime": RUNTIME_BYTES}
     return {**parts, "total": sum(parts.values()), "weights_total": weights, "weights_from": source,
             "kv_tokens": tokens, "gpus": gpus}
 
 
-def target_weights(config, p: dict) -> tuple[int, str]:
+def target_weights(config, p: Plan) -> tuple[int, str]:
     """The target's weight bytes: plan.target_weights, else its local safetensors, else a dense
     bf16 model of its shape (attention 4H^2 + MLP 8H^2 a layer, embeddings and head 2VH)."""
     if config.plan.target_weights:
@@ -196,20 +197,20 @@ def target_weights(config, p: dict) -> tuple[int, str]:
         files = []
     if files:
         return sum(files), "the target's safetensors files"
-    h = p["hidden_size"]
-    dense = 2 * (12 * p["num_layers"] * h * h + 2 * p["vocab_size"] * h)
+    h = p.hidden_size
+    dense = 2 * (12 * p.num_layers * h * h + 2 * p.vocab_size * h)
     return dense, "estimated as a dense bf16 model of its shape: set plan.target_weights for a MoE or quantized one"
 
 
-def trainer_memory(config, p: dict) -> dict:
+def trainer_memory(config, p: Plan) -> dict:
     """speculators' EAGLE-3 drafter on one GPU: fc (aux states -> H), one decoder layer whose q, k, v
     read 2H (the token's embedding beside the fused state), an MLP, the draft-vocabulary head;
     frozen: the target's embeddings and its head cut to the draft vocabulary."""
-    h, vocab = p["hidden_size"], p["vocab_size"]
-    draft, aux = min(config.train.draft_vocab, vocab), len(p["aux_layers"])
+    h, vocab = p.hidden_size, p.vocab_size
+    draft, aux = min(config.train.draft_vocab, vocab), len(p.aux_layers)
     inter = 7 * h // 2  # the MLP width is not in the shape: Llama's 3.5 H (DeepSeek-V3's 2.6 H: an overestimate there)
     trainable = aux * h * h + 7 * h * h + 3 * h * inter + h * draft
-    seq, steps = p["lengths"]["train_seq_len"], config.train.ttt_steps  # the pack the trainer will use
+    seq, steps = p.lengths.train_seq_len, config.train.ttt_steps  # the pack the trainer will use
     # a token: its aux states (bf16), and per TTT step the layer's saved activations (~10 H + 3 I, bf16)
     # and the draft and target logits over the draft vocabulary (fp32)
     per_token = aux * h * 2 + steps * ((10 * h + 3 * inter) * 2 + 2 * draft * 4)
@@ -221,9 +222,9 @@ def trainer_memory(config, p: dict) -> dict:
 
 # --- what --plan prints ---
 
-def storage_lines(p: dict) -> list[str]:
-    s = p["storage"]
-    budget = f"extract.budget {human(p['budget_bytes'])}" if p["budget_bytes"] is not None else "no extract.budget"
+def storage_lines(p: Plan) -> list[str]:
+    s = p.storage
+    budget = f"extract.budget {human(p.budget_bytes)}" if p.budget_bytes is not None else "no extract.budget"
     lines = [f"  storage modes (extract.storage: {s['asked']}; {s['basis']}; {budget}):",
              "    mode    |    bucket | trainer cache | extraction passes | service GPU-h held (busy) | "
              "trainer GPU-h |  wall h | fits"]
@@ -235,7 +236,7 @@ def storage_lines(p: dict) -> list[str]:
                      + ("yes" if m["fits"] else "no"))
     return lines + [f"    chosen: {s['chosen'] or 'none'} ({s['why']})",
                     f"    (bucket: hidden states + token ids, what extract.budget bounds; the records add "
-                    f"{human(p['records_bytes'])} in every mode. service GPU-h held: its {p['gpus']['serve_gpus']} GPUs x "
+                    f"{human(p.records_bytes)} in every mode. service GPU-h held: its {p.gpus['serve_gpus']} GPUs x "
                     "the hours it holds them: offline, extraction; hybrid and online, through training (wall h); "
                     "busy: extraction hours x passes. wall h: extraction and training, after generation; hybrid and "
                     "online train while the service makes the states not stored, at the slower of the two rates)"]
@@ -245,8 +246,8 @@ def _hours(h: float | None) -> str:
     return "?" if h is None else f"{h:,.1f}"
 
 
-def sharing_lines(p: dict) -> list[str]:
-    g = p["storage"]["gpu_sharing"]
+def sharing_lines(p: Plan) -> list[str]:
+    g = p.storage["gpu_sharing"]
     svc, trn = g["service"], g["trainer"]
     return [f"  GPU memory ({human(g['gpu_bytes'])} a GPU, {g['gpu_memory_from']}):",
             f"    extraction service: {human(svc['total'])} a GPU on {svc['gpus']} (target "
@@ -257,7 +258,7 @@ def sharing_lines(p: dict) -> list[str]:
             f"    trainer: {human(trn['total'])} on {TRAINER_GPUS} ({trn['trainable_params'] / 1e9:.2f} B drafter "
             f"parameters x 16 B = {human(trn['parameters'])}, frozen embeddings and head {human(trn['frozen'])}, "
             f"activations {human(trn['activations'])} for {trn['seq_len']:,} tokens x {trn['ttt_steps']} TTT steps, "
-            f"runtime {human(trn['runtime'])})"] + _sequence_lines(g, p["storage"]["chosen"])
+            f"runtime {human(trn['runtime'])})"] + _sequence_lines(g, p.storage["chosen"])
 
 
 def _sequence_lines(g: dict, chosen: str | None) -> list[str]:

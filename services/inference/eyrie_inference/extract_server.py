@@ -92,7 +92,7 @@ def sharing_utilization(settings, config) -> tuple[float | None, str]:
     if on_cpu():
         return None, "vLLM's CPU build sizes its KV cache by VLLM_CPU_KVCACHE_SPACE, not by a share of a GPU"
     try:
-        g = project(config, settings, measure=False)["storage"]["gpu_sharing"]
+        g = project(config, settings, measure=False).storage["gpu_sharing"]
     except EyrieError as exc:
         return None, f"the plan could not size the GPUs' memory ({exc})"
     most, asked = g["utilization_for_both"], vllm_utilization(config.serve.extra_args)
