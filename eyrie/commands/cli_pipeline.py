@@ -73,15 +73,7 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
 
     cfg = load_config(config)
     if plan:
-        from eyrie.runs.plan_checks import refuse
-        from eyrie.runs.plan_lines import render
-        from eyrie.runs.projection import project
-
-        projection = project(cfg, load_settings())
-        typer.echo(orjson.dumps(projection, option=orjson.OPT_INDENT_2).decode() if as_json
-                   else "\n".join(render(projection)))
-        refuse(projection)  # vLLM support, expected bytes over the budget, GPUs: before any GPU work
-        return
+        return _print_plan(cfg, load_settings(), as_json)
     refuse_unsupported_config(cfg)  # before Redis is even reached
     from eyrie.data.store import open_store
     from eyrie.runs.control import pipeline_started, start_and_plan
@@ -94,6 +86,18 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
         from eyrie.stages import PIPELINE
 
         follow(conn, store, cfg.run, [s for s in PIPELINE if s.shown][-1].name)
+
+
+def _print_plan(cfg, settings, as_json: bool) -> None:
+    """`eyrie run --plan`: the plan as text, or with `--json` its fields in order; then what it refuses."""
+    from eyrie.runs.plan_checks import refuse
+    from eyrie.runs.plan_lines import render
+    from eyrie.runs.projection import project
+
+    projection = project(cfg, settings)
+    typer.echo(orjson.dumps(projection, option=orjson.OPT_INDENT_2).decode() if as_json
+               else "\n".join(render(projection)))
+    refuse(projection)  # vLLM support, expected bytes over the budget, GPUs: before any GPU work
 
 
 @app.command()
