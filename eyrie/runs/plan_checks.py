@@ -12,7 +12,7 @@ from eyrie.core.budget import (TOKEN_ID_BYTES, UNITS, human, length_that_fits, p
                                token_id_bytes)
 from eyrie.core.errors import EyrieError
 from eyrie.core.storage import ON_DEMAND
-from eyrie.runs.plan_result import Plan
+from eyrie.runs.plan_result import GpuPlan, GpuSharing, Plan
 from eyrie.runs.storage_plan import auto_choice
 from eyrie.stages import TRAIN
 from eyrie.stages.generate import Generate
@@ -25,10 +25,10 @@ def unknown_mean(p: Plan) -> tuple[str, str] | None:
     s = p.storage
     if p.budget_bytes is None or p.hidden_states_bytes_expected is not None:
         return None
-    if s["chosen"] is not None and s["modes"][s["chosen"]]["fits"]:
+    if s.chosen is not None and s.modes[s.chosen].fits:
         return None
-    mode = s["chosen"] or "online"  # auto with no mode that fits: not even online's token ids
-    need = s["modes"][mode]["stored_bytes"]
+    mode = s.chosen or "online"  # auto with no mode that fits: not even online's token ids
+    need = s.modes[mode].stored_bytes
     return (f"run {p.run}: extract.storage {mode} needs up to {human(need)} (every sample at the prompt estimate "
             f"+ max_tokens) but extract.budget is {human(p.budget_bytes)}, and the mean sample length that "
             f"decides it is unknown: {p.dataset_from}.",
@@ -43,9 +43,9 @@ def over_budget(p: Plan) -> tuple[str, str] | None:
     budget, s = p.budget_bytes, p.storage
     if budget is None or p.hidden_states_bytes_expected is None:
         return None
-    if s["asked"] == "offline":
+    if s.asked == "offline":
         return _offline_over(p)
-    if s["chosen"] is not None and s["modes"][s["chosen"]]["fits"]:
+    if s.chosen is not None and s.modes[s.chosen].fits:
         return None
     return _ids_over(p)
 
@@ -70,7 +70,7 @@ def _offline_over(p: Plan) -> tuple[str, str] | None:
                     f"extract.dtype: fp8 ({human(fp8)}, still too big) with " + " or ".join(shorter("fp8")))
     ways += shorter(dtype)
     ways.append(f"extract.budget: {_at_least(expected)} on a disk that holds it")
-    ways += [storage_way(p, mode) for mode in ON_DEMAND if p.storage["modes"][mode]["fits"]]
+    ways += [storage_way(p, mode) for mode in ON_DEMAND if p.storage.modes[mode].fits]
     return (f"run {p.run}: the hidden states are expected to need {human(expected)} ({n:,} samples x "
             f"{mean:,} tokens x {shape[0]} states x {shape[1]} x {dtype}) but extract.budget is {human(budget)}: "
             f"extract would refuse them{_after_generation(p)}.",
@@ -82,16 +82,16 @@ def storage_refusal(p: Plan) -> tuple[str, str] | None:
     backend (the vLLM extraction service makes the states not stored), and a trainer on a GPU the
     service holds where the two cannot share it."""
     s = p.storage
-    if s["asked"] == "hybrid" and p.budget_bytes is None:
+    if s.asked == "hybrid" and p.budget_bytes is None:
         return (f"run {p.run}: extract.storage: hybrid stores hidden states up to extract.budget, and none is set.",
                 "set extract.budget (e.g. 2.8TB), or extract.storage: offline or online.")
-    if s["chosen"] not in ON_DEMAND:
+    if s.chosen not in ON_DEMAND:
         return None
-    chose = "" if s["asked"] == s["chosen"] else f" (auto's choice: {s['why'].removeprefix('auto: ')})"
-    if s["backend"] == "vllm":
+    chose = "" if s.asked == s.chosen else f" (auto's choice: {s.why.removeprefix('auto: ')})"
+    if s.backend == "vllm":
         return on_demand_overlap(p, chose)
-    return (f"run {p.run}: extract.storage {s['chosen']}{chose} has the vLLM extraction service make hidden "
-            f"states during training, and extract.backend is {s['backend']}.",
+    return (f"run {p.run}: extract.storage {s.chosen}{chose} has the vLLM extraction service make hidden "
+            f"states during training, and extract.backend is {s.backend}.",
             "set extract.backend: vllm (docs/vllm-extraction.md), or extract.storage: offline with an "
             "extract.budget that holds every state.")
 
@@ -101,20 +101,20 @@ def on_demand_overlap(p: Plan, chose: str = "") -> tuple[str, str] | None:
     makes the states not stored). A trainer given one of them trains beside it, the service at the
     plan's utilization_for_both (a shared GPU lease); where the two do not fit one GPU at any
     utilization, the trainer would wait for the server forever."""
-    g, ids, mode = p.storage["gpu_sharing"], p.gpus["ids"], p.storage["chosen"]
-    shared = g["trainer_on_service_gpus"]
-    if mode not in ON_DEMAND or not shared or g["utilization_for_both"] is not None:
+    g, ids, mode = p.storage.gpu_sharing, p.gpus.ids, p.storage.chosen
+    shared = g.trainer_on_service_gpus
+    if mode not in ON_DEMAND or not shared or g.utilization_for_both is not None:
         return None
     inference, trainer = ",".join(ids["inference"]), ",".join(ids["trainer"])
-    offline = p.storage["modes"]["offline"]["stored_bytes"]
+    offline = p.storage.modes["offline"].stored_bytes
     return (f"run {p.run}: extract.storage {mode}{chose} trains while the vLLM extraction server serves the "
             f"target on inference's GPUs (EYRIE_INFERENCE_GPU_IDS={inference}) until training ends, and "
             f"EYRIE_TRAINER_GPU_IDS={trainer} shares GPU {','.join(shared)} with them, where the trainer cannot "
-            f"train beside the service: the service needs {human(g['service']['total'])} a GPU and the trainer "
-            f"{human(g['trainer']['total'])}, more than a GPU's {human(g['gpu_bytes'])} ({g['gpu_memory_from']}) at "
+            f"train beside the service: the service needs {human(g.service.total)} a GPU and the trainer "
+            f"{human(g.trainer.total)}, more than a GPU's {human(g.gpu_bytes)} ({g.gpu_memory_from}) at "
             "any --gpu-memory-utilization, so the trainer would wait for the server forever.",
-            f"give the trainer a GPU of its own ({g['gpus_apart']} GPUs at once: the service's "
-            f"{g['service']['gpus']} and the trainer's 1): {_apart(ids, g)} in .env; or set extract.storage: "
+            f"give the trainer a GPU of its own ({g.gpus_apart} GPUs at once: the service's "
+            f"{g.service.gpus} and the trainer's 1): {_apart(ids, g)} in .env; or set extract.storage: "
             f"offline with extract.budget: {_at_least(offline)} on a disk that holds it.")
 
 
@@ -123,11 +123,11 @@ def on_demand_quota(p: Plan, settings) -> tuple[str, str] | None:
     server's Job holds its GPUs (eyrie.work.kueue.run_jobs); Kueue admits the train Job only where
     the ClusterQueue's quota holds both, or it waits for the server forever."""
     s = p.storage
-    mode = s["chosen"]
+    mode = s.chosen
     if settings.gpu_scheduler != "kueue" or mode not in ON_DEMAND:
         return None
-    chose = "" if s["asked"] == mode else f" (auto's choice: {s['why'].removeprefix('auto: ')})"
-    offline = f"extract.storage: offline with extract.budget: {_at_least(s['modes']['offline']['stored_bytes'])}"
+    chose = "" if s.asked == mode else f" (auto's choice: {s.why.removeprefix('auto: ')})"
+    offline = f"extract.storage: offline with extract.budget: {_at_least(s.modes['offline'].stored_bytes)}"
     templates = k8s_jobs.load_templates(settings.kueue_jobs_file)
     (extract_server,) = TRAIN.reads_on_demand
     if extract_server not in templates.get("stages", {}):
@@ -147,34 +147,34 @@ def on_demand_quota(p: Plan, settings) -> tuple[str, str] | None:
             "on a disk that holds it.")
 
 
-def _apart(ids: dict, g: dict) -> str:
+def _apart(ids: dict[str, list[str]], g: GpuSharing) -> str:
     """The split that gives the trainer a GPU the service does not hold, on this host if it can."""
-    rest = [i for i in ids["inference"] if i not in g["trainer_on_service_gpus"]]
-    if len(rest) >= g["service"]["gpus"]:
+    rest = [i for i in ids["inference"] if i not in g.trainer_on_service_gpus]
+    if len(rest) >= g.service.gpus:
         return f"EYRIE_INFERENCE_GPU_IDS={','.join(rest)} beside EYRIE_TRAINER_GPU_IDS={','.join(ids['trainer'])}"
     known = set().union(*ids.values())
     spare = next((str(i) for i in range(len(known) + 1) if str(i) not in known))
-    return (f"a host with {g['gpus_apart']} GPUs, EYRIE_TRAINER_GPU_IDS={spare} beside "
+    return (f"a host with {g.gpus_apart} GPUs, EYRIE_TRAINER_GPU_IDS={spare} beside "
             f"EYRIE_INFERENCE_GPU_IDS={','.join(ids['inference'])}")
 
 
 def storage_way(p: Plan, mode: str) -> str:
     """A storage mode as a way out, with what it costs: extract.storage: hybrid (2.80 TB in the bucket, ...)."""
-    m = p.storage["modes"][mode]
-    gpu_h = "service GPU-h unknown (set plan.extract_tokens_per_s)" if m["service_gpu_hours"] is None else \
-        f"{m['service_gpu_hours']:,.1f} service GPU-h held"
-    auto = "; auto picks it" if auto_choice(p.storage["modes"]) == mode else ""
-    return (f"extract.storage: {mode} ({human(m['stored_bytes'])} in the bucket, {m['extraction_passes']:.2f} "
-            f"extraction passes, {gpu_h}, {m['gpus_at_once']} GPUs at once{auto})")
+    m = p.storage.modes[mode]
+    gpu_h = "service GPU-h unknown (set plan.extract_tokens_per_s)" if m.service_gpu_hours is None else \
+        f"{m.service_gpu_hours:,.1f} service GPU-h held"
+    auto = "; auto picks it" if auto_choice(p.storage.modes) == mode else ""
+    return (f"extract.storage: {mode} ({human(m.stored_bytes)} in the bucket, {m.extraction_passes:.2f} "
+            f"extraction passes, {gpu_h}, {m.gpus_at_once} GPUs at once{auto})")
 
 
 def _ids_over(p: Plan) -> tuple[str, str]:
     """Not even the token ids fit (hybrid and online store at least those, auto has no mode left)."""
     budget, n, mean, s = p.budget_bytes, p.samples, p.stored_mean_tokens, p.storage
-    ids = s["modes"]["online"]["stored_bytes"]
+    ids = s.modes["online"].stored_bytes
     limit = budget // token_id_bytes(mean, 1)
-    asked = "no storage mode fits (extract.storage: auto)" if s["asked"] == "auto" else \
-        f"extract.storage: {s['asked']} stores at least them"
+    asked = "no storage mode fits (extract.storage: auto)" if s.asked == "auto" else \
+        f"extract.storage: {s.asked} stores at least them"
     ways = ([f"dataset.limit: {limit:,}"] if limit else []) + [f"extract.budget: {_at_least(ids)} or more"]
     return (f"run {p.run}: even the token ids alone are expected to need {human(ids)} ({n:,} samples x {mean:,} "
             f"tokens x {TOKEN_ID_BYTES} B) but extract.budget is {human(budget)}: {asked}, which would show only"
@@ -197,7 +197,7 @@ def _at_least(n: int) -> str:
 GPU_SERVICES = ("inference", "extractor", "trainer")
 
 
-def gpu_plan(config, settings) -> dict:
+def gpu_plan(config, settings) -> GpuPlan:
     """The GPUs each service of the stack is given (EYRIE_<SERVICE>_GPU_IDS, where this host's
     environment has them) against what the run asks: serve.tensor_parallel_size x
     pipeline_parallel_size on inference's GPUs (the vLLM extraction server serves the target on
@@ -244,8 +244,8 @@ def gpu_plan(config, settings) -> dict:
                          "grants every stage its GPUs at once): two owners of one GPU.",
                          "give each service its own GPUs in .env, or EYRIE_GPU_SCHEDULER=redis (the GPU lease "
                          "sequences serve, extract and train on one host)."))
-    return {"ids": ids, "serve_gpus": need, "sequenced": sequenced,
-            "shared": {f"{a}+{b}": gpus for (a, b), gpus in shared.items()}, "refusals": refusals}
+    return GpuPlan(ids=ids, serve_gpus=need, sequenced=sequenced,
+                   shared={f"{a}+{b}": gpus for (a, b), gpus in shared.items()}, refusals=refusals)
 
 
 def refuse(p: Plan) -> None:
@@ -271,25 +271,25 @@ def budget_verdict(p: Plan) -> str:
         return verdict + (f"; expected {human(expected)} at {mean:,} tokens a sample: fits (extract refuses before "
                           "any forward pass if the real samples are longer)")
     s = p.storage
-    if s["chosen"] in ON_DEMAND and s["modes"][s["chosen"]]["fits"]:
-        kept = s["modes"][s["chosen"]]["stored_fraction"]
+    if s.chosen in ON_DEMAND and s.modes[s.chosen].fits:
+        kept = s.modes[s.chosen].stored_fraction
         return verdict + (f"; expected {human(expected)} at {mean:,} tokens a sample: does NOT fit in full: "
-                          f"extract.storage {s['chosen']} stores {kept:.1%} of the samples' states "
+                          f"extract.storage {s.chosen} stores {kept:.1%} of the samples' states "
                           "(storage modes below)")
     return verdict + f"; expected {human(expected)} at {mean:,} tokens a sample: does NOT fit (refused below)"
 
 
 def gpu_lines(p: Plan) -> list[str]:
     g = p.gpus
-    if not g["ids"]:
-        return [f"  GPUs: serve needs {g['serve_gpus']} of inference's (the vLLM extraction server and the verifier "
+    if not g.ids:
+        return [f"  GPUs: serve needs {g.serve_gpus} of inference's (the vLLM extraction server and the verifier "
                 "use the same); the stack's split is not set here (EYRIE_INFERENCE_GPU_IDS, EYRIE_EXTRACTOR_GPU_IDS, "
                 "EYRIE_TRAINER_GPU_IDS)"]
-    given = ", ".join(f"{name} {','.join(ids)}" for name, ids in g["ids"].items())
-    lines = [f"  GPUs: {given}; serve needs {g['serve_gpus']} on inference's"]
-    if g["shared"]:
-        pairs = "; ".join(f"{pair.replace('+', ' and ')} share {','.join(gpus)}" for pair, gpus in g["shared"].items())
-        lines.append(f"    {pairs}: " + ("the GPU lease gives each of them one holder at a time" if g["sequenced"] else
+    given = ", ".join(f"{name} {','.join(ids)}" for name, ids in g.ids.items())
+    lines = [f"  GPUs: {given}; serve needs {g.serve_gpus} on inference's"]
+    if g.shared:
+        pairs = "; ".join(f"{pair.replace('+', ' and ')} share {','.join(gpus)}" for pair, gpus in g.shared.items())
+        lines.append(f"    {pairs}: " + ("the GPU lease gives each of them one holder at a time" if g.sequenced else
                                          "nothing runs them one at a time (refused below)"))
     return lines + _beside_lines(p)
 
@@ -297,9 +297,9 @@ def gpu_lines(p: Plan) -> list[str]:
 def _beside_lines(p: Plan) -> list[str]:
     """hybrid and online with the trainer on a GPU of the service's: how the two share it."""
     s = p.storage
-    g = s["gpu_sharing"]
-    if s["chosen"] not in ON_DEMAND or not g["trainer_on_service_gpus"] or g["utilization_for_both"] is None:
+    g = s.gpu_sharing
+    if s.chosen not in ON_DEMAND or not g.trainer_on_service_gpus or g.utilization_for_both is None:
         return []
-    return [f"    in {s['chosen']} the extraction service runs at --gpu-memory-utilization "
-            f"{g['utilization_for_both']:.2f} on inference's GPUs with the trainer on GPU "
-            f"{','.join(g['trainer_on_service_gpus'])} beside it (their GPU leases share it; GPU memory below)"]
+    return [f"    in {s.chosen} the extraction service runs at --gpu-memory-utilization "
+            f"{g.utilization_for_both:.2f} on inference's GPUs with the trainer on GPU "
+            f"{','.join(g.trainer_on_service_gpus)} beside it (their GPU leases share it; GPU memory below)"]

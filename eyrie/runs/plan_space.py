@@ -22,12 +22,12 @@ def space(config, settings, p: Plan) -> Space:
     what the S3 server says (MinIO's admin info), else EYRIE_DATA_DIR; the trainer's cache as the
     trainers report it to Redis (eyrie.work.disk; in the stack --plan runs in another container), or
     this host's own with a file:// store or plan.trainer_cache_path; and the configured budget."""
-    chosen = p.storage["chosen"] or "offline"
-    mode = p.storage["modes"][chosen]
+    chosen = p.storage.chosen or "offline"
+    mode = p.storage.modes[chosen]
     local = urlparse(settings.store_url).scheme == "file"
     bucket_dir = _existing(config.plan.store_path or _store_dir(settings.store_url))
     cache_dir = _existing(config.plan.trainer_cache_path or (settings.cache_dir if local else None))
-    s = Space(bucket_bytes=mode["bucket_bytes"], trainer_copy_bytes=mode["trainer_cache_bytes"], mode=chosen,
+    s = Space(bucket_bytes=mode.bucket_bytes, trainer_copy_bytes=mode.trainer_cache_bytes, mode=chosen,
               bucket_dir=bucket_dir and str(bucket_dir), trainer_dir=cache_dir and str(cache_dir),
               basis="upper bound" if p.hidden_states_bytes_expected is None else "expected mean")
     bucket_dir = _bucket_free(s, settings, bucket_dir)

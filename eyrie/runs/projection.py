@@ -80,7 +80,7 @@ def project(config: RunConfig, settings, measure: bool = True) -> Plan:
     p.fits, p.fits_expected = chosen_fits(p)
     p.space = space(config, settings, p) if measure else None
     checks = (unknown_mean(p), over_budget(p), storage_refusal(p), on_demand_quota(p, settings))
-    p.refusals = [r for r in checks if r] + p.gpus["refusals"]
+    p.refusals = [r for r in checks if r] + p.gpus.refusals
     return p
 
 
@@ -136,7 +136,7 @@ def chosen_fits(p: Plan) -> tuple[bool | None, bool | None]:
     s = p.storage
     if p.budget_bytes is None:
         return None, None
-    fits = s["chosen"] is not None and s["modes"][s["chosen"]]["fits"]
+    fits = s.chosen is not None and s.modes[s.chosen].fits
     return fits, None if p.hidden_states_bytes_expected is None else fits
 
 
