@@ -207,6 +207,15 @@ def gpu_plan(config, settings) -> GpuPlan:
     given = {name: getattr(settings, f"{name}_gpu_ids") for name in GPU_SERVICES}
     ids = {name: value.split(",") for name, value in given.items() if value}
     sequenced = settings.gpu_scheduler == "redis"
+    shared = _shared_gpus(ids)
+    refusals = _named_twice(ids, given) + _too_few_for_serve(config, settings, ids, given)
+    if shared and not sequenced:
+        refusals.append(_two_owners(shared, settings))
+    return GpuPlan(ids=ids, serve_gpus=config.serve.gpus, sequenced=sequenced,
+                   shared={f"{a}+{b}": gpus for (a, b), gpus in shared.items()}, refusals=refusals)
+
+
+def _named_twice(ids: dict[str, list[str]], given: dict[str, str]) -> list[tuple[str, str]]:
     refusals = []
     for name, own in ids.items():
         twice = sorted({i for i in own if own.count(i) > 1}, key=int)
@@ -215,37 +224,47 @@ def gpu_plan(config, settings) -> GpuPlan:
             refusals.append((f"EYRIE_{name.upper()}_GPU_IDS={given[name]} names GPU {','.join(twice)} twice: "
                              f"{name} gets {len(set(own))} GPUs, not {len(own)}.",
                              f"name each GPU once (EYRIE_{name.upper()}_GPU_IDS={once}) in .env."))
-    serve = config.serve
+    return refusals
+
+
+def _too_few_for_serve(config, settings, ids: dict[str, list[str]], given: dict[str, str]) -> list[tuple[str, str]]:
+    """Inference's GPUs against the run's serve: section (and EYRIE_TENSOR_PARALLEL_SIZE, `eyrie serve`'s own)."""
+    if "inference" not in ids:
+        return []
+    serve, have = config.serve, len(set(ids["inference"]))
     need = serve.gpus
     shape = f"tensor_parallel_size {serve.tensor_parallel_size}" + (
         f" x pipeline_parallel_size {serve.pipeline_parallel_size}" if serve.pipeline_parallel_size > 1 else "")
-    if "inference" in ids:
-        have = len(set(ids["inference"]))
-        if need > have:
-            more = ",".join(str(i) for i in range(need))
-            refusals.append((f"run {config.run}: serve: {shape} needs {need} GPUs but inference has {have} "
-                             f"(EYRIE_INFERENCE_GPU_IDS={given['inference']}; the vLLM extraction server and "
-                             "the verifier serve the target on the same GPUs).",
-                             f"give inference {need} GPUs in .env (EYRIE_INFERENCE_GPU_IDS={more}; the extractor "
-                             f"and trainer may share them: the GPU lease never gives a GPU two holders), or set "
-                             f"serve.tensor_parallel_size: {have} if the target fits {have} GPUs."))
-        elif settings.tensor_parallel_size > have:
-            refusals.append((f"EYRIE_TENSOR_PARALLEL_SIZE={settings.tensor_parallel_size} (eyrie serve without a "
-                             f"run config) needs {settings.tensor_parallel_size} GPUs but inference has {have} "
-                             f"(EYRIE_INFERENCE_GPU_IDS={given['inference']}).",
-                             f"set EYRIE_TENSOR_PARALLEL_SIZE={have} in .env, or give inference more GPUs."))
+    if need > have:
+        more = ",".join(str(i) for i in range(need))
+        return [(f"run {config.run}: serve: {shape} needs {need} GPUs but inference has {have} "
+                 f"(EYRIE_INFERENCE_GPU_IDS={given['inference']}; the vLLM extraction server and "
+                 "the verifier serve the target on the same GPUs).",
+                 f"give inference {need} GPUs in .env (EYRIE_INFERENCE_GPU_IDS={more}; the extractor "
+                 f"and trainer may share them: the GPU lease never gives a GPU two holders), or set "
+                 f"serve.tensor_parallel_size: {have} if the target fits {have} GPUs.")]
+    if settings.tensor_parallel_size > have:
+        return [(f"EYRIE_TENSOR_PARALLEL_SIZE={settings.tensor_parallel_size} (eyrie serve without a "
+                 f"run config) needs {settings.tensor_parallel_size} GPUs but inference has {have} "
+                 f"(EYRIE_INFERENCE_GPU_IDS={given['inference']}).",
+                 f"set EYRIE_TENSOR_PARALLEL_SIZE={have} in .env, or give inference more GPUs.")]
+    return []
+
+
+def _shared_gpus(ids: dict[str, list[str]]) -> dict[tuple[str, str], list[str]]:
+    """The GPUs two services are both given, by pair (in GPU_SERVICES' order)."""
     shared = {(a, b): sorted(set(ids[a]) & set(ids[b]), key=int)
               for i, a in enumerate(GPU_SERVICES) for b in GPU_SERVICES[i + 1:] if a in ids and b in ids}
-    shared = {pair: gpus for pair, gpus in shared.items() if gpus}
-    if shared and not sequenced:
-        (a, b), gpus = next(iter(shared.items()))
-        refusals.append((f"EYRIE_{a.upper()}_GPU_IDS and EYRIE_{b.upper()}_GPU_IDS share GPU {','.join(gpus)}, "
-                         f"and nothing runs them one at a time (EYRIE_GPU_SCHEDULER={settings.gpu_scheduler} "
-                         "grants every stage its GPUs at once): two owners of one GPU.",
-                         "give each service its own GPUs in .env, or EYRIE_GPU_SCHEDULER=redis (the GPU lease "
-                         "sequences serve, extract and train on one host)."))
-    return GpuPlan(ids=ids, serve_gpus=need, sequenced=sequenced,
-                   shared={f"{a}+{b}": gpus for (a, b), gpus in shared.items()}, refusals=refusals)
+    return {pair: gpus for pair, gpus in shared.items() if gpus}
+
+
+def _two_owners(shared: dict[tuple[str, str], list[str]], settings) -> tuple[str, str]:
+    (a, b), gpus = next(iter(shared.items()))
+    return (f"EYRIE_{a.upper()}_GPU_IDS and EYRIE_{b.upper()}_GPU_IDS share GPU {','.join(gpus)}, "
+            f"and nothing runs them one at a time (EYRIE_GPU_SCHEDULER={settings.gpu_scheduler} "
+            "grants every stage its GPUs at once): two owners of one GPU.",
+            "give each service its own GPUs in .env, or EYRIE_GPU_SCHEDULER=redis (the GPU lease "
+            "sequences serve, extract and train on one host).")
 
 
 def refuse(p: Plan) -> None:
