@@ -141,7 +141,7 @@ def test_the_top_level_fits_describes_the_chosen_mode(tmp_path):
 
     offline = project(load_config(seed_variant(tmp_path, "offline", extract={"storage": "offline"})), load_settings(),
                       measure=False)
-    assert offline["fits"] is False and offline["fits_expected"] is False  # refused: the mode asked does not fit
+    assert offline.fits is False and offline.fits_expected is False  # refused: the mode asked does not fit
 
 
 def test_eyrie_run_refuses_what_the_estimated_mean_shows_over_the_budget(tmp_path, monkeypatch):
