@@ -113,8 +113,8 @@ def test_a_run_training_on_demand_gets_a_sharing_lease_and_the_planned_utilizati
         config.train.seq_len = 8192  # a GPU's pack (this host plans a CPU's 1,024 where none is given)
         store.put_json(config_key(run), config.model_dump())
         server = ExtractServer(_settings(redis_url, tmp_path), conn, store, run)
-        planned = project(server.config, server.settings, measure=False)["storage"]["gpu_sharing"]
-        assert planned["utilization_for_both"] == 0.57 and server.gpu_mode() == ("own" if run == OFFLINE_RUN else
+        planned = project(server.config, server.settings, measure=False).storage.gpu_sharing
+        assert planned.utilization_for_both == 0.57 and server.gpu_mode() == ("own" if run == OFFLINE_RUN else
                                                                                  "share")
         return server.command()
 

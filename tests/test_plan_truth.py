@@ -7,6 +7,7 @@ that describes the mode the run takes. In process: project() or the console scri
 import json
 import os
 import stat
+from types import SimpleNamespace
 
 import pytest
 
@@ -109,14 +110,14 @@ def test_gpu_memory_is_this_hosts_device_where_the_plan_runs_on_one(tmp_path, mo
     smi.write_text("#!/bin/sh\necho 81559\n")
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    sharing = project(config, load_settings(), measure=False)["storage"]["gpu_sharing"]
-    assert sharing["gpu_bytes"] == 81559 * 2**20 and "nvidia-smi" in sharing["gpu_memory_from"]
-    assert sharing["utilization_for_both"] is None  # 75 GB of service + 44 GB of trainer: not on 80 GB
-    given = project(load_config(str(SEED)), load_settings(), measure=False)["storage"]["gpu_sharing"]
-    assert given["gpu_bytes"] == parse_size("141GB") and given["gpu_memory_from"] == "plan.gpu_memory"
+    sharing = project(config, load_settings(), measure=False).storage.gpu_sharing
+    assert sharing.gpu_bytes == 81559 * 2**20 and "nvidia-smi" in sharing.gpu_memory_from
+    assert sharing.utilization_for_both is None  # 75 GB of service + 44 GB of trainer: not on 80 GB
+    given = project(load_config(str(SEED)), load_settings(), measure=False).storage.gpu_sharing
+    assert given.gpu_bytes == parse_size("141GB") and given.gpu_memory_from == "plan.gpu_memory"
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no GPU here
-    assumed = project(config, load_settings(), measure=False)["storage"]["gpu_sharing"]
-    assert assumed["gpu_bytes"] == parse_size("141GB") and "assumed" in assumed["gpu_memory_from"]
+    assumed = project(config, load_settings(), measure=False).storage.gpu_sharing
+    assert assumed.gpu_bytes == parse_size("141GB") and "assumed" in assumed.gpu_memory_from
 
 
 def test_auto_is_described_as_what_it_does():
@@ -126,7 +127,7 @@ def test_auto_is_described_as_what_it_does():
     for need, budget in ((10, None), (10, 20), (30, 20), (10**9, 20)):
         asked = resolve_mode("auto", need, budget)
         assert asked != "online"
-    modes = {"offline": {"fits": False}, "hybrid": {"fits": True}, "online": {"fits": True}}
+    modes = {mode: SimpleNamespace(fits=fits) for mode, fits in (("offline", False), ("hybrid", True), ("online", True))}
     assert auto_choice(modes) == "hybrid"
 
 
@@ -140,7 +141,7 @@ def test_the_top_level_fits_describes_the_chosen_mode(tmp_path):
 
     offline = project(load_config(seed_variant(tmp_path, "offline", extract={"storage": "offline"})), load_settings(),
                       measure=False)
-    assert offline["fits"] is False and offline["fits_expected"] is False  # refused: the mode asked does not fit
+    assert offline.fits is False and offline.fits_expected is False  # refused: the mode asked does not fit
 
 
 def test_eyrie_run_refuses_what_the_estimated_mean_shows_over_the_budget(tmp_path, monkeypatch):

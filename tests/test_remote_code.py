@@ -107,7 +107,7 @@ def test_a_run_of_such_a_target_without_the_setting_is_refused_before_it_starts(
 
     trusted = load_config(tiny_run_config(tmp_path, "trusted", target={"model": own_code_target},
                                           serve={"trust_remote_code": True}))
-    assert project(trusted, settings, measure=False)["hidden_size"] == 64
+    assert project(trusted, settings, measure=False).hidden_size == 64
     # the generate stage records it in the manifest's target, which every later load reads
     source = DatasetSection(source=trusted.dataset.source, limit=4)
     settings = settings.model_copy(update={"inference_url": "http://127.0.0.1:9"})  # no server is asked

@@ -117,17 +117,18 @@ def test_train_as_is_the_short_form_and_a_refusal_names_it(run_a, env):
 def test_the_plan_of_a_run_on_earlier_states_counts_no_generation_or_extraction(run_a, tmp_path):
     """`eyrie run --config B --plan`: generate and extract take no hours, named as a's reused; the
     training hours are B's own."""
-    from eyrie.runs.projection import project, render
+    from eyrie.runs.plan_lines import render
+    from eyrie.runs.projection import project
 
     settings, _, _ = run_a
     plan = project(load_config(tiny_run_config(tmp_path, "b", ROWS, train={"lr": 0.001})), settings)
-    assert plan["states_from"] == "a"
-    assert plan["hours"]["generate"]["hours"] == plan["hours"]["extract"]["hours"] == 0
+    assert plan.states_from == "a"
+    assert plan.hours["generate"]["hours"] == plan.hours["extract"]["hours"] == 0
     shown = "\n".join(render(plan))
     assert "generate     0.00 h: none: run a's, reused (same settings and rows)" in shown, shown
     assert "extract      0.00 h: none: run a's, reused" in shown and "tokens trained" in shown
     other = project(load_config(tiny_run_config(tmp_path, "d", ROWS, extract={"layers": [1, 3, 5]})), settings)
-    assert other["states_from"] is None and other["hours"]["generate"]["tokens"] > 0
+    assert other.states_from is None and other.hours["generate"]["tokens"] > 0
 
 
 def test_a_changed_target_or_serving_shares_no_states_and_the_new_run_generates(env, tmp_path):
@@ -143,7 +144,7 @@ def test_a_changed_target_or_serving_shares_no_states_and_the_new_run_generates(
     def config(*overrides: dict):
         return load_config(tiny_run_config(tmp_path, "d", ROWS, on_it, *overrides))
 
-    assert states_to_reuse(store, config()).run == "a" and project(config(), settings)["states_from"] == "a"
+    assert states_to_reuse(store, config()).run == "a" and project(config(), settings).states_from == "a"
     assert states_to_reuse(store, config({"serve": {"extra_args": ["--dtype", "float32"]}})) is None
     assert states_to_reuse(store, config({"serve": {"max_model_len": 512}})) is None
     assert states_to_reuse(store, config({"serve": {"tensor_parallel_size": 2}})).run == "a"  # how many GPUs: same answers
@@ -152,7 +153,7 @@ def test_a_changed_target_or_serving_shares_no_states_and_the_new_run_generates(
     (target / "config.json").write_text(json.dumps({**updated, "eyrie_test_key": 1}))  # updated in place
     assert states_to_reuse(store, config()) is None
     plan = project(config(), settings)
-    assert plan["states_from"] is None and plan["hours"]["generate"]["tokens"] > 0
+    assert plan.states_from is None and plan.hours["generate"]["tokens"] > 0
     out = start_pipeline(settings, conn, store, config())
     assert out["states_from"] is None and out["planning"], out  # generates: its planner is enqueued
     assert job_state(conn, out["planning"]) == "queued" and users_of(store, "a") == []

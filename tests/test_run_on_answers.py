@@ -21,7 +21,8 @@ from eyrie.data.manifest import Layout, ShardManifest, TargetRef, load_run_manif
 from eyrie.data.store import open_store
 from eyrie.runs.control import pipeline_started, start_and_plan, start_pipeline
 from eyrie.runs.pipeline import load_config, run_job_ids
-from eyrie.runs.projection import project, render
+from eyrie.runs.plan_lines import render
+from eyrie.runs.projection import project
 from eyrie.stages import PIPELINE
 from eyrie.work import keys
 from eyrie.work.queue import job_state
@@ -84,7 +85,7 @@ def test_a_run_on_a_published_directory_starts_at_extract_and_names_where_its_an
     config = load_config(tiny_run_config(tmp_path, "b", {"dataset": {"source": str(tmp_path / "published")}}))
     plan = project(config, settings)  # `eyrie run --plan`: nothing to generate
     where = f"directory {(tmp_path / 'published' / 'answers').resolve()}"
-    assert plan["answers_from"] == where and plan["samples"] == SAMPLES and plan["hours"]["generate"]["hours"] == 0
+    assert plan.answers_from == where and plan.samples == SAMPLES and plan.hours["generate"]["hours"] == 0
     assert f"generate     0.00 h: none: the answers in {where}" in "\n".join(render(plan))
     out = start_and_plan(settings, conn, store, config)
 

@@ -4,6 +4,7 @@ among the ways out, and whether the extraction service and the trainer share GPU
 project() and the storage functions called directly, the CLI once; no server."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -14,7 +15,9 @@ from eyrie.core.storage import resolve_mode, shard_allowance
 from eyrie.data.manifest import ExtractParams
 from eyrie.runs.pipeline import RunConfig, load_config
 from eyrie.runs.plan_checks import over_budget, refuse
-from eyrie.runs.projection import project, render
+from eyrie.runs.plan_lines import render
+from eyrie.runs.plan_result import Space
+from eyrie.runs.projection import project
 from eyrie.runs.storage_plan import gpu_sharing, vllm_utilization
 from eyrie_extractor.storage_split import ids_object_bound, split, states_file_bound
 
@@ -57,56 +60,56 @@ def test_the_seeds_modes_follow_the_formulas(settings):
     n, tokens = 25_000, 25_000 * 4096
     full, ids = tokens * PER_TOKEN_FP8 + n * 256, tokens * 8 + n * 256
     f = (2.8e12 - ids) / (full - ids)  # hybrid fills the budget: f x full + (1 - f) x ids
-    modes = p["storage"]["modes"]
+    modes = p.storage.modes
     off, hyb, onl = modes["offline"], modes["hybrid"], modes["online"]
-    assert (off["stored_bytes"], off["extraction_passes"], off["stored_fraction"]) == (full, 1.0, 1.0)
-    assert abs(hyb["stored_bytes"] - 2.8e12) <= 1 and hyb["stored_fraction"] == round(f, 4) == 0.9533
-    assert hyb["extraction_passes"] == round(f + (1 - f) * 3, 3) == 1.093
-    assert (onl["stored_bytes"], onl["extraction_passes"]) == (ids, 3.0)
+    assert (off.stored_bytes, off.extraction_passes, off.stored_fraction) == (full, 1.0, 1.0)
+    assert abs(hyb.stored_bytes - 2.8e12) <= 1 and hyb.stored_fraction == round(f, 4) == 0.9533
+    assert hyb.extraction_passes == round(f + (1 - f) * 3, 3) == 1.093
+    assert (onl.stored_bytes, onl.extraction_passes) == (ids, 3.0)
     batch = 8192 * PER_TOKEN_FP8  # one batch of generated states on the trainer's disk
-    assert off["trainer_cache_bytes"] == full and hyb["trainer_cache_bytes"] == hyb["stored_bytes"] + batch
-    assert onl["trainer_cache_bytes"] == ids + batch
-    assert hyb["bucket_bytes"] == hyb["stored_bytes"] + 25_000 * 8192 * 4  # + the generated records
+    assert off.trainer_cache_bytes == full and hyb.trainer_cache_bytes == hyb.stored_bytes + batch
+    assert onl.trainer_cache_bytes == ids + batch
+    assert hyb.bucket_bytes == hyb.stored_bytes + 25_000 * 8192 * 4  # + the generated records
     extract_h, train_h = 9.77, 34.62  # 102.4 M tokens at 2,912 tok/s; x 3 epochs at 2,465 tok/s
     # busy: extracting; held: offline stops the service once extracted, hybrid and online keep its 8 GPUs
     # until training ends (issue 29)
-    assert off["service_gpu_hours_busy"] == off["service_gpu_hours"] == round(extract_h * 8, 2) == 78.16
-    assert hyb["service_gpu_hours_busy"] == round(extract_h * 8 * (f + (1 - f) * 3), 2)
-    assert onl["service_gpu_hours_busy"] == round(extract_h * 8 * 3, 2) == 234.48
-    assert hyb["service_gpu_hours"] == pytest.approx(8 * hyb["wall_hours"], abs=0.05) == 351.47
-    assert onl["service_gpu_hours"] == pytest.approx(8 * train_h, abs=0.05)
-    assert {m["trainer_gpu_hours"] for m in modes.values()} == {train_h}
-    assert off["wall_hours"] == round(extract_h + train_h, 2) == 44.39
-    assert hyb["wall_hours"] == round(f * extract_h + train_h, 2)  # the service outpaces the trainer
-    assert onl["wall_hours"] == train_h
-    assert (off["gpus_at_once"], hyb["gpus_at_once"], onl["gpus_at_once"]) == (8, 9, 9)
-    assert [off["fits"], hyb["fits"], onl["fits"]] == [False, True, True]
+    assert off.service_gpu_hours_busy == off.service_gpu_hours == round(extract_h * 8, 2) == 78.16
+    assert hyb.service_gpu_hours_busy == round(extract_h * 8 * (f + (1 - f) * 3), 2)
+    assert onl.service_gpu_hours_busy == round(extract_h * 8 * 3, 2) == 234.48
+    assert hyb.service_gpu_hours == pytest.approx(8 * hyb.wall_hours, abs=0.05) == 351.47
+    assert onl.service_gpu_hours == pytest.approx(8 * train_h, abs=0.05)
+    assert {m.trainer_gpu_hours for m in modes.values()} == {train_h}
+    assert off.wall_hours == round(extract_h + train_h, 2) == 44.39
+    assert hyb.wall_hours == round(f * extract_h + train_h, 2)  # the service outpaces the trainer
+    assert onl.wall_hours == train_h
+    assert (off.gpus_at_once, hyb.gpus_at_once, onl.gpus_at_once) == (8, 9, 9)
+    assert [off.fits, hyb.fits, onl.fits] == [False, True, True]
 
 
 def test_a_service_slower_than_the_trainer_paces_the_epochs(settings):
     p = project(_small(storage="hybrid", budget="1.5GB"), settings(), measure=False)
-    modes = p["storage"]["modes"]
+    modes = p.storage.modes
     full, ids = 3600 * 1000 * (2 * 1024 * 2 + 8) + 3600 * 256, 3600 * 1000 * 8 + 3600 * 256
     f = (1.5e9 - ids) / (full - ids)
-    assert modes["hybrid"]["stored_fraction"] == round(f, 4)
-    assert modes["offline"]["wall_hours"] == 2.0  # 1 h extraction, then 1 h training
-    assert modes["online"]["wall_hours"] == 3.0  # each of 3 epochs waits on a full 1 h pass
-    assert modes["hybrid"]["wall_hours"] == round(f * 1 + 3 * (f / 3 + (1 - f) * 1), 2)
-    assert modes["online"]["service_gpu_hours"] == 6.0  # 3 passes x 1 h x tensor parallel 2
-    assert p["storage"]["chosen"] == "hybrid" and p["refusals"] == []
+    assert modes["hybrid"].stored_fraction == round(f, 4)
+    assert modes["offline"].wall_hours == 2.0  # 1 h extraction, then 1 h training
+    assert modes["online"].wall_hours == 3.0  # each of 3 epochs waits on a full 1 h pass
+    assert modes["hybrid"].wall_hours == round(f * 1 + 3 * (f / 3 + (1 - f) * 1), 2)
+    assert modes["online"].service_gpu_hours == 6.0  # 3 passes x 1 h x tensor parallel 2
+    assert p.storage.chosen == "hybrid" and p.refusals == []
 
 
 def test_auto_takes_offline_when_it_fits_and_hybrid_when_not(settings):
     roomy = project(_small(budget="20GB"), settings(), measure=False)
-    assert roomy["storage"]["chosen"] == "offline" and roomy["storage"]["why"].startswith("auto: every hidden state")
+    assert roomy.storage.chosen == "offline" and roomy.storage.why.startswith("auto: every hidden state")
     tight = project(_small(budget="1GB"), settings(), measure=False)
-    assert tight["storage"]["chosen"] == "hybrid" and tight["refusals"] == []
-    assert "hybrid stores" in tight["storage"]["why"]
+    assert tight.storage.chosen == "hybrid" and tight.refusals == []
+    assert "hybrid stores" in tight.storage.why
     unbounded = project(_small(budget=None), settings(), measure=False)
-    assert unbounded["storage"]["chosen"] == "offline"
+    assert unbounded.storage.chosen == "offline"
     for p in (roomy, tight, unbounded):  # the plan and the extract stage's resolve_mode agree
-        full = p["storage"]["modes"]["offline"]["stored_bytes"]
-        assert resolve_mode("auto", full, p["budget_bytes"]) == p["storage"]["chosen"]
+        full = p.storage.modes["offline"].stored_bytes
+        assert resolve_mode("auto", full, p.budget_bytes) == p.storage.chosen
 
 
 def test_an_explicit_offline_over_budget_is_refused_with_the_storage_modes_as_ways_out(settings):
@@ -125,7 +128,7 @@ def test_an_explicit_offline_over_budget_is_refused_with_the_storage_modes_as_wa
 @pytest.mark.parametrize("storage", ["auto", "offline", "hybrid", "online"])
 def test_a_budget_too_small_for_the_token_ids_is_refused_in_every_mode(storage, settings):
     p = project(_small(storage=storage, budget="20MB"), settings(), measure=False)  # ids: 29.7 MB
-    assert not any(m["fits"] for m in p["storage"]["modes"].values())
+    assert not any(m.fits for m in p.storage.modes.values())
     with pytest.raises(EyrieError) as err:
         refuse(p)
     if storage == "offline":
@@ -141,9 +144,9 @@ def test_the_seed_with_25000_samples_fits_its_budget_through_hybrid(settings):
     config = _seed()
     assert config.dataset.limit == 25_000 and config.extract.storage == "auto" and config.extract.budget == "2.8TB"
     p = project(config, settings(), measure=False)
-    s = p["storage"]
-    assert s["chosen"] == "hybrid" and s["modes"]["hybrid"]["stored_bytes"] <= 2.8e12 and p["refusals"] == []
-    assert "online would end sooner (34.6 h) at 277.0 service GPU-h held and 9 GPUs at once" in s["why"]
+    s = p.storage
+    assert s.chosen == "hybrid" and s.modes["hybrid"].stored_bytes <= 2.8e12 and p.refusals == []
+    assert "online would end sooner (34.6 h) at 277.0 service GPU-h held and 9 GPUs at once" in s.why
 
 
 def test_the_extract_shards_fill_the_budget_by_the_plans_rule(settings):
@@ -153,33 +156,33 @@ def test_the_extract_shards_fill_the_budget_by_the_plans_rule(settings):
     49.7 MB hold 12 states files and a tenth of another: not the ids of the other 88 as well."""
     shards, per_shard, tokens = 36, 100, 1000
     p = project(_small(storage="hybrid", budget="1.79GB"), settings(), measure=False)
-    hybrid = p["storage"]["modes"]["hybrid"]
-    assert p["samples"] == shards * per_shard and abs(hybrid["stored_bytes"] - p["budget_bytes"]) <= 1
-    params = ExtractParams(backend="vllm", aux_layers=p["aux_layers"], dtype=p["dtype"], max_length=tokens,
-                           num_layers=p["num_layers"], hidden_size=p["hidden_size"], samples=p["samples"],
-                           tokens=p["samples"] * tokens, truncated=0, projected_bytes=1, budget_bytes=p["budget_bytes"],
-                           storage="hybrid", shard_allowance_bytes=shard_allowance("hybrid", p["budget_bytes"], shards))
+    hybrid = p.storage.modes["hybrid"]
+    assert p.samples == shards * per_shard and abs(hybrid.stored_bytes - p.budget_bytes) <= 1
+    params = ExtractParams(backend="vllm", aux_layers=p.aux_layers, dtype=p.dtype, max_length=tokens,
+                           num_layers=p.num_layers, hidden_size=p.hidden_size, samples=p.samples,
+                           tokens=p.samples * tokens, truncated=0, projected_bytes=1, budget_bytes=p.budget_bytes,
+                           storage="hybrid", shard_allowance_bytes=shard_allowance("hybrid", p.budget_bytes, shards))
     todo = [{"sample_id": f"s{row}", "row": row, "input_ids": [0] * tokens} for row in range(per_shard)]
     kept, ids_only = split(params, [], todo)
     shard_bytes = len(kept) * states_file_bound(tokens, params) + len(ids_only) * ids_object_bound(tokens)
-    assert shard_bytes <= params.shard_allowance_bytes and shards * shard_bytes <= hybrid["stored_bytes"]
-    assert hybrid["stored_fraction"] * per_shard - 1 <= len(kept) <= hybrid["stored_fraction"] * per_shard
+    assert shard_bytes <= params.shard_allowance_bytes and shards * shard_bytes <= hybrid.stored_bytes
+    assert hybrid.stored_fraction * per_shard - 1 <= len(kept) <= hybrid.stored_fraction * per_shard
 
 
 def test_gpu_memory_of_the_service_and_the_trainer(settings):
     p = project(_seed(), settings(), measure=False)
-    g = p["storage"]["gpu_sharing"]
-    svc, trn = g["service"], g["trainer"]
-    assert svc["weights"] == 540e9 / 8 and svc["weights_from"] == "plan.target_weights"
-    assert svc["kv_floor"] == 2 * 61 * KIMI_H * 2 * 16384 // 8  # K and V, every layer, bf16, max_model_len
+    g = p.storage.gpu_sharing
+    svc, trn = g.service, g.trainer
+    assert svc.weights == 540e9 / 8 and svc.weights_from == "plan.target_weights"
+    assert svc.kv_floor == 2 * 61 * KIMI_H * 2 * 16384 // 8  # K and V, every layer, bf16, max_model_len
     h = KIMI_H
-    assert trn["trainable_params"] == 3 * h * h + 7 * h * h + 3 * h * (7 * h // 2) + h * 32000
-    assert trn["frozen"] == (KIMI_VOCAB + 32000) * h * 4
-    assert round(svc["total"] / 1e9, 2) == 75.08 and round(trn["total"] / 1e9, 2) == 44.0
-    assert g["utilization"] == 0.9 and g["trainer_fits_beside"] is False  # 14.1 GB left at 0.9
-    assert g["utilization_for_both"] == 0.68 and g["gpus_apart"] == 9
+    assert trn.trainable_params == 3 * h * h + 7 * h * h + 3 * h * (7 * h // 2) + h * 32000
+    assert trn.frozen == (KIMI_VOCAB + 32000) * h * 4
+    assert round(svc.total / 1e9, 2) == 75.08 and round(trn.total / 1e9, 2) == 44.0
+    assert g.utilization == 0.9 and g.trainer_fits_beside is False  # 14.1 GB left at 0.9
+    assert g.utilization_for_both == 0.68 and g.gpus_apart == 9
     tight = _seed().model_copy(update={"plan": _seed().plan.model_copy(update={"gpu_memory": "100GB"})})
-    assert gpu_sharing(tight, p)["utilization_for_both"] is None  # 75 GB + 44 GB > 100 GB
+    assert gpu_sharing(tight, p).utilization_for_both is None  # 75 GB + 44 GB > 100 GB
     assert vllm_utilization(["--gpu-memory-utilization", "0.5"]) == 0.5
     assert vllm_utilization(["--enforce-eager", "--gpu-memory-utilization=0.6"]) == 0.6
     with pytest.raises(EyrieError, match="--gpu-memory-utilization most is not a share of the GPU"):
@@ -187,20 +190,20 @@ def test_gpu_memory_of_the_service_and_the_trainer(settings):
 
 
 def test_a_small_target_shares_and_a_shared_trainer_gpu_is_named(settings):
-    small = project(_small(), settings(), measure=False)["storage"]["gpu_sharing"]
-    assert small["trainer_fits_beside"] and "estimated as a dense bf16 model" in small["service"]["weights_from"]
+    small = project(_small(), settings(), measure=False).storage.gpu_sharing
+    assert small.trainer_fits_beside and "estimated as a dense bf16 model" in small.service.weights_from
     split = {"inference_gpu_ids": "0,1,2,3,4,5,6,7", "extractor_gpu_ids": "0,1,2,3,4,5,6,7", "trainer_gpu_ids": "7"}
-    lines = "\n".join(render({**project(_seed(), settings(**split), measure=False), "space": _no_space()}))
+    lines = "\n".join(render(replace(project(_seed(), settings(**split), measure=False), space=_no_space())))
     assert "this host's split gives the trainer GPU 7, one of inference's (8 GPUs in all)" in lines
     assert "on 8 GPUs hybrid runs only with the service at --gpu-memory-utilization 0.68 and the trainer on GPU 7" \
         in lines
     nine = project(_seed(), settings(**{**split, "trainer_gpu_ids": "8"}), measure=False)
-    assert nine["storage"]["gpu_sharing"]["trainer_on_service_gpus"] == []
+    assert nine.storage.gpu_sharing.trainer_on_service_gpus == []
 
 
-def _no_space() -> dict:
-    return {"basis": "expected mean", "mode": "hybrid", "bucket_bytes": 0, "trainer_copy_bytes": 0,
-            "bucket_free": None, "trainer_free": None, "same_device": False}
+def _no_space() -> Space:
+    return Space(basis="expected mean", mode="hybrid", bucket_bytes=0, trainer_copy_bytes=0, bucket_dir=None,
+                 trainer_dir=None, bucket_free=None, trainer_free=None, same_device=False)
 
 
 def test_plan_prints_each_modes_bytes_and_hours(tmp_path):
@@ -226,12 +229,12 @@ def test_what_the_extract_stage_would_refuse_in_hybrid_and_online_is_refused_fir
     hf = _small(budget="1GB").model_copy(update={"extract": _small(budget="1GB").extract.model_copy(
         update={"backend": "hf"})})
     p = project(hf, settings(), measure=False)
-    assert p["storage"]["chosen"] == "hybrid"
-    problem, fix = next(r for r in p["refusals"] if "extract.backend is hf" in r[0])
+    assert p.storage.chosen == "hybrid"
+    problem, fix = next(r for r in p.refusals if "extract.backend is hf" in r[0])
     # offline: 3.6 M tokens x 4,104 B (2 states x 1,024 x bf16 + the token id)
     assert "extract.storage hybrid (auto's choice: offline's 14.78 GB exceed extract.budget 1.00 GB" in problem
     assert fix.startswith("set extract.backend: vllm")
     no_budget = project(_small(storage="hybrid", budget=None), settings(), measure=False)
     assert any("extract.storage: hybrid stores hidden states up to extract.budget, and none is set" in problem
-               for problem, _ in no_budget["refusals"])
-    assert project(_small(storage="online", budget=None), settings(), measure=False)["refusals"] == []
+               for problem, _ in no_budget.refusals)
+    assert project(_small(storage="online", budget=None), settings(), measure=False).refusals == []

@@ -32,4 +32,4 @@ def test_an_online_run_is_planned_without_transformers(monkeypatch, tmp_path):
     monkeypatch.setenv("EYRIE_STORE_URL", f"file://{tmp_path / 'store'}")
     monkeypatch.setitem(sys.modules, "transformers", None)
     plan = project(config, load_settings(), measure=False)
-    assert plan["storage"]["chosen"] == "online" and plan["refusals"] == [], plan["refusals"]
+    assert plan.storage.chosen == "online" and plan.refusals == [], plan.refusals

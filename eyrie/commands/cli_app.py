@@ -1,7 +1,7 @@
-"""The `eyrie` command line's app, which eyrie.commands.cli and eyrie.commands.cli_control register their commands
-on (both import this, neither the other's commands), the way every command reports an error, and
-a command's context (settings, Redis, the store). Its imports of the rest stand in the functions:
-`eyrie --help` stays fast."""
+"""The `eyrie` command line's app, which each group's module (eyrie.commands.cli_serve, cli_stages,
+cli_drafter, cli_pipeline, cli_control) registers its commands on (each imports this, none another's
+commands), the way every command reports an error, a command's context (settings, Redis, the
+store) and its `--wait`. Its imports of the rest stand in the functions: `eyrie --help` stays fast."""
 
 from __future__ import annotations
 
@@ -59,6 +59,15 @@ def context():
 
     settings = load_settings()
     return settings, connect(settings.redis_url), open_store(settings)
+
+
+def follow(conn, store, run: str, stage: str) -> None:
+    """`--wait`: the run followed until `stage` ends; its exit code (3 failed, 4 cancelled) unless done."""
+    from eyrie.commands.display import follow_stage
+
+    code = follow_stage(conn, store, run, stage)
+    if code:
+        raise typer.Exit(code)
 
 
 def set_up_process() -> None:

@@ -92,19 +92,19 @@ def sharing_utilization(settings, config) -> tuple[float | None, str]:
     if on_cpu():
         return None, "vLLM's CPU build sizes its KV cache by VLLM_CPU_KVCACHE_SPACE, not by a share of a GPU"
     try:
-        g = project(config, settings, measure=False)["storage"]["gpu_sharing"]
+        g = project(config, settings, measure=False).storage.gpu_sharing
     except EyrieError as exc:
         return None, f"the plan could not size the GPUs' memory ({exc})"
-    most, asked = g["utilization_for_both"], vllm_utilization(config.serve.extra_args)
+    most, asked = g.utilization_for_both, vllm_utilization(config.serve.extra_args)
     if most is None:
-        return None, (f"the trainer ({human(g['trainer']['total'])}) fits beside the service "
-                      f"({human(g['service']['total'])} a GPU) at no utilization of {human(g['gpu_bytes'])} "
-                      f"({g['gpu_memory_from']}): it needs a GPU of its own")
+        return None, (f"the trainer ({human(g.trainer.total)}) fits beside the service "
+                      f"({human(g.service.total)} a GPU) at no utilization of {human(g.gpu_bytes)} "
+                      f"({g.gpu_memory_from}): it needs a GPU of its own")
     if asked <= most:
         return None, f"its {asked:.2f} (serve.extra_args or vLLM's default) leaves the trainer room (at most {most:.2f})"
-    return most, (f"the highest share at which the service ({human(g['service']['total'])} a GPU) fits and "
-                  f"leaves the trainer ({human(g['trainer']['total'])}) room on a GPU of {human(g['gpu_bytes'])} "
-                  f"({g['gpu_memory_from']}) they share; {asked:.2f} would leave {human((1 - asked) * g['gpu_bytes'])}")
+    return most, (f"the highest share at which the service ({human(g.service.total)} a GPU) fits and "
+                  f"leaves the trainer ({human(g.trainer.total)}) room on a GPU of {human(g.gpu_bytes)} "
+                  f"({g.gpu_memory_from}) they share; {asked:.2f} would leave {human((1 - asked) * g.gpu_bytes)}")
 
 
 def with_utilization(cmd: list[str], share: float) -> list[str]:
