@@ -225,7 +225,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     signal.signal(signal.SIGTERM, INTERRUPT)
     try:
         sys.exit(main())

@@ -24,9 +24,8 @@ from eyrie_trainer import engine
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
 from eyrie_trainer.runner import speculators_options
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import learning_curve as lc  # noqa: E402
-from results import write_section  # noqa: E402
+import learning_curve as lc
+from results import write_section
 
 SWEPT = ("lr", "warmup", "schedule", "seq_len", "draft_vocab", "ttt_steps", "epochs", "max_steps")
 PLAN_NAMES = {"seq_len": "total_seq_len"}  # TrainSettings' name -> the train plan's (TrainParams)

@@ -33,8 +33,7 @@ import redis
 from eyrie.data.manifest import Layout
 from eyrie.data.store import FileStore
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import write_section  # noqa: E402
+from results import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = "bench-train"

@@ -132,9 +132,6 @@ def test_the_learning_curves_prompt_sets_nest_and_hold_their_self_instruct_share
 # --- bench/storage_modes.py's pure parts, without a process ---------------------------------------
 
 def _storage_modes():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "bench"))
     import storage_modes
 
     return storage_modes
