@@ -27,14 +27,13 @@ from eyrie.work.gpu import pick_device
 from eyrie_trainer import checkpoints, engine
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
 from eyrie_trainer.evaluate import simulate
-from eyrie_trainer.export import _served_config, _transfer, download, load_drafter
+from eyrie_trainer.export import download, load_drafter, served_config, states_transfer
 from eyrie_trainer.runner import speculators_options
 from eyrie.data.verify_outputs import TURN_LABELS, set_blocks
 from eyrie_trainer.verify import (HELDOUT, Served, answer_limits, benchmark_result, benchmark_sets, heldout_prompts,
                                   max_model_len, serve_flags)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import write_section  # noqa: E402
+from results import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 SERIAL = 4  # prompts answered one at a time, for tokens/s at 1 in flight
@@ -243,10 +242,10 @@ def _stored_steps(store, layout: Layout, label: str, folder: Path) -> int | None
 def judge(checkpoint: Path, manifest, eval_dir: Path, out: Path, k: int, device: str) -> dict:
     """eyrie's acceptance length of a checkpoint (as export.evaluate reads it), and its directory as vLLM loads it."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_bytes(_served_config(json.loads((checkpoint / "config.json").read_text()), manifest))
+    (out / "config.json").write_bytes(served_config(json.loads((checkpoint / "config.json").read_text()), manifest))
     shutil.copyfile(checkpoint / "model.safetensors", out / "model.safetensors")
     tau = simulate(load_drafter(checkpoint), eval_dir, k=k, device=device,
-                   transfer=_transfer(eval_dir, manifest.extract.dtype))
+                   transfer=states_transfer(eval_dir, manifest.extract.dtype))
     gc.collect()
     torch.cuda.empty_cache()  # vLLM takes the GPU next (a no-op where CUDA was never used)
     return {"checkpoint": str(checkpoint), "drafter": out, "eyrie_tau": tau["tau"],
