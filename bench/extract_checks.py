@@ -12,14 +12,15 @@ import time
 import torch
 from safetensors.torch import load as st_load
 
+from eyrie.data.manifest import Layout
+from eyrie_extractor import shard as xs
+
 from extract_contenders import Bench
 
 
 def stored_equals_forward(bench: Bench, runs: dict[str, str]) -> dict:
     """The first batch forwarded again: do the stored files hold exactly these states?"""
     from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
-
-    from eyrie.data.manifest import Layout
 
     batch = bench.batches[0]
     states = bench.capture.forward(batch).to("cpu")
@@ -46,8 +47,6 @@ def stored_equals_forward(bench: Bench, runs: dict[str, str]) -> dict:
 def fp8_error(bench: Bench, runs: dict[str, str], fp32_ref: torch.Tensor | None) -> dict:
     """fp8 (dequantized to bf16 as training does) vs the bf16 file, per stored layer."""
     from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor
-
-    from eyrie.data.manifest import Layout
 
     labels = [f"aux {i}" for i in bench.capture.aux_layers] + [f"last ({bench.capture.num_layers}, pre-norm)"]
     rel = {label: [] for label in labels + ["all"]}
@@ -82,8 +81,6 @@ def fp8_error(bench: Bench, runs: dict[str, str], fp32_ref: torch.Tensor | None)
 def fp32_ref_errors(bench: Bench, runs: dict[str, str], states: torch.Tensor) -> dict:
     from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor
 
-    from eyrie.data.manifest import Layout
-
     errs = {"bf16": [], "fp8": []}
     for row, record in enumerate(bench.records_by_batch[0]):
         ref = states[row, : len(bench.batches[0][row])].float()
@@ -114,8 +111,6 @@ class PhaseTimer:
 
 
 def profile_extract(bench: Bench, dtype: str) -> dict:
-    import eyrie_extractor.shard as xs
-
     timer = PhaseTimer()
     patches = [(xs, "save"), (xs, "sample_tensors"), (xs, "load_tokenizer"), (xs, "generated_records"),
                *((next((c for c in xs.ExtractRunner.__mro__ if name in vars(c)), xs.ExtractRunner), name)

@@ -15,6 +15,9 @@ import psutil
 import torch
 from safetensors.torch import save as st_save
 
+from eyrie_extractor import shard as xs
+from eyrie_extractor.shard import sample_tensors
+
 from extract_setup import delete_prefix, run_shard
 
 
@@ -84,8 +87,6 @@ class SplitExecutor:
         return False
 
     def submit(self, fn, item, states) -> Future:
-        import eyrie_extractor.shard as xs
-
         if getattr(fn, "__name__", "") != "_write":  # the code already splits (it submits _put): as it is
             return self.pool.submit(fn, item, states)
         runner = fn.__self__
@@ -135,8 +136,6 @@ class Bench:
             for batch in batches:
                 for ids in batch:
                     if len(ids) not in by_len:
-                        from eyrie_extractor.shard import sample_tensors
-
                         dummy = torch.randn(len(ids), n_states, capture.hidden_size)
                         by_len[len(ids)] = len(st_save(sample_tensors(dummy, ids, dtype)))
             self.sizes[dtype] = [by_len[len(ids)] for batch in batches for ids in batch]
@@ -163,8 +162,6 @@ class Bench:
         return {"bytes": sum(self.sizes[dtype])}
 
     def extract(self, dtype: str) -> dict:
-        import eyrie_extractor.shard as xs
-
         result = run_shard(xs, self.settings, self.conn, self.store, self.runs[dtype])
         assert result["status"] == "done" and result["tokens"] == self.tokens, result
         return {"own_wall_s": result["wall_s"], "bytes": result["bytes"]}
@@ -177,8 +174,6 @@ class Bench:
 
     def variant(self, which: str, dtype: str) -> dict:
         """A proposed change (--variant): the extractor with its write pool swapped, nothing else."""
-        import eyrie_extractor.shard as xs
-
         original = xs.ThreadPoolExecutor
         xs.ThreadPoolExecutor = VARIANTS[which][0]
         try:
@@ -187,8 +182,6 @@ class Bench:
             xs.ThreadPoolExecutor = original
 
     def naive(self, dtype: str) -> dict:
-        from eyrie_extractor.shard import sample_tensors
-
         i, total = 0, 0
         for batch in self.batches:
             states = self.capture.forward(batch)

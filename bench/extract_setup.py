@@ -12,6 +12,12 @@ from pathlib import Path
 import orjson
 import torch
 
+from eyrie.core.budget import projected_bytes
+from eyrie.data.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
+                                 ShardManifest, ShardPlan, TargetRef, code_version, now_iso)
+from eyrie.tasks.executor import Context
+from eyrie_extractor import shard as xs
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "assets" / "tiny-target"
 
@@ -57,8 +63,6 @@ def load_capture(settings, conn, store, warm_run: str, config, device: str, from
     and read back), from_pretrained is swapped for a random init straight on the device, during
     this one run."""
     import transformers
-
-    from eyrie_extractor import shard as xs
 
     created = []
     original_cls = xs.HFCapture
@@ -109,8 +113,6 @@ def shard_module_at(ref: str, capture):
 
 
 def extractor_cache_misses() -> int:
-    from eyrie_extractor import shard as xs
-
     return xs.loaded_capture.cache_info().misses
 
 
@@ -118,8 +120,6 @@ def run_shard(module, settings, conn, store, run: str) -> dict:
     """Shard 0 of `run` through `module`'s ExtractRunner (shard.py now, or at --ref): by the
     executor where that shard.py has one, else by its own run()."""
     if hasattr(module, "execute"):
-        from eyrie.tasks.executor import Context
-
         return module.execute(module.ExtractRunner, {"run": run, "shard": 0}, Context(settings, conn, store))
     return module.ExtractRunner(settings, conn, store, run, 0).run()
 
@@ -140,10 +140,6 @@ def make_records(samples: int, seq_len: int, vocab: int, seed: int = 0) -> list[
 
 def write_run(store, name: str, model_dir: Path, records: list[dict], aux: list[int], num_layers: int,
               hidden: int, dtype: str) -> None:
-    from eyrie.core.budget import projected_bytes
-    from eyrie.data.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest,
-                                     SamplingParams, ShardManifest, ShardPlan, TargetRef, code_version, now_iso)
-
     layout = Layout(name)
     data = b"".join(orjson.dumps(r) + b"\n" for r in records)
     inp = store.put_bytes(layout.generate_input(0), data)

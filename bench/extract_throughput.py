@@ -56,6 +56,12 @@ for _key, _value in {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1",
 import redis  # noqa: E402
 import torch  # noqa: E402
 
+from eyrie.core.config import load_settings  # noqa: E402
+from eyrie.core.layers import default_aux_layers  # noqa: E402
+from eyrie.data.manifest import Layout, ShardManifest  # noqa: E402
+from eyrie.data.store import open_store  # noqa: E402
+from eyrie_extractor.capture import token_budget_batches  # noqa: E402
+
 from tests.support import seaweed  # noqa: E402
 from tests.support.processes import start_redis, stop  # noqa: E402
 
@@ -139,11 +145,6 @@ def start_helpers(args, w, tmp: Path, helpers: list[subprocess.Popen]) -> str:
 def prepare(args, w, tmp: Path, redis_url: str) -> tuple[Bench, SimpleNamespace]:
     """The target built and loaded as the extractor loads it, a run per dtype, the batches, the contenders
     (after one untimed forward of every batch); the model's figures beside them."""
-    from eyrie.core.config import load_settings
-    from eyrie.core.layers import default_aux_layers
-    from eyrie.data.store import open_store
-    from eyrie_extractor.capture import token_budget_batches
-
     settings = load_settings()
     store = open_store(settings)
     conn = redis.Redis.from_url(redis_url)
@@ -256,8 +257,6 @@ def check_and_report(args, w, bench: Bench, m, results: dict, started: tuple[flo
 
 def stored_bytes(store, runs: dict[str, str]) -> dict:
     """Bytes and tokens each run's extract shard manifest records."""
-    from eyrie.data.manifest import Layout, ShardManifest
-
     stored = {}
     for dtype, run in runs.items():
         sm = ShardManifest.model_validate(store.get_json(Layout(run).extract_shard_manifest(0)))
