@@ -33,7 +33,7 @@ from eyrie_trainer.verify import (HELDOUT, Served, answer_limits, benchmark_resu
                                   max_model_len, serve_flags)
 
 from learning_report import NOTABLE, section, svg_plot
-from learning_report import cell as _f, row as _row  # noqa: F401 (bench/finetune.py, a measurement's, reads lc._f)
+from learning_report import cell as _f  # noqa: F401 (bench/finetune.py, run by a measurement as it is, reads lc._f)
 from results import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
