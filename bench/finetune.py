@@ -17,9 +17,8 @@ Writes --out (JSON) and a section of --results. A rerun continues: points judged
 import argparse, json, shlex, sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import learning_curve as lc  # noqa: E402
-from results import write_section  # noqa: E402
+import learning_curve as lc
+from results import write_section
 
 from eyrie.core.config import load_settings
 from eyrie.data.manifest import load_run_manifest

@@ -29,12 +29,13 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tests.support.processes import start_redis, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -143,12 +144,7 @@ def hold_lease(redis_url: str) -> int:
 def run_all(out: Path, only: set[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="eyrie-gpu-checks-"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    redis_proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                   "--appendonly", "no", "--dir", str(work)], stdout=subprocess.DEVNULL)
-    redis_url = f"redis://127.0.0.1:{port}/0"
+    redis_proc, redis_url = start_redis(work)
     results, started = [], time.monotonic()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "EYRIE_REDIS_URL": redis_url}
     try:
@@ -160,7 +156,7 @@ def run_all(out: Path, only: set[str] | None = None) -> int:
             results.append(_run_check(check, min(check["budget_s"] * 1.5, left), env, out))
             (out / "gpu-checks.json").write_text(json.dumps(results, indent=1))
     finally:
-        redis_proc.terminate()
+        stop(redis_proc)
         shutil.rmtree(work, ignore_errors=True)
     for r in results:
         print(json.dumps({k: v for k, v in r.items() if k != "tail"}))

@@ -12,9 +12,8 @@ A rerun continues (EYRIE_CACHE_DIR/bench/RUN/): a slice judged in an earlier sit
 resumes from its checkpoints, vLLM measures only what no sitting has (bench/real_model.py runs it across sittings).
 """
 
-import argparse, datetime as dt, gc, json, math, os, platform, re, shlex, shutil, subprocess, sys, time
+import argparse, datetime as dt, gc, json, os, platform, re, shlex, shutil, subprocess, sys, time
 from pathlib import Path
-from xml.sax.saxutils import escape
 
 import torch
 
@@ -27,23 +26,21 @@ from eyrie.work.gpu import pick_device
 from eyrie_trainer import checkpoints, engine
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
 from eyrie_trainer.evaluate import simulate
-from eyrie_trainer.export import _served_config, _transfer, download, load_drafter
+from eyrie_trainer.export import download, load_drafter, served_config, states_transfer
 from eyrie_trainer.runner import speculators_options
-from eyrie.data.verify_outputs import TURN_LABELS, set_blocks
+from eyrie.data.verify_outputs import set_blocks
 from eyrie_trainer.verify import (HELDOUT, Served, answer_limits, benchmark_result, benchmark_sets, heldout_prompts,
                                   max_model_len, serve_flags)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import write_section  # noqa: E402
+from learning_report import NOTABLE, section, svg_plot
+from learning_report import cell as _f  # noqa: F401 (bench/finetune.py, run by a measurement as it is, reads lc._f)
+from results import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 SERIAL = 4  # prompts answered one at a time, for tokens/s at 1 in flight
-NOTABLE = ("epochs", "lr", "optimizer", "scheduler_type", "total_seq_len", "draft_vocab_size", "num_layers",
-           "ttt_steps", "loss_fn", "train_data_ratio", "seed", "draft_attn_impl", "loss_implementation", "num_workers")
 GIVEN = {"verifier_name_or_path", "data_path", "save_path", "target_layer_ids", "log_dir", "num_workers", "epochs",
          "train_data_ratio", "hidden_states_dtype"}  # the training split is the slice, the validation split the held-out
 # samples (train_data_ratio); fp32 where the CPU has no native bf16 (hidden_states_dtype: 60x faster here)
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
 
 def slices(samples: list[dict], heldout: set[str], sizes: list[int]) -> tuple[list[str], dict[int, list[str]]]:
@@ -62,84 +59,6 @@ def stage_time(shards: list[dict]) -> dict:
     done = sum(s["counts"]["done"] for s in shards)
     return {"wall_s": wall, "prompts": done, "shards": len(shards), "s_per_1k": wall / done * 1000 if done else None,
             "finished_at": max(dt.datetime.fromisoformat(s["finished_at"]) for s in shards).isoformat()}
-
-
-def _f(value, spec=".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _row(*cells) -> str:
-    return "| " + " | ".join(map(str, cells)) + " |"
-
-
-def section(r: dict, svg: str | None = None) -> list[str]:
-    """The RESULTS.md section from the JSON result: the curve, the stage times, the anchor."""
-    sets, m = list(r["sets"]), r["machine"]
-    answered = sum(n for s, n in r["sets"].items() if not s.endswith(TURN_LABELS["both"]))  # both turns: counted each
-    gpu, per_1k = f", {m['gpu']}" if m["gpu"] else "", lambda s, n: _f(s / 60 / n * 1000, ".1f")
-    out = [f"# Learning curve: {r['target_name']} (bench/learning_curve.py)", "",
-           f"- Machine: {m['cpus']} CPUs ({m['cpu']}), {m['memory_gib']} GiB RAM{gpu}; {r['date']}; commit "
-           f"`{r['commit']}`.", f"- Command: `{r['command']}`",
-           f"- Run `{r['run']}` ({r['target']}): {r['heldout_samples']} held-out samples, a pool of {r['pool']}; "
-           f"epochs: {r['epochs']}, on {r['device']}; vLLM at K={r['k']}, greedy, at most {r['max_tokens']} tokens; "
-           + ", ".join(f"{n} {c} prompts" for n, c in r["sets"].items()) + ".", "",
-           _row("training prompts", "eyrie τ held-out", *(f"vLLM acceptance {s}" for s in sets),
-                *(f"speedup @1 {s}" for s in sets), "train min / 1k prompts"), "|" + "---|" * (3 + 2 * len(sets))]
-    for p in r["points"]:
-        out.append(_row(p["prompts"], _f(p["eyrie_tau"]), *(_f(p["sets"][s]["vllm_acceptance_length"]) for s in sets),
-                        *(_f(p["sets"][s]["speedup"]["1"]) for s in sets), per_1k(p["train_s"], p["prompts"])))
-    out += ["", f"![vLLM acceptance length per set against training prompts]({svg})"] if svg else []
-    out += ["", _row("stage", "measured on", "wall min", "min / 1k prompts"), "|---|---|---|---|"]
-    for stage, t in r["stage_times"].items():
-        out.append(_row(stage, f"n/a: {t['n/a']}", "-", "-") if "n/a" in t else _row(
-            stage, f"{t['prompts']} prompts, {t['shards']} shards (shard manifests: first start to last finish)",
-            _f(t["wall_s"] / 60, ".1f"), per_1k(t["wall_s"], t["prompts"]) if t["prompts"] else "-"))
-    for p in r["points"] + ([r["anchor"]] if r.get("anchor") else []):
-        who = "speculators' defaults" if p["label"] == "anchor" else "eyrie"
-        timed = "the run's train stage: extraction's end to its last epoch checkpoint" if p.get("from_run") else "timed here"
-        out.append(_row(f"train ({who})", f"{p['prompts']} prompts, {p['epochs']} epochs, {timed}",
-                        _f(p["train_s"] / 60, ".1f"), per_1k(p["train_s"], p["prompts"])))
-        out.append(_row(f"verify ({who}, {p['prompts']})", f"{answered} prompts, server start in, timed here",
-                        _f(p["verify_s"] / 60, ".1f"), per_1k(p["verify_s"], answered)))
-    return out + (anchor_lines(r) if r.get("anchor") else [])
-
-
-def anchor_lines(r: dict) -> list[str]:
-    a, eyrie = r["anchor"], next(p for p in r["points"] if p["prompts"] == r["anchor"]["prompts"])
-    given = ", ".join(f"{k} {v}" for k, v in a["given"].items() if k in NOTABLE or k == "target_layer_ids")
-    taken = ", ".join(f"{k} {v}" for k, v in a["defaults"].items())
-    out = ["", f"Beside speculators' own training on the same {a['prompts']} samples (speculators.train.cli.main "
-           f"in eyrie's device shim), given {given}; defaults taken: {taken}. {a['note']}", "",
-           _row("set", "eyrie", "speculators", "eyrie / speculators"), "|---|---|---|---|"]
-    pairs = [("eyrie τ held-out (simulated)", eyrie["eyrie_tau"], a["eyrie_tau"])] + [
-        (f"vLLM acceptance {s}", eyrie["sets"][s]["vllm_acceptance_length"], a["sets"][s]["vllm_acceptance_length"])
-        for s in r["sets"]]
-    return out + [_row(name, _f(x), _f(y), _f(x / y, ".3f") if x is not None and y else "-") for name, x, y in pairs]
-
-
-def svg_plot(curves: dict[str, list[tuple[int, float]]], title: str) -> str:
-    """Acceptance length per set against training prompts (log scale): one polyline per set."""
-    w, h, left, right, top, bottom = 640, 400, 60, 150, 40, 50
-    xs = sorted({x for pts in curves.values() for x, _ in pts}) or [1]
-    ys = [y for pts in curves.values() for _, y in pts if y is not None] or [1.0]
-    lo_x, hi_x, lo_y, hi_y = math.log(xs[0]), math.log(xs[-1]), min(1.0, min(ys)), max(ys) * 1.05
-    px = lambda x: left + (w - left - right) * ((math.log(x) - lo_x) / (hi_x - lo_x) if hi_x > lo_x else 0.5)
-    py = lambda y: h - bottom - (h - top - bottom) * (y - lo_y) / ((hi_y - lo_y) or 1)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" style="font: 12px sans-serif">',
-             f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">{escape(title)}</text>',
-             f'<path d="M{left},{top} V{h - bottom} H{w - right}" fill="none" stroke="black"/>',
-             f'<text x="{(left + w - right) / 2}" y="{h - 10}" text-anchor="middle">training prompts</text>',
-             f'<text x="15" y="{h / 2}" text-anchor="middle" transform="rotate(-90 15 {h / 2})">'
-             'acceptance length</text>']
-    parts += [f'<text x="{px(x):.1f}" y="{h - bottom + 16}" text-anchor="middle">{x}</text>' for x in xs]
-    parts += [f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.2f}</text>'
-              for y in (lo_y + (hi_y - lo_y) * i / 4 for i in range(5))]
-    for i, (name, pts) in enumerate(curves.items()):
-        color, pts = COLORS[i % len(COLORS)], [(x, y) for x, y in pts if y is not None]
-        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="'
-                     + " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts) + '"/>')
-        parts.append(f'<text x="{w - right + 10}" y="{top + 18 * i + 10}" fill="{color}">{escape(name)}</text>')
-    return "\n".join(parts + ["</svg>"]) + "\n"
 
 
 def machine() -> dict:
@@ -243,10 +162,10 @@ def _stored_steps(store, layout: Layout, label: str, folder: Path) -> int | None
 def judge(checkpoint: Path, manifest, eval_dir: Path, out: Path, k: int, device: str) -> dict:
     """eyrie's acceptance length of a checkpoint (as export.evaluate reads it), and its directory as vLLM loads it."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_bytes(_served_config(json.loads((checkpoint / "config.json").read_text()), manifest))
+    (out / "config.json").write_bytes(served_config(json.loads((checkpoint / "config.json").read_text()), manifest))
     shutil.copyfile(checkpoint / "model.safetensors", out / "model.safetensors")
     tau = simulate(load_drafter(checkpoint), eval_dir, k=k, device=device,
-                   transfer=_transfer(eval_dir, manifest.extract.dtype))
+                   transfer=states_transfer(eval_dir, manifest.extract.dtype))
     gc.collect()
     torch.cuda.empty_cache()  # vLLM takes the GPU next (a no-op where CUDA was never used)
     return {"checkpoint": str(checkpoint), "drafter": out, "eyrie_tau": tau["tau"],

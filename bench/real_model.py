@@ -14,7 +14,7 @@ Ctrl-C or SIGTERM stops it all: the workers hand their tasks back, the trainer s
 
 from __future__ import annotations
 
-import argparse, os, signal, subprocess, sys, time
+import argparse, os, signal, subprocess, sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import redis
 import yaml
 
 from eyrie.commands.embedded import HeldInterrupt, stop as stop_process
+from tests.support.processes import start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS_START_S = 30
@@ -36,14 +37,6 @@ def home_env(home: Path, redis_url: str) -> dict:
     """The eyrie settings that put every byte of a run under `home` (none in the work tree)."""
     return {"EYRIE_REDIS_URL": redis_url, "EYRIE_STORE_URL": f"file://{home / 'store'}",
             "EYRIE_CACHE_DIR": str(home / "cache"), "EYRIE_EXTRACT_SHARED_DIR": str(home / "hs-shared")}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(url: str) -> bool:
@@ -63,17 +56,11 @@ def own_redis(home: Path):
     if port_file.exists() and _answers(url := f"redis://127.0.0.1:{port_file.read_text().strip()}/0"):
         yield url, False
         return
-    port = _free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
-                             "--appendonly", "yes", "--save", "", "--logfile", str(folder / "redis.log")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + REDIS_START_S
-    while not _answers(url):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"redis-server did not answer on port {port} (see {folder / 'redis.log'}).")
-        time.sleep(0.1)
-    port_file.write_text(str(port))
+    try:
+        proc, url = start_redis(folder, aof=True, log=folder / "redis.log", new_session=True, timeout=REDIS_START_S)
+    except RuntimeError as exc:
+        raise SystemExit(f"{exc}.") from None
+    port_file.write_text(str(redis.Redis.from_url(url).connection_pool.connection_kwargs["port"]))
     try:
         yield url, True
     finally:
@@ -225,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     signal.signal(signal.SIGTERM, INTERRUPT)
     try:
         sys.exit(main())

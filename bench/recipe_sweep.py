@@ -10,7 +10,7 @@ steps (its max_steps: choose N for about the run's train time). vLLM, as bench/l
 then each drafter; a rerun continues (EYRIE_CACHE_DIR/bench/RUN/): a recipe judged in an earlier sitting is reused.
 """
 
-import argparse, json, os, shlex, sys
+import argparse, json, shlex, sys
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -24,9 +24,9 @@ from eyrie_trainer import engine
 from eyrie_trainer.data import done_samples, heldout_ids, materialize
 from eyrie_trainer.runner import speculators_options
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import learning_curve as lc  # noqa: E402
-from results import write_section  # noqa: E402
+import learning_curve as lc
+from learning_report import cell, row
+from results import write_section
 
 SWEPT = ("lr", "warmup", "schedule", "seq_len", "draft_vocab", "ttt_steps", "epochs", "max_steps")
 PLAN_NAMES = {"seq_len": "total_seq_len"}  # TrainSettings' name -> the train plan's (TrainParams)
@@ -84,13 +84,13 @@ def section(r: dict) -> list[str]:
            f"{r['device']}; the run's plan: {r['plan']}. eyrie τ: a recipe's last epoch (the run's own: its best by "
            f"held-out τ). vLLM at K={r['k']}, greedy, at most {r['max_tokens']} tokens; "
            + ", ".join(f"{n} {c} prompts" for n, c in r["sets"].items()) + ".", "",
-           lc._row("recipe", "optimizer steps", "train min", "eyrie τ held out",
-                   *(f"vLLM {s}" for s in sets), *(f"speedup @1 {s}" for s in sets)),
+           row("recipe", "optimizer steps", "train min", "eyrie τ held out",
+               *(f"vLLM {s}" for s in sets), *(f"speedup @1 {s}" for s in sets)),
            "|" + "---|" * (4 + 2 * len(sets))]
     for p in r["points"]:
-        out.append(lc._row(p["label"], p.get("steps") or "-", lc._f(p["train_s"] / 60, ".1f"), lc._f(p["eyrie_tau"]),
-                           *(lc._f(p["sets"][s]["vllm_acceptance_length"]) for s in sets),
-                           *(lc._f(p["sets"][s]["speedup"]["1"]) for s in sets)))
+        out.append(row(p["label"], p.get("steps") or "-", cell(p["train_s"] / 60, ".1f"), cell(p["eyrie_tau"]),
+                       *(cell(p["sets"][s]["vllm_acceptance_length"]) for s in sets),
+                       *(cell(p["sets"][s]["speedup"]["1"]) for s in sets)))
     return out + [""] + [f"- {p['label']}: {p.get('recipe') or p.get('note', '')}" for p in r["points"]]
 
 

@@ -22,7 +22,6 @@ the section of --results.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import math
@@ -30,57 +29,30 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil
-import requests
+from eyrie.core.config import load_settings
+from eyrie.data.manifest import Layout, load_run_manifest
+from eyrie.data.store import open_store
+from eyrie.stages import TRAIN
+from eyrie.work.extract_server import on_demand
+from eyrie_trainer.data import done_samples, heldout_ids
+from eyrie_trainer.export import download
+from eyrie_trainer.verify import Served, serve_flags
+from tests.support.processes import start_redis, stop
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import learning_curve as lc  # noqa: E402
-from results import svg_bars, write_section  # noqa: E402
+import learning_curve as lc
+from results import write_section
+from storage_processes import BIN, ROOT, Monitor, Service, Target, eyrie, model_path
+from storage_report import acceptance_error, chart, epoch_walls, expected_requests, prompt_slice, section, summary
 
-from eyrie.core.config import load_settings  # noqa: E402
-from eyrie.core.vllm import start_server, stop_server  # noqa: E402
-from eyrie.data.manifest import Layout, load_run_manifest  # noqa: E402
-from eyrie.data.store import open_store  # noqa: E402
-from eyrie.stages import TRAIN  # noqa: E402
-from eyrie.work import progress  # noqa: E402
-from eyrie.work.extract_server import on_demand  # noqa: E402
-from eyrie_extractor.vllm_backend import connector_env, extract_command  # noqa: E402
-from eyrie_trainer.data import done_samples, heldout_ids  # noqa: E402
-from eyrie_trainer.export import download  # noqa: E402
-from eyrie_trainer.verify import Served, serve_flags  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 MODES = ("offline", "hybrid", "online")
 SOURCE = "g"  # the generated run the three are cloned from
-METRIC = "vllm:request_success_total"
-
-
-@dataclass(frozen=True)
-class Target:
-    """A target and how it is run here: prompts (every `stride`-th row of `dataset`), vLLM flags, training."""
-    model: str
-    dataset: str
-    stride: int
-    prompts: int
-    max_tokens: int
-    layers: str
-    max_model_len: int
-    vllm_args: str
-    sampling: tuple[str, ...]
-    seq_len: int
-    lr: float
-    draft_vocab: int
-    heldout: int
 
 
 TARGETS = {
@@ -92,325 +64,6 @@ TARGETS = {
                       "--enforce-eager --dtype bfloat16", ("--temperature", "0.2", "--top-p", "0.9"), 1024, 3e-4,
                       8192, 8),
 }
-
-
-# --- pure parts (tests/test_benchmarks.py) -------------------------------------------------------
-
-def prompt_slice(lines: list[str], count: int, stride: int) -> list[str]:
-    """Every `stride`-th non-empty row from the first, the first `count` of them."""
-    rows = [line for line in lines if line.strip()][::stride][:count]
-    if len(rows) < count:
-        raise SystemExit(f"the dataset has {len(rows)} rows at a stride of {stride}, fewer than {count} prompts")
-    return rows
-
-
-def epoch_walls(loop_started: float | None, checkpoints: dict[str, float], ended: float | None,
-                epochs: int) -> dict:
-    """Wall seconds of each epoch (loop start, then each epoch's checkpoint stored) and their mean (loop start to
-    the evaluation phase, over the epochs)."""
-    per, last = [], loop_started
-    for label in sorted(checkpoints, key=int):
-        if last is not None:
-            per.append(checkpoints[label] - last)
-        last = checkpoints[label]
-    mean = (ended - loop_started) / epochs if loop_started is not None and ended is not None else None
-    return {"per_epoch_s": per, "wall_per_epoch_s": mean}
-
-
-def acceptance_error(length: float | None, per_position: list[float | None], drafts: int) -> float | None:
-    """Standard error of vLLM's mean acceptance length (1 + accepted/drafts) over `drafts` drafts. A draft's accepted
-    count a is the number of positions accepted in a row, so P(a >= m) is position m's acceptance rate p_m:
-    E[a] = sum p_m, E[a^2] = sum (2m - 1) p_m (m from 1)."""
-    if length is None or not drafts or any(p is None for p in per_position):
-        return None
-    mean, square = length - 1, sum((2 * m - 1) * p for m, p in enumerate(per_position, start=1))
-    return math.sqrt(max(0.0, square - mean * mean) / drafts)
-
-
-def same_within_noise(a: dict, b: dict) -> bool | None:
-    """Two acceptance lengths differ by at most two standard errors of their difference (independent errors: the
-    prompts are shared, so this errs on the side of calling them the same)."""
-    if None in (a.get("length"), b.get("length"), a.get("error"), b.get("error")):
-        return None
-    return abs(a["length"] - b["length"]) <= 2 * math.hypot(a["error"], b["error"])
-
-
-def expected_requests(samples: list[dict], heldout: set[str], epochs: int) -> int:
-    """Requests training makes to the service: each on-demand training sample every epoch, each on-demand held-out
-    sample once."""
-    train = sum(1 for s in samples if on_demand(s) and s["sample_id"] not in heldout)
-    held = sum(1 for s in samples if on_demand(s) and s["sample_id"] in heldout)
-    return train * epochs + held
-
-
-def _mb(n: float | None) -> str:
-    return "-" if n is None else f"{n / 1e6:.2f} MB"
-
-
-def _ratio(x: float | None, base: float | None) -> str:
-    return "-" if x is None or not base else f"{x / base:.2f}x"
-
-
-def section(r: dict, svg: str | None = None) -> list[str]:
-    """The RESULTS.md section from the JSON result (every target measured so far)."""
-    targets = r["targets"]
-    out = ["# Storage modes: offline, hybrid, online (bench/storage_modes.py)", ""]
-    for name, t in targets.items():
-        m = t["machine"]
-        out += [f"- **{name}** ({t['model']}): {m['cpus']} CPUs ({m['cpu']}), {m['memory_gib']} GiB RAM"
-                + (f", {m['gpu']}" if m["gpu"] else ", no GPU") + f"; {t['date']}; commit `{t['commit']}`; "
-                f"vLLM {t['vllm']}. Command: `{t['command']}`",
-                f"  - {t['prompts']} prompts answered once by the target in vLLM (at most {t['max_tokens']} tokens; "
-                f"{t['generate_s']:.0f} s), {t['heldout']} held out; trained {t['epochs']} epochs, lr {t['lr']:g}, "
-                f"seq len {t['seq_len']}, draft vocabulary {t['draft_vocab']}, K={t['k']}, on {t['device']}; vLLM "
-                f"acceptance on {t['verify_prompts']} held-out prompts, greedy, at most {t['verify_tokens']} tokens."]
-    out += ["", lc._row("target", "mode", "stored bytes (bucket)", "peak bytes (trainer cache + service dir)",
-                        "of which hidden states", "service requests in training (expected)",
-                        "wall / epoch (each epoch)", "vLLM acceptance (± s.e.)", "eyrie τ",
-                        "greedy outputs identical with the drafter"), "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, t in targets.items():
-        for mode, x in t["modes"].items():
-            acc = x["acceptance"]
-            out.append(lc._row(name, mode, _mb(x["stored_bytes"]), _mb(x["peak_bytes"]), _mb(x["peak_state_bytes"]),
-                               f"{x['service_requests']} ({x['expected_requests']})",
-                               lc._f(x["wall_per_epoch_s"], ".1f") + " s" + (
-                                   f" ({', '.join(f'{w:.1f}' for w in x['per_epoch_s'])})" if x.get("per_epoch_s")
-                                   else ""),
-                               lc._f(acc["length"], ".3f") + (
-                                   f" ± {acc['error']:.3f}" if acc["error"] is not None else ""),
-                               lc._f(x["eyrie_tau"], ".3f"),
-                               {True: "yes", False: "no"}.get(acc.get("identical_outputs"), "-")))
-    out += ["", lc._row("target", "mode", "stored bytes", "peak bytes", "wall / epoch", "vLLM acceptance",
-                        "same as offline within noise"), "|---|---|---|---|---|---|---|"]
-    for name, t in targets.items():
-        base = t["modes"]["offline"]
-        for mode, x in t["modes"].items():
-            if mode != "offline":
-                same = same_within_noise(x["acceptance"], base["acceptance"])
-                out.append(lc._row(name, f"{mode} / offline", _ratio(x["stored_bytes"], base["stored_bytes"]),
-                                   _ratio(x["peak_bytes"], base["peak_bytes"]),
-                                   _ratio(x["wall_per_epoch_s"], base["wall_per_epoch_s"]),
-                                   _ratio(x["acceptance"]["length"], base["acceptance"]["length"]),
-                                   "-" if same is None else ("yes" if same else "no")))
-    out += ["", f"![acceptance, wall time per epoch and peak bytes per mode]({svg})"] if svg else []
-    return out + ["", *reading(targets)]
-
-
-def request_wait(mode: dict, offline: dict) -> float | None:
-    """Seconds training waited per request to the service: its wall per epoch beyond offline's, over an epoch's
-    requests (the held-out ones, fetched once, are counted in: a slight underestimate)."""
-    wall, base, n = mode.get("wall_per_epoch_s"), offline.get("wall_per_epoch_s"), mode.get("service_requests")
-    epochs = len(mode.get("per_epoch_s") or []) or None
-    if None in (wall, base, epochs) or not n:
-        return None
-    return (wall - base) * epochs / n
-
-
-def summary(entry: dict) -> dict:
-    """An earlier run of a target, in brief: kept beside the newest (the machine is shared: runs differ)."""
-    modes = entry["modes"]
-    return {"command": entry["command"], "date": entry["date"], "commit": entry["commit"],
-            **{key: {m: x.get(key) for m, x in modes.items()} for key in ("wall_per_epoch_s", "load_1m", "peak_bytes")},
-            "acceptance": {m: x["acceptance"]["length"] for m, x in modes.items()}}
-
-
-def earlier_lines(name: str, runs: list[dict]) -> list[str]:
-    return [f"- earlier run of **{name}** (`{e['command']}`, {e['date']}, `{e['commit']}`): wall per epoch "
-            + ", ".join(f"{m} {lc._f(w, '.1f')} s" for m, w in e["wall_per_epoch_s"].items())
-            + "; load average " + ", ".join(f"{m} {lc._f(v, '.1f')}" for m, v in e["load_1m"].items())
-            + "; vLLM acceptance " + ", ".join(f"{m} {lc._f(v, '.3f')}" for m, v in e["acceptance"].items()) + "."
-            for e in runs]
-
-
-def reading(targets: dict) -> list[str]:
-    """What the numbers say, in words made from them."""
-    return [line for name, t in targets.items() for line in (
-        f"- **{name}**: " + "; ".join(target_reading(t["modes"])) + ".",
-        *earlier_lines(name, t.get("earlier", [])))] + [
-        line for note in NOTES for line in ("", note)]
-
-
-def target_reading(modes: dict) -> list[str]:
-    lengths = [x["acceptance"]["length"] for x in modes.values() if x["acceptance"]["length"] is not None]
-    same = [same_within_noise(x["acceptance"], modes["offline"]["acceptance"]) for x in modes.values()]
-    shas = {x["drafter_sha256"] for x in modes.values() if x.get("drafter_sha256")}
-    loads = [f"{m} {x['load_1m']:.1f}" for m, x in modes.items() if x.get("load_1m") is not None]
-    out = [f"vLLM acceptance {min(lengths, default=0):.3f}-{max(lengths, default=0):.3f} across the modes, "
-           + ("every mode the same as offline within noise" if all(v is not False for v in same)
-              else "a mode differs from offline beyond noise"),
-           "wall per epoch " + ", ".join(f"{m} {lc._f(x['wall_per_epoch_s'], '.1f')} s" for m, x in modes.items()),
-           f"the service answered {modes['hybrid']['service_requests']} (hybrid) and "
-           f"{modes['online']['service_requests']} (online) requests during training, "
-           + ("as many as expected" if all(x["service_requests"] == x["expected_requests"] for x in modes.values())
-              else "not the number expected") + "; offline trained with it stopped"]
-    if loads:
-        out.append(f"the machine's 1-minute load average while each trained (2 cores, shared): {', '.join(loads)}")
-    waits = {m: request_wait(modes[m], modes["offline"]) for m in ("hybrid", "online")}
-    if all(w is not None for w in waits.values()):
-        out.append("training waited about " + " and ".join(f"{w:.2f} s ({m})" for m, w in waits.items())
-                   + " per request to the service (wall per epoch beyond offline's, over the requests of an epoch): "
-                   "the CPU trainer loads samples in its own process (0 loader workers), so it waits for each request")
-    if None not in (h := modes["hybrid"]["wall_per_epoch_s"], o := modes["online"]["wall_per_epoch_s"]) and h > o:
-        out.append("hybrid's epochs took longer than online's with half the requests: most likely other jobs on the "
-                   "shared cores (see the load average and the earlier run), not the mode")
-    out += ["the three exported drafters are bit-identical (one sha256)" if len(shas) == 1 else
-            f"the exported drafters differ in their bytes ({len(shas)} sha256s)"] if shas else []
-    if max(lengths, default=0) < 1.2:
-        out.append("drafters trained this briefly accept about one token per step (acceptance ~1.0): the modes are "
-                   "compared on drafters that have learnt almost nothing, so agreement here shows the states reach "
-                   "training intact, not that a useful drafter comes out the same")
-    return out
-
-
-NOTES = [
-    "\"Same within noise\": the difference from offline is at most two standard errors of the difference (each "
-    "error from vLLM's own counters: the spread of accepted tokens per draft over the drafts made, computed from the "
-    "per-position acceptance rates; the modes' errors treated as independent although the prompts are shared). "
-    "The three runs train on the same samples in the same order with speculators' default seed; the states come "
-    "from the same vLLM extraction service, stored at extraction or made again during training (in other batches, "
-    "so not necessarily to the last bit): the drafters' sha256s say whether the bytes matched.",
-    "Peak bytes: the highest sum, sampled every 0.2 s while the train task ran, of the trainer's cache directory "
-    "(the materialized training and held-out data, checkpoints, logs) and the service's shared directory (states "
-    "written for a request, deleted once read); \"of which hidden states\" counts the data directory and the shared "
-    "directory alone. Wall / epoch: the train task's training loop start to its evaluation phase, over the epochs "
-    "(data preparation, evaluation and export not in it); the machine was shared with other test runs, so the load "
-    "average above says how much of it was ours.",
-]
-
-
-def chart(r: dict) -> str:
-    """Bars per mode, grouped by target: vLLM acceptance, wall seconds per epoch, peak MB."""
-    pick = lambda f: {name: {m: f(x) for m, x in t["modes"].items()} for name, t in r["targets"].items()}  # noqa: E731
-    return svg_bars({"vLLM acceptance length": pick(lambda x: x["acceptance"]["length"]),
-                     "wall s / epoch": pick(lambda x: x["wall_per_epoch_s"]),
-                     "peak MB (cache + service dir)": pick(
-                         lambda x: x["peak_bytes"] / 1e6 if x["peak_bytes"] is not None else None),
-                     "stored MB (bucket)": pick(lambda x: x["stored_bytes"] / 1e6)},
-                    "Storage modes: offline, hybrid, online (vLLM CPU build as the extraction service)", lc.COLORS)
-
-
-# --- processes -----------------------------------------------------------------------------------
-
-def model_path(t: Target) -> str:
-    """The target as every process names it (the extraction service, generation and vLLM's model name)."""
-    return str(ROOT / t.model)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{proc.args[0]} exited with {proc.returncode}: {log.read_text(errors='replace')[-3000:]}")
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(url, timeout=2).status_code < 500:
-                return
-        time.sleep(0.5)
-    raise SystemExit(f"{url} did not answer within {timeout_s:g} s")
-
-
-@contextlib.contextmanager
-def redis_server(work: Path):
-    """A Redis of its own on a free port, no persistence."""
-    port, folder = free_port(), work / "redis"
-    folder.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-                             "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)],
-                            stdout=subprocess.DEVNULL)
-    try:
-        time.sleep(1)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
-def eyrie(*args: str, timeout: float = 3600) -> float:
-    """The real `eyrie` command line; its wall seconds."""
-    started = time.monotonic()
-    done = subprocess.run([str(BIN / "eyrie"), *args], capture_output=True, text=True, timeout=timeout)
-    if done.returncode:
-        raise SystemExit(f"eyrie {shlex.join(args)} -> {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
-    return time.monotonic() - started
-
-
-class Service:
-    """vLLM's extraction service (CPU-safe connector), started as tests/test_storage_modes.py starts it."""
-
-    def __init__(self, t: Target, settings, work: Path):
-        self.port, self.shared, self.log = free_port(), work / "hs-shared", work / "extract-service.log"
-        self.url = f"http://127.0.0.1:{self.port}"
-        flags = ["--max-model-len", str(t.max_model_len), *shlex.split(t.vllm_args)]
-        cmd = extract_command(model_path(t), [int(x) for x in t.layers.split(",")], self.shared, 1, self.port, flags,
-                              vllm_command=settings.vllm_command, cpu=True)
-        self.proc = start_server(cmd, env=connector_env(), stdout=self.log.open("w"), stderr=subprocess.STDOUT)
-        wait_http(f"{self.url}/v1/models", self.proc, self.log)
-
-    def requests_served(self) -> int:
-        text = requests.get(f"{self.url}/metrics", timeout=30).text
-        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(METRIC + "{")))
-
-    def cpu_s(self) -> float:
-        """CPU seconds of its whole process tree so far."""
-        procs = [psutil.Process(self.proc.pid)]
-        procs += procs[0].children(recursive=True)
-        total = 0.0
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                c = p.cpu_times()
-                total += c.user + c.system
-        return total
-
-    def stop(self) -> None:
-        stop_server(self.proc, grace_s=60)
-
-
-def tree_bytes(path: Path) -> int:
-    """Bytes of the files under `path` (files vanishing meanwhile count 0)."""
-    total = 0
-    for folder, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.stat(os.path.join(folder, name)).st_size
-    return total
-
-
-class Monitor(threading.Thread):
-    """While a train task runs: the high-water mark of its cache + the service's directory, every `every_s`, and when
-    its live progress shows the training loop start, each checkpoint stored and the evaluation phase."""
-
-    def __init__(self, conn, run: str, cache: Path, shared: Path | None, every_s: float):
-        super().__init__(daemon=True)
-        self.conn, self.run_name, self.cache, self.shared, self.every_s = conn, run, cache, shared, every_s
-        self.stop, self.peak, self.peak_states, self.samples, self.load = threading.Event(), 0, 0, 0, 0.0
-        self.loop_started = self.ended = None
-        self.checkpoints: dict[str, float] = {}
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.sample()
-            self.stop.wait(self.every_s)
-        self.sample()
-
-    def sample(self) -> None:
-        shared = tree_bytes(self.shared) if self.shared else 0
-        data = tree_bytes(self.cache / "runs" / self.run_name / "data")
-        self.peak, self.samples = max(self.peak, tree_bytes(self.cache) + shared), self.samples + 1
-        self.peak_states = max(self.peak_states, data + shared)
-        self.load += os.getloadavg()[0]  # other jobs on the machine show here
-        now = time.time()
-        for live in progress.read(self.conn, self.run_name, "train").values():
-            if self.loop_started is None and "steps_per_epoch" in live:
-                self.loop_started = now
-            for c in live.get("checkpoints", []):
-                self.checkpoints.setdefault(c["label"], now)
-            if self.ended is None and live.get("phase") in ("evaluating", "done"):
-                self.ended = now
 
 
 def train(run: str, a, t: Target, work: Path, conn, service: Service | None) -> dict:
@@ -600,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     os.chdir(ROOT)
-    with redis_server(work) as redis_url:
+    redis_proc, redis_url = start_redis(work / "redis")
+    try:
         os.environ.update({"EYRIE_REDIS_URL": redis_url, "EYRIE_STORE_URL": f"file://{work / 'store'}",
                            "EYRIE_CACHE_DIR": str(work / "cache"), "EYRIE_DEVICE": "cpu", "EYRIE_MODEL": model_path(t),
                            "EYRIE_VLLM_COMMAND": os.environ.get("EYRIE_VLLM_COMMAND",
@@ -610,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
                            "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"})
         started = time.monotonic()
         measured = measure(a, t, work)
+    finally:
+        stop(redis_proc, timeout=30)
     settings = load_settings()
     result = {"target": a.target, "model": t.model, "command": a.command, **lc.machine(), "device": "cpu",
               "vllm": vllm_version(settings), "settings": asdict(t), "prompts": a.prompts, "max_tokens": a.max_tokens,

@@ -1,4 +1,4 @@
-"""tests/stub_openai.py unchanged, plus a server-side clock: the same ruler for every client.
+"""tests/support/stub_openai.py unchanged, plus a server-side clock: the same ruler for every client.
 
 A middleware around POST /v1/chat/completions records when the first request arrived, when the
 last one was answered, and the time-weighted number of requests inside the handler (in flight
@@ -11,14 +11,11 @@ GET /stats (the stub's own) counts the requests per prompt.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from stub_openai import SHAPES, make_app  # noqa: E402
+from tests.support.stub_openai import SHAPES, make_app
 
 CHAT = "/v1/chat/completions"
 

@@ -32,9 +32,9 @@ import redis
 
 from eyrie.data.manifest import Layout
 from eyrie.data.store import FileStore
+from tests.support.processes import start_redis, stop
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import write_section  # noqa: E402
+from results import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = "bench-train"
@@ -209,12 +209,9 @@ def main() -> None:
     os.nice(a.nice)  # inherited by both sides alike
     started, load0 = time.perf_counter(), os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="eyrie-train-bench-"))
-    with socket.socket() as sock:
-        port = sock.bind(("127.0.0.1", 0)) or sock.getsockname()[1]
-    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no", "--dir", str(work)], stdout=subprocess.DEVNULL)
+    server, redis_url = start_redis(work)
     try:
-        env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": f"redis://127.0.0.1:{port}/0", "EYRIE_DEVICE": a.device,
+        env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_url, "EYRIE_DEVICE": a.device,
                "EYRIE_STORE_URL": f"file://{work / 'store'}", "EYRIE_CACHE_DIR": str(work / "cache"),
                "EYRIE_TRAIN_FAST_PATH": a.fast_path, "EYRIE_TRAIN_LOADER_WORKERS": str(a.workers)}
         os.environ.update(env)
@@ -223,7 +220,7 @@ def main() -> None:
         from eyrie_trainer import engine
         from eyrie.tasks.executor import Context, RunTask
         from eyrie_trainer.runner import TrainRunner
-        runner = TrainRunner(Context(load_settings(), redis.Redis(port=port), FileStore(work / "store")),
+        runner = TrainRunner(Context(load_settings(), redis.Redis.from_url(redis_url), FileStore(work / "store")),
                              RunTask(run=RUN))
         runner.load_plan()
         train_dir, _ = runner._prepare_data()
@@ -242,8 +239,7 @@ def main() -> None:
         if not a.no_write:
             write_section(Path(a.out_md), lines)
     finally:
-        server.terminate()
-        server.wait()
+        stop(server)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import aiohttp
 
 from eyrie.core.vllm import serve_argv, serve_env, start_server, stop_server
+from tests.support.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "assets" / "smollm2-135m-instruct"
@@ -40,12 +40,6 @@ def setting_env(setting: str) -> dict[str, str]:
         first, last = (int(v) for v in value.split("-"))
         return {"VLLM_CPU_OMP_THREADS_BIND": value, "OMP_NUM_THREADS": str(last - first + 1)}
     raise SystemExit(f"unknown setting {setting!r}: default, omp=N or bind=A-B")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompts(n: int) -> list[str]:

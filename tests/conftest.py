@@ -7,7 +7,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from deadline import (FAILED, bounded, pytest_runtest_makereport,  # noqa: F401 
                       pytest_timeout_cancel_timer, pytest_timeout_set_timer)
 from eyrie.core.gguf_target import PROVENANCE, convert_smollm2
 from eyrie.work import keys
+from tests.support import seaweed
+from tests.support.processes import free_port, start_redis, stop  # noqa: F401 (tests import them from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "assets" / "tiny-target"
@@ -35,12 +36,6 @@ WHEELS = ROOT / ".eyrie" / "wheels"  # PyPI wheels a conversion starts from, as 
 
 pytest_plugins = ["tiers"]  # unit / integration / e2e markers (tests/tiers.py)
 os.environ.update(OFFLINE)  # no test reaches a hub: `pytest` run by hand behaves as under make
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float = 60, proc: subprocess.Popen | None = None) -> None:
@@ -136,32 +131,12 @@ def workers(env, tmp_path, request):
     w.stop_all()
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    binary = shutil.which("redis-server")
-    if not binary:
+    if not shutil.which("redis-server"):
         pytest.fail("redis-server is not installed: `make test` installs it (apt-get install redis-server)")
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL)
-    conn = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            conn.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
+    yield url
     stop(proc)
 
 
@@ -180,9 +155,7 @@ S3_KEYS = {"EYRIE_S3_ACCESS_KEY": "testing", "EYRIE_S3_SECRET_KEY": "testing-sec
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    """SeaweedFS serving S3 (tests/seaweed.py) for S3_KEYS; each test its own bucket."""
-    import seaweed
-
+    """SeaweedFS serving S3 (tests/support/seaweed.py) for S3_KEYS; each test its own bucket."""
     proc, url = seaweed.start(tmp_path_factory.mktemp("s3"), *S3_KEYS.values())
     yield url
     stop(proc)
@@ -326,7 +299,7 @@ def stub_server(request):
         import json
 
         port = free_port()
-        args = [sys.executable, str(ROOT / "tests" / "stub_openai.py"), "--port", str(port),
+        args = [sys.executable, str(ROOT / "tests" / "support" / "stub_openai.py"), "--port", str(port),
                 "--shape", shape, "--latency", str(latency), "--tokens", str(tokens)]
         if faults:
             path = (tmp or Path(request.getfixturevalue("tmp_path"))) / f"faults-{port}.json"

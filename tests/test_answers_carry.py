@@ -1,16 +1,12 @@
 """bench/answers_carry.py: a run's generated answers saved from one store and restored into another (a
 new sitting's), byte for byte, the run manifest last; hidden states and checkpoints stay behind."""
 
-import sys
-
 import pytest
 
-from conftest import ROOT
 from eyrie.data.manifest import Layout
 from eyrie.data.store import FileStore
 
-sys.path.insert(0, str(ROOT / "bench"))
-from answers_carry import restore_answers, save_answers  # noqa: E402
+from answers_carry import restore_answers, save_answers
 
 OBJECTS = {"manifest.json": b'{"run": "r"}', "pipeline.json": b"{}",
            "generate/input/shard-00000.jsonl": b'{"row": 0}\n',

@@ -145,7 +145,7 @@ CASES = [
 def stub_url():
     """One vLLM stand-in for the module (starting one per case costs more than the case)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "stub_openai.py"), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "stub_openai.py"), "--port", str(port),
                              "--tokens", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/health", proc=proc)

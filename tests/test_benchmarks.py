@@ -129,15 +129,12 @@ def test_the_learning_curves_prompt_sets_nest_and_hold_their_self_instruct_share
     assert sources[9] == sources[999] == sources[1013] == "self-instruct" and sources[1012] == "gsm8k"
 
 
-# --- bench/storage_modes.py's pure parts, without a process ---------------------------------------
+# --- bench/storage_modes.py's pure parts (bench/storage_report.py), without a process --------------
 
 def _storage_modes():
-    import sys
+    import storage_report
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import storage_modes
-
-    return storage_modes
+    return storage_report
 
 
 def _mode(stored: int, peak: int, wall: float, length: float, error: float, requests: int = 0) -> dict:

@@ -387,7 +387,7 @@ def test_over_its_storage_budget_a_pipeline_stops_before_any_forward_pass(env, t
 def restartable_server(request, tmp_path):
     """An inference server on a port of its own, not started: the test starts it, SIGKILLs it
     (requests in flight reset, new ones refused) and starts it again. `stub`: the vLLM stand-in
-    (tests/stub_openai.py, 0.5 s an answer), which times the restart exactly; `vllm`: real vLLM
+    (tests/support/stub_openai.py, 0.5 s an answer), which times the restart exactly; `vllm`: real vLLM
     (its CPU build) serving the tiny target, the server users restart."""
     port = free_port()
     server = {"url": f"http://127.0.0.1:{port}", "proc": None, "kind": request.param, "max_tokens": 8}
@@ -397,8 +397,8 @@ def restartable_server(request, tmp_path):
             cmd = with_cpu_dtype([*serve_argv(str(VLLM_PYTHON), str(TINY)), "--port", str(port), *SMALL])
             server["proc"] = start_vllm(cmd, tmp_path / "vllm.log", vllm_env(tmp_path / "vllm-cache"), port)
             return
-        server["proc"] = subprocess.Popen([sys.executable, str(ROOT / "tests" / "stub_openai.py"), "--port", str(port),
-                                           "--latency", "0.5", "--tokens", "8"],
+        stub = ROOT / "tests" / "support" / "stub_openai.py"
+        server["proc"] = subprocess.Popen([sys.executable, str(stub), "--port", str(port), "--latency", "0.5", "--tokens", "8"],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_http(f"{server['url']}/health", proc=server["proc"])
 

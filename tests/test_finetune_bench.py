@@ -3,13 +3,11 @@
 optimizer steps and vLLM's acceptance per set)."""
 
 import json
-import sys
 from types import SimpleNamespace
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "bench"))
-import finetune  # noqa: E402
+import finetune
 
 
 def test_categories_are_the_mix_rows_own_field_by_row_number():

@@ -28,7 +28,6 @@ def test_the_gpu_script_says_what_it_would_measure_and_its_flags_exist():
 
 
 def test_a_flag_a_script_does_not_take_is_caught(monkeypatch):
-    sys.path.insert(0, str(ROOT / "bench"))
     import gpu_checks
 
     check = dict(gpu_checks.plan()[0])

@@ -1,11 +1,6 @@
 """bench/greedy_identity.py's comparison, without a server: which answers differ and where they part."""
 
-import sys
-
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "bench"))
-import greedy_identity as gi  # noqa: E402
+import greedy_identity as gi
 
 
 def test_answers_part_at_their_first_differing_token_or_where_the_shorter_ends():

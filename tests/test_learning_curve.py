@@ -3,20 +3,17 @@ of a slice larger than the pool, the RESULTS.md section, the SVG plot, stage tim
 training options it gives speculators (the train stage's own)."""
 
 import json
-import sys
 import xml.etree.ElementTree as ET
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT
 from eyrie.data.manifest import Layout, TrainParams
 from eyrie.data.store import FileStore
 from eyrie_trainer.data import heldout_ids
 from eyrie_trainer.runner import TrainRunner, speculators_options
 
-sys.path.insert(0, str(ROOT / "bench"))
-import learning_curve as lc  # noqa: E402
+import learning_curve as lc
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -3,18 +3,16 @@ work tree; a second sitting on the same home finds the first one's state, says w
 services still needed, and `eyrie run` asks for nothing done again (the vLLM stand-in counts the requests)."""
 
 import json
-import sys
 
 import pytest
 import redis
 import requests
 
-from conftest import OFFLINE, ROOT, eyrie, tiny_run_config
+from conftest import OFFLINE, eyrie, tiny_run_config
 from eyrie.data.manifest import Layout
 from eyrie.data.store import FileStore
 
-sys.path.insert(0, str(ROOT / "bench"))
-import real_model as rm  # noqa: E402
+import real_model as rm
 
 QUEUES = {"generate": "generator", "extract": "extractor", "train": "trainer"}
 

@@ -2,15 +2,11 @@
 settings (a wrong name or value is refused, naming the fix), it changes only what it names in the run's plan, and
 the RESULTS.md section has a row per recipe with its steps, time, eyrie τ and vLLM's figures per set."""
 
-import sys
-
 import pytest
 
-from conftest import ROOT
 from eyrie.data.manifest import TrainParams
 
-sys.path.insert(0, str(ROOT / "bench"))
-import recipe_sweep as rs  # noqa: E402
+import recipe_sweep as rs
 
 PLAN = TrainParams(epochs=2, draft_vocab=8192, vocab_mapping="frequency", lr=1e-3, warmup=0.03, total_seq_len=1024,
                    train_samples=360, heldout_samples=40, speculators_version="0.9.0", recipe="lr 1e-3 ... because")

@@ -142,7 +142,7 @@ def secrets_env(stub_server, tmp_path):
                             stdout=subprocess.DEVNULL)
     url = f"redis://:{values['redis']}@127.0.0.1:{port}/0"
     wait_redis(redis.Redis.from_url(url))
-    import seaweed
+    from tests.support import seaweed
 
     s3, s3_server = seaweed.start(tmp_path / "s3", values["access"], values["secret"])
     env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": url, "EYRIE_STORE_URL": f"s3://sec-{port}/pre",

@@ -3,7 +3,7 @@
 target started while the first generates waits its turn (its generate tasks hand themselves back: no
 attempt counted, no failure; status names the run it waits for) and is served once the first one's
 generation is done. Real Redis, store, `eyrie run`, generate workers and `eyrie serve`;
-tests/fake_vllm stands in for `vllm` (tests/stub_openai.py answers: the supervision is under test)."""
+tests/fake_vllm stands in for `vllm` (tests/support/stub_openai.py answers: the supervision is under test)."""
 
 import json
 import os

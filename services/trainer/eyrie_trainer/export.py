@@ -30,7 +30,8 @@ def load_drafter(folder: Path):
     return Eagle3DraftModel.from_pretrained(str(folder))
 
 
-def _transfer(eval_dir: Path, dtype: str):
+def states_transfer(eval_dir: Path, dtype: str):
+    """How the held-out states in `eval_dir` are read: fp8 ones dequantized (FP8Transfer), others as stored (None)."""
     if dtype != "fp8":
         return None
     from hs_connectors.transfer import FP8Transfer
@@ -42,7 +43,7 @@ def evaluate(store, run: str, eval_dir: Path, device: str, log) -> dict:
     """τ per end-of-epoch checkpoint and for the untrained baseline; the best is marked."""
     manifest, layout = load_run_manifest(store, run), Layout(run)
     _require_states(eval_dir, manifest)
-    k, transfer = manifest.train.ttt_steps, _transfer(eval_dir, manifest.extract.dtype)
+    k, transfer = manifest.train.ttt_steps, states_transfer(eval_dir, manifest.extract.dtype)
     stored = [m for m in checkpoints.stored(store, layout) if m["local_step"] == 0]
     if not stored:
         raise EyrieError(f"run {run} has no finished epoch checkpoint to evaluate.",
@@ -90,7 +91,7 @@ def export(store, run: str, evaluation: dict, path: dict, samples: dict | None =
     with tempfile.TemporaryDirectory() as tmp:
         folder = checkpoints.fetch(store, layout, entry, Path(tmp), list(DRAFTER_FILES))
         config = folder / "config.json"
-        served = _served_config(json.loads(config.read_bytes()), manifest)
+        served = served_config(json.loads(config.read_bytes()), manifest)
         require_vocab_mapping(folder / "model.safetensors", json.loads(served), run)
         config.write_bytes(served)
         for name in DRAFTER_FILES:
@@ -110,7 +111,7 @@ def export(store, run: str, evaluation: dict, path: dict, samples: dict | None =
     return record
 
 
-def _served_config(config: dict, manifest) -> bytes:
+def served_config(config: dict, manifest) -> bytes:
     """The checkpoint's config as vLLM reads it: its method named (EAGLE-3, whatever folder it is served from),
     the target named as the run recorded it, K proposal tokens (the TTT steps it was trained for)."""
     named = {config.get("speculators_model_type"), config["speculators_config"].get("algorithm")} - {None}

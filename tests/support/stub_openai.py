@@ -1,7 +1,7 @@
 """A stand-in for vLLM's OpenAI server (vLLM cannot run here): fixed latency, canned answers,
 scripted faults. Used by tests (vLLM's response shape, errors) and by bench/ (throughput).
 
-    python tests/stub_openai.py --port 8011 --latency 1.0 --shape reasoning --tokens 1000
+    python tests/support/stub_openai.py --port 8011 --latency 1.0 --shape reasoning --tokens 1000
 """
 
 from __future__ import annotations

@@ -5,22 +5,17 @@ in a directory of the caller's, only the given keys allowed."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tests.support.processes import free_port
+
 WEED = Path(sys.executable).parent / "weed"
 # every listener `weed server` opens; the grpc ones default to port + 10000, which may not exist
 PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
          "s3.port", "s3.port.grpc")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(work: Path, access_key: str, secret_key: str, timeout: float = 90) -> tuple[subprocess.Popen, str]:
@@ -32,7 +27,7 @@ def start(work: Path, access_key: str, secret_key: str, timeout: float = 90) -> 
     identities = {"identities": [{"name": "eyrie", "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
                                   "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
     (work / "s3.json").write_text(json.dumps(identities))
-    ports = {name: _free_port() for name in PORTS}
+    ports = {name: free_port() for name in PORTS}
     args = [str(WEED), "server", f"-dir={work / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
             f"-s3.config={work / 's3.json'}", "-master.volumeSizeLimitMB=64", "-volume.max=0",
             "-s3.port.iceberg=0", "-s3.port.lance=0", *(f"-{name}={port}" for name, port in ports.items())]
