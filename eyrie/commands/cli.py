@@ -87,7 +87,7 @@ def generate(run: str = typer.Option(..., "--run", help="Run name."),
 def _start_alone(stage: str, run: str, asked: tuple, line, wait: bool, dataset: tuple | None = None) -> None:
     """`eyrie generate|extract|train`: the run's name and the options given checked (by the stage's
     settings model), the stage started through control.start_stage, `line` printed, then `--wait`."""
-    from eyrie.data.manifest import check_run_name
+    from eyrie.core.run_config import check_run_name
     from eyrie.runs.control import await_started, start_stage
 
     check_run_name(run)
@@ -264,8 +264,8 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
     """Serve the target with the exported drafter in vLLM (EYRIE_VLLM_COMMAND; default: the project's
     .venv-vllm) on the held-out prompts and benchmark sets: vLLM's own acceptance length per set and
     K beside eyrie's, identical outputs, tokens/s with and without at 1 and 8 in flight."""
-    from eyrie.data.manifest import load_run_manifest
-    from eyrie.runs.pipeline import VerifySection, stored_config
+    from eyrie.core.run_config import VerifySection
+    from eyrie.data.manifest import load_run_manifest, stored_config
     from eyrie.tasks.gpu_admission import held_gpu
 
     settings, conn, store = context()
@@ -350,7 +350,7 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
     each stage starting by itself when the one before is done."""
     from eyrie.core.config import load_settings
     from eyrie.core.support import refuse_unsupported_config
-    from eyrie.runs.pipeline import load_config
+    from eyrie.core.run_config import load_config
 
     cfg = load_config(config)
     if plan:
