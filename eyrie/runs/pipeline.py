@@ -30,9 +30,8 @@ def save_config(conn, store, config: RunConfig) -> None:
 
 def check_config(store, config: RunConfig) -> None:
     """save_config's refusal, writing nothing: a kept config differs in a planned stage's section."""
-    key = config_key(config.run)
-    if store.exists(key):
-        kept = RunConfig.model_validate(store.get_json(key))
+    kept = stored_config(store, config.run)
+    if kept is not None:
         changed = sorted(k for k in RunConfig.model_fields if getattr(kept, k) != getattr(config, k))
         frozen = [k for k in changed if k not in _open_sections(store, config.run)]
         if frozen:
