@@ -298,6 +298,32 @@ def test_rooms_import_only_the_rooms_below_them():
         "; ".join(f"{m} ({room_of(m)}) -> {t} ({room_of(t)})" for m, t in up)
 
 
+# Rooms side by side on one floor (docs/architecture.md, "Rooms"): neither imports the other, whatever
+# their order in ROOMS. tasks/ is the services' side of a stage, runs/ the control side of a run.
+WINGS = [("tasks", "runs")]
+
+
+def wing_crossings(graph: dict[str, set[str]], wings: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(importer, imported) where the two stand in the two rooms of one pair of wings."""
+    return sorted((m, t) for m, targets in graph.items() for t in targets
+                  for pair in wings if {room_of(m), room_of(t)} == set(pair))
+
+
+def test_the_wing_check_sees_an_import_across():
+    graph = {"eyrie.a.x": {"eyrie.b.y", "eyrie.c.z"}, "eyrie.b.y": {"eyrie.c.z"}, "eyrie.c.z": set()}
+    assert wing_crossings(graph, [("a", "b")]) == [("eyrie.a.x", "eyrie.b.y")]
+    assert wing_crossings(graph, [("c", "b")]) == [("eyrie.b.y", "eyrie.c.z")]
+
+
+def test_the_wings_import_neither_the_other():
+    """What both wings need stands below them (the run config: eyrie.core.run_config, read from the
+    store by eyrie.data.manifest.stored_config; a shard manifest's outcomes beside it)."""
+    graph = import_graph("eyrie")
+    assert all(f"eyrie.{room}" in graph for pair in WINGS for room in pair)
+    across = wing_crossings(graph, WINGS)
+    assert not across, "imports between wings: " + "; ".join(f"{m} -> {t}" for m, t in across)
+
+
 ENVIRON_CALLS = {"get", "getenv"}
 
 

@@ -34,9 +34,10 @@ from rq.serializers import JSONSerializer
 from conftest import tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
+from eyrie.core.run_config import load_config
 from eyrie.data.store import open_store
 from eyrie.runs.control import start_pipeline
-from eyrie.runs.pipeline import load_config, save_config
+from eyrie.runs.pipeline import save_config
 from eyrie.stages import EXTRACT, FETCH
 from eyrie.tasks.executor import Context, ShardTask, StageTask, execute
 from eyrie.work import planning

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from eyrie.core.run_config import RunConfig, VerifySection
 from eyrie.core.stage_settings import StageSettings
-from eyrie.runs.pipeline import RunConfig, VerifySection
 from eyrie.stages import PIPELINE, PipelineStage, startable, task_kinds
 from eyrie.stages.sharded import ShardedStage
 from eyrie.tasks import executor
@@ -239,11 +239,11 @@ def test_the_allow_list_gpu_queues_and_kueue_read_every_task_kind_built():
 
 def test_verify_settings_are_a_plain_section_beside_the_run_config():
     """A stage with a planner has StageSettings of eyrie/core/stage_settings.py as its section;
-    verify's, which nothing plans, is VerifySection of eyrie/runs/pipeline.py."""
+    verify's, which nothing plans, is VerifySection of eyrie/core/run_config.py."""
     for s in PIPELINE:
         section = RunConfig.model_fields[s.sections[-1]].annotation
         if s.planner is None:
-            assert section is VerifySection and section.__module__ == "eyrie.runs.pipeline", s.name
+            assert section is VerifySection and section.__module__ == "eyrie.core.run_config", s.name
         else:
             assert issubclass(section, StageSettings) and section.__module__ == "eyrie.core.stage_settings", s.name
 

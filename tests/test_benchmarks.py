@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
+from eyrie.core.run_config import VerifySection
 from eyrie_trainer.benchmarks import BENCHMARKS, load_benchmark
 from eyrie.commands.cli_options import checked
 from eyrie.core.errors import EyrieError
 from eyrie.data import dataset
-from eyrie.runs.pipeline import VerifySection
 from eyrie.data.prompts import Skip, to_prompt
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,10 +15,10 @@ from builders import make_manifest
 from conftest import BIN, ROOT, TINY, TRAIN_PROMPTS, free_port, stop
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
+from eyrie.core.run_config import RunConfig
 from eyrie.core.vllm import CPU_KV_CACHE_GIB, SERVER_MODULE, serve_env
-from eyrie.data.manifest import Layout, RunManifest
+from eyrie.data.manifest import Layout, RunManifest, config_key
 from eyrie.data.store import open_store
-from eyrie.runs.pipeline import RunConfig, config_key
 from eyrie.work import inference, keys
 from eyrie.work.extract_server import ServerWait
 from eyrie.work.gpu import GpuLease, holder

@@ -14,9 +14,8 @@ import redis
 
 from conftest import BIN, ROOT, free_port, stop
 from eyrie.core.config import load_settings
-from eyrie.data.manifest import Layout
+from eyrie.data.manifest import Layout, config_key
 from eyrie.data.store import open_store
-from eyrie.runs.pipeline import config_key
 from eyrie.work import inference, keys
 from eyrie.runs.projection import project
 from eyrie.tasks.executor import Context, RunTask, StageTask, execute

@@ -15,11 +15,12 @@ from rq.serializers import JSONSerializer
 from conftest import TINY, eyrie_in_process, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
+from eyrie.core.run_config import load_config
 from eyrie.core.stage_settings import TrainSettings
 from eyrie.data.store import open_store
 from eyrie.data.manifest import Layout, load_run_manifest
 from eyrie.runs.control import await_started, start_stage
-from eyrie.runs.pipeline import load_config, save_config
+from eyrie.runs.pipeline import save_config
 from eyrie.runs.status import run_status
 from eyrie.stages import PLAN_EXTRACT, PLAN_TRAIN, TRAIN
 from eyrie.stages.train import Train

@@ -9,12 +9,13 @@ import redis
 from conftest import TINY, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
+from eyrie.core.run_config import load_config
 from eyrie.core.stage_settings import TrainSettings
 from eyrie.data.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest,
                                  SamplingParams, ShardManifest, ShardPlan, TargetRef, TrainParams, now_iso)
 from eyrie.data.store import open_store
 from eyrie.runs.control import cancel_run, start_pipeline, start_stage
-from eyrie.runs.pipeline import load_config, save_config
+from eyrie.runs.pipeline import save_config
 from eyrie.runs.status import overall_state, run_status
 from eyrie.stages import PIPELINE
 from eyrie.stages.train import Train

@@ -14,12 +14,12 @@ import pytest
 from conftest import TINY, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
+from eyrie.core.run_config import load_config
 from eyrie.core.stage_settings import DatasetSection, GenerateSettings
 from eyrie.core.target import load_tokenizer, text_config
 from eyrie.data.store import open_store
 from eyrie.runs.control import start_pipeline
-from eyrie.data.manifest import Layout
-from eyrie.runs.pipeline import config_key, load_config
+from eyrie.data.manifest import Layout, config_key
 from eyrie.runs.projection import project
 
 CODE = {

@@ -13,14 +13,15 @@ import redis
 from conftest import TINY, eyrie_in_process, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
+from eyrie.core.run_config import load_config
 from eyrie.core.stage_settings import TrainSettings
 from eyrie.core.target import describe
 from eyrie.data import dataset
-from eyrie.data.manifest import Layout, TargetRef, load_run_manifest
+from eyrie.data.manifest import Layout, TargetRef, load_run_manifest, stored_config
 from eyrie.data.shared_states import StatesInUse, users_of
 from eyrie.data.store import open_store
 from eyrie.runs.control import pipeline_started, start_and_plan, start_pipeline, start_stage, train_as
-from eyrie.runs.pipeline import advance, load_config, run_job_ids, save_config, stored_config
+from eyrie.runs.pipeline import advance, run_job_ids, save_config
 from eyrie.runs.reuse import states_to_reuse
 from eyrie.stages import PIPELINE, PLAN_TRAIN
 from eyrie.runs.projection import project

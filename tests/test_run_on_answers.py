@@ -16,11 +16,12 @@ import redis
 from conftest import OFFLINE, TINY, eyrie, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
+from eyrie.core.run_config import load_config
 from eyrie.core.target import describe, load_tokenizer
 from eyrie.data.manifest import Layout, ShardManifest, TargetRef, load_run_manifest
 from eyrie.data.store import open_store
 from eyrie.runs.control import pipeline_started, start_and_plan, start_pipeline
-from eyrie.runs.pipeline import load_config, run_job_ids
+from eyrie.runs.pipeline import run_job_ids
 from eyrie.runs.plan_lines import render
 from eyrie.runs.projection import project
 from eyrie.stages import PIPELINE

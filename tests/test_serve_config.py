@@ -10,10 +10,10 @@ from builders import publish_endpoint
 from conftest import ROOT, TINY, TRAIN_PROMPTS, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
+from eyrie.core.run_config import load_config
 from eyrie.core.stage_settings import DatasetSection, GenerateSettings
 from eyrie.core.target import describe
 from eyrie.data.store import open_store
-from eyrie.runs.pipeline import load_config
 from eyrie.work import inference
 from eyrie_generator.plan import start_generate
 from eyrie_inference.server import command
@@ -101,7 +101,7 @@ def test_the_stacks_inference_serves_the_active_runs_target_with_its_serve_secti
     import time
 
     from conftest import BIN, free_port, stop
-    from eyrie.runs.pipeline import config_key
+    from eyrie.data.manifest import config_key
     from eyrie.work import keys
     from eyrie_inference.server import generating_run
 
@@ -183,7 +183,7 @@ def test_without_a_run_config_serve_and_verify_read_the_hosts_settings_one_way(t
 def test_relative_target_and_dataset_paths_are_stored_absolute(tmp_path, monkeypatch):
     """The generator workers plan the run (its dataset read) and the servers load its target,
     each in its own working directory: the stored config names both absolutely."""
-    from eyrie.runs.pipeline import load_config
+    from eyrie.core.run_config import load_config
 
     monkeypatch.chdir(ROOT)
     config = load_config(ROOT / "examples" / "run.tiny.yaml")

@@ -13,9 +13,9 @@ from rq.serializers import JSONSerializer
 from builders import make_manifest
 from conftest import BIN, OFFLINE, ROOT, free_port, stop, tiny_run_config, wait_for
 from eyrie.core.config import load_settings
-from eyrie.data.manifest import Layout
+from eyrie.core.run_config import load_config
+from eyrie.data.manifest import Layout, config_key
 from eyrie.data.store import open_store
-from eyrie.runs.pipeline import config_key, load_config
 from eyrie.stages import GENERATE
 from eyrie.work import inference, keys
 from eyrie.work.gpu import holder

@@ -7,8 +7,8 @@ from typer.testing import CliRunner
 
 from conftest import TINY
 from eyrie.commands.cli_options import flag
+from eyrie.core.run_config import RunConfig
 from eyrie.core.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
-from eyrie.runs.pipeline import RunConfig
 
 
 def test_a_setting_not_given_takes_the_default_and_is_not_written_out():

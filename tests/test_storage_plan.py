@@ -11,9 +11,9 @@ import yaml
 
 from conftest import OFFLINE, ROOT, eyrie_in_process
 from eyrie.core.errors import EyrieError
+from eyrie.core.run_config import RunConfig, load_config
 from eyrie.core.storage import resolve_mode, shard_allowance
 from eyrie.data.manifest import ExtractParams
-from eyrie.runs.pipeline import RunConfig, load_config
 from eyrie.runs.plan_checks import over_budget, refuse
 from eyrie.runs.plan_lines import render
 from eyrie.runs.plan_result import Space

@@ -10,9 +10,10 @@ from rq.serializers import JSONSerializer
 from conftest import tiny_run_config
 from eyrie import stages
 from eyrie.core.config import load_settings
+from eyrie.core.run_config import load_config
 from eyrie.data.store import open_store
 from eyrie.runs.control import cancel_run, retry_run, start_pipeline
-from eyrie.runs.pipeline import advance, load_config, run_job_ids
+from eyrie.runs.pipeline import advance, run_job_ids
 from eyrie.runs.status import run_status
 from eyrie.stages import PipelineStage, RunView, TaskKind
 from eyrie.tasks.executor import StageTask, execute

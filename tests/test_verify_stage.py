@@ -12,7 +12,7 @@ import redis
 import requests
 
 from conftest import BIN, eyrie, stop, tiny_run_config, wait_for
-from eyrie.runs.pipeline import load_config
+from eyrie.core.run_config import load_config
 from eyrie.stages import VERIFY, queues
 from eyrie.stages.verify import verify_skipped, verify_timeout_s
 from eyrie.work import progress

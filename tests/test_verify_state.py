@@ -22,12 +22,13 @@ from rq.serializers import JSONSerializer
 
 from conftest import BIN, TINY, eyrie_in_process, tiny_run_config, wait_for
 from eyrie.core.config import load_settings
+from eyrie.core.run_config import load_config
 from eyrie.data.manifest import (DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams, TargetRef,
                                  TrainParams, load_run_manifest, now_iso)
 from eyrie.data.store import open_store
 from eyrie.data.verify_outputs import BEYOND, FAILED, MIN_COMPARED, too_few
 from eyrie.runs.control import retry_run
-from eyrie.runs.pipeline import advance, load_config, save_config
+from eyrie.runs.pipeline import advance, save_config
 from eyrie.runs.status import overall_state, run_status
 from eyrie.stages import VERIFY
 from eyrie.stages.verify import verify_skipped

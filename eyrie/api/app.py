@@ -19,13 +19,13 @@ from eyrie.api.datasets import check_dataset_source
 from eyrie.api.metrics import metrics_response
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError, UnknownRun
-from eyrie.data.manifest import RUN_NAME, load_run_manifest
+from eyrie.core.run_config import RUN_NAME, RunConfig
+from eyrie.data.manifest import load_run_manifest
 from eyrie.data.store import open_store
 from eyrie.runs import control
 from eyrie.runs.audit import audit as audit_run
 from eyrie.runs.failures import Reason, failures
 from eyrie.runs.family import Family, family
-from eyrie.runs.pipeline import RunConfig
 from eyrie.runs.status import run_status
 from eyrie.stages import PIPELINE, queues, startable
 from eyrie.work.queue import connect, task_counts

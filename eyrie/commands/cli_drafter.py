@@ -96,8 +96,8 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
     """Serve the target with the exported drafter in vLLM (EYRIE_VLLM_COMMAND; default: the project's
     .venv-vllm) on the held-out prompts and benchmark sets: vLLM's own acceptance length per set and
     K beside eyrie's, identical outputs, tokens/s with and without at 1 and 8 in flight."""
-    from eyrie.data.manifest import load_run_manifest
-    from eyrie.runs.pipeline import VerifySection, stored_config
+    from eyrie.core.run_config import VerifySection
+    from eyrie.data.manifest import load_run_manifest, stored_config
     from eyrie.tasks.gpu_admission import held_gpu
 
     settings, conn, store = context()

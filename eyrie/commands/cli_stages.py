@@ -37,7 +37,7 @@ def generate(run: str = typer.Option(..., "--run", help="Run name."),
 def _start_alone(stage: str, run: str, asked: tuple, line, wait: bool, dataset: tuple | None = None) -> None:
     """`eyrie generate|extract|train`: the run's name and the options given checked (by the stage's
     settings model), the stage started through control.start_stage, `line` printed, then `--wait`."""
-    from eyrie.data.manifest import check_run_name
+    from eyrie.core.run_config import check_run_name
     from eyrie.runs.control import await_started, start_stage
 
     check_run_name(run)

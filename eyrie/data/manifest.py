@@ -1,9 +1,10 @@
-"""What a run is made of: the run manifest, shard manifests and where each object lives."""
+"""What a run is made of: the run manifest, shard manifests, the kept run config and where each object lives."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
@@ -11,17 +12,9 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 import eyrie
-from eyrie.core.errors import EyrieError, UnknownRun
+from eyrie.core.errors import UnknownRun
+from eyrie.core.run_config import RunConfig, check_run_name
 from eyrie.core.stage_settings import TrainSettings
-
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-
-def check_run_name(name: str) -> str:
-    if not RUN_NAME.match(name):
-        raise EyrieError(f"invalid run name {name!r}.",
-                         "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit.")
-    return name
 
 
 def now_iso() -> str:
@@ -64,7 +57,7 @@ class Layout:
 
     @property
     def pipeline_config(self) -> str:
-        """The run config `eyrie run` keeps (eyrie.runs.pipeline.save_config)."""
+        """The run config `eyrie run` keeps (eyrie.runs.pipeline.save_config; read by stored_config)."""
         return f"{self.root}/pipeline.json"
 
     def generate_input(self, shard: int) -> str:
@@ -329,6 +322,20 @@ class ShardManifest(BaseModel):
     turns_unsupervised: int = 0  # extract: earlier answers that could not be placed in the final context
 
 
+def outcomes(records) -> dict:
+    """A shard manifest's tallies of its skipped and failed records, by reason and error, and the
+    first record of each as its example."""
+    keyed = [(r["status"], r["reason"] if r["status"] == "skipped" else (r.get("error") or "")[:80], r)
+             for r in records if r["status"] in ("skipped", "failed")]
+    examples: dict[str, dict] = {}
+    for status, key, r in keyed:
+        examples.setdefault(status, {}).setdefault(key, {"sample_id": r.get("sample_id"), "row": r.get("row"),
+                                                         "detail": (r.get("error") or r.get("reason") or "")[:500]})
+    return {"skip_reasons": dict(Counter(key for status, key, _ in keyed if status == "skipped")),
+            "failure_errors": dict(Counter(key for status, key, _ in keyed if status == "failed")),
+            "examples": examples}
+
+
 def load_run_manifest(store, run: str) -> RunManifest:
     layout = Layout(run)
     try:
@@ -337,3 +344,13 @@ def load_run_manifest(store, run: str) -> RunManifest:
         raise UnknownRun(f"unknown run {run!r}: no {layout.manifest} in {store.url}.",
                          "check the name (`eyrie status` lists nothing for it) or start it with "
                          "`eyrie generate --run NAME --dataset …`.") from None
+
+
+def config_key(run: str) -> str:
+    return Layout(run).pipeline_config
+
+
+def stored_config(store, run: str) -> RunConfig | None:
+    """The run config `eyrie run` kept, typed: the one reader of pipeline.json (None: none kept)."""
+    key = config_key(run)
+    return RunConfig.model_validate(store.get_json(key)) if store.exists(key) else None

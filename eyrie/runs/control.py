@@ -11,10 +11,10 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from eyrie.core.errors import EyrieError, UnknownRun
+from eyrie.core.run_config import check_run_name
 from eyrie.core.support import refuse_unsupported_config
-from eyrie.data.manifest import Layout, RunManifest, check_run_name, load_run_manifest, now_iso
-from eyrie.runs.pipeline import (advance_or_record, check_config, config_key, run_job_ids, run_view, save_config,
-                                 stored_config)
+from eyrie.data.manifest import Layout, RunManifest, config_key, load_run_manifest, now_iso, stored_config
+from eyrie.runs.pipeline import advance_or_record, check_config, run_job_ids, run_view, save_config
 from eyrie.runs.from_answers import answers_of, plan_from_answers
 from eyrie.runs.projection import refuse_before_start
 from eyrie.runs.restart import hold_cancel, pending

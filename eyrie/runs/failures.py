@@ -10,12 +10,11 @@ from typing import Literal
 import orjson
 from pydantic import BaseModel
 
-from eyrie.data.manifest import ShardManifest
+from eyrie.data.manifest import ShardManifest, outcomes
 from eyrie.runs.pipeline import run_view
 from eyrie.stages import PIPELINE, RunView
 from eyrie.stages.sharded import ShardedStage
 from eyrie.stages.train import Train, left_out
-from eyrie.tasks.executor import outcomes
 from eyrie.work import progress
 from eyrie.work.queue import job_errors
 

@@ -1,22 +1,15 @@
-"""One pipeline per run: the config `eyrie run` takes, kept in the store, and `advance`, which
-starts each stage by itself once the one before is done (called when any task finishes, and by
-`eyrie run` itself; every start is idempotent, so calling it twice does nothing twice)."""
+"""One pipeline per run: the run config (eyrie.core.run_config) kept in the store, and `advance`,
+which starts each stage by itself once the one before is done (called when any task finishes, and
+by `eyrie run` itself; every start is idempotent, so calling it twice does nothing twice)."""
 
 from __future__ import annotations
 
-import shlex
 from collections import Counter
-from pathlib import Path
 
-import yaml
-from pydantic import Field, ValidationError, field_validator
-
-from eyrie.core.budget import parse_size
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
-from eyrie.core.section import Section as _Section
-from eyrie.core.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
-from eyrie.data.manifest import RUN_NAME, Layout, check_run_name, load_run_manifest
+from eyrie.core.run_config import RunConfig
+from eyrie.data.manifest import Layout, config_key, load_run_manifest, stored_config
 from eyrie.data.store import open_store
 from eyrie.runs.restart import on_planned
 from eyrie.runs.reuse import record_states
@@ -25,171 +18,6 @@ from eyrie.stages.base import PipelineStage, state_of
 from eyrie.work import keys
 from eyrie.work.cancel import block
 from eyrie.work.queue import job_state, live_tasks
-
-
-class TargetShape(_Section):
-    """For `--plan` where the target's config cannot be read (no hub access): its shape."""
-
-    hidden_size: int = Field(ge=1)
-    num_hidden_layers: int = Field(ge=1)
-    vocab_size: int = Field(ge=2)
-    architecture: str | None = Field(None, min_length=1, description="config.json's architectures[0].")
-
-
-class TargetSection(_Section):
-    model: str = Field(min_length=1, description="Local directory or HF id of the target.")
-    shape: TargetShape | None = None
-
-
-class ServeSection(_Section):
-    """How the target is served (vLLM flags): part of the run, not of the host's .env."""
-
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
-    reasoning_parser: str | None = Field(None, min_length=1, description="e.g. kimi_k2, deepseek_r1, qwen3.")
-    trust_remote_code: bool = False
-    max_model_len: int | None = Field(None, ge=16)
-    extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` flags, one per item.")
-
-    @classmethod
-    def of_host(cls, settings) -> "ServeSection":
-        """Where no run config says how to serve (`eyrie serve` alone, `eyrie verify` of a run started
-        without one): the host's EYRIE_* vLLM settings, read the one way for every server eyrie starts."""
-        return cls(tensor_parallel_size=settings.tensor_parallel_size, reasoning_parser=settings.reasoning_parser,
-                   max_model_len=settings.max_model_len, extra_args=shlex.split(settings.vllm_args))
-
-    def vllm_flags(self) -> list[str]:
-        flags = ["--tensor-parallel-size", str(self.tensor_parallel_size)]
-        if self.pipeline_parallel_size > 1:
-            flags += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
-        if self.reasoning_parser:
-            flags += ["--reasoning-parser", self.reasoning_parser]
-        if self.max_model_len:
-            flags += ["--max-model-len", str(self.max_model_len)]
-        if self.trust_remote_code:
-            flags.append("--trust-remote-code")
-        return flags + list(self.extra_args)
-
-    @property
-    def gpus(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-
-class VerifySection(_Section):
-    """The exported drafter served by vLLM (`eyrie verify`) after export, on the run's held-out
-    prompts and on any benchmark sets named here. `enabled` None: wherever vLLM can run
-    (EYRIE_VLLM_COMMAND names an executable or Python that exists)."""
-
-    enabled: bool | None = None
-    benchmarks: list[str] = Field(default_factory=list, json_schema_extra={"flag": "bench"},
-                                  description="Prompt sets measured beside the held-out prompts: mt-bench, "
-                                              "gsm8k, humaneval, or a .jsonl file.")
-    ks: list[int] = Field(default_factory=list, json_schema_extra={"flag": "k"},
-                          description="Draft lengths K to serve the drafter with (empty: the K it was trained for).")
-    prompts: int | None = Field(None, ge=1, description="At most this many prompts per set (held-out included; "
-                                                       "file order).")
-    max_tokens: int | None = Field(None, ge=1, description="Answer length (unset: generate.max_tokens).")
-    serial_prompts: int = Field(8, ge=1, description="Prompts answered one at a time: tokens/s at 1 in flight, and the "
-                                "answers the outputs verdict is judged on (under 8: too few to judge, "
-                                "eyrie.data.verify_outputs.MIN_COMPARED).")
-
-    @field_validator("benchmarks", "ks", mode="before")
-    @classmethod
-    def _comma_separated(cls, v):
-        return [part.strip() for part in v.split(",") if part.strip()] if isinstance(v, str) else v
-
-    @field_validator("benchmarks")
-    @classmethod
-    def _each_once(cls, v: list[str]) -> list[str]:
-        if len(set(v)) != len(v):  # each set is one entry of the result: a repeat would hide a measurement
-            raise ValueError("name each benchmark once")
-        return v
-
-    @field_validator("ks")
-    @classmethod
-    def _draft_lengths(cls, v: list[int]) -> list[int]:
-        if any(not 1 <= k <= 16 for k in v) or len(set(v)) != len(v):
-            raise ValueError("each K once, between 1 and 16 (e.g. 3,5)")
-        return v
-
-
-class PlanSection(_Section):
-    """Figures only `--plan` reads: what to expect, where it is not known before the run."""
-
-    mean_tokens: int | None = Field(None, ge=1, description="Expected mean sample length, prompt + completion.")
-    generate_tokens_per_s: float | None = Field(None, gt=0, description="The server's output tok/s at C.")
-    extract_tokens_per_s: float | None = Field(None, gt=0, description="Else our benchmark's figure for the shape.")
-    train_tokens_per_s: float | None = Field(None, gt=0, description="Else our benchmark's figure for the shape.")
-    store_path: str | None = Field(None, description="Local directory behind the bucket (MinIO's data dir).")
-    trainer_cache_path: str | None = Field(None, description="Where the trainer keeps its copy (EYRIE_CACHE_DIR).")
-    target_weights: str | None = Field(None, description="The target's weights in bytes, e.g. 540GB (else its local "
-                                                         "safetensors, else a dense bf16 estimate from its shape).")
-    gpu_memory: str | None = Field(None, description="Memory of one GPU, for what shares a GPU (else this host's GPU "
-                                                     "as nvidia-smi reports it, else an H200's 141GB).")
-    download_per_s: str | None = Field(None, description="Bytes a second from the hub to the server's host, e.g. "
-                                                         "500MB: the target's weights come down before it answers.")
-
-    @field_validator("target_weights", "gpu_memory", "download_per_s")
-    @classmethod
-    def _readable_size(cls, value):
-        if value is not None:
-            try:
-                size = parse_size(value)
-            except EyrieError:
-                size = 0
-            if size <= 0:
-                raise ValueError("write a size above 0 like 540GB, 141GB or 80GiB")
-        return value
-
-
-class RunConfig(_Section):
-    """What `eyrie run --config run.yaml` runs: every stage, from prompts to an exported drafter."""
-
-    run: str = Field(pattern=RUN_NAME.pattern, description="1-64 letters, digits, '.', '_' or '-'.")
-    target: TargetSection
-    dataset: DatasetSection
-    serve: ServeSection = Field(default_factory=ServeSection)
-    generate: GenerateSettings = Field(default_factory=GenerateSettings)
-    extract: ExtractSettings = Field(default_factory=ExtractSettings)
-    train: TrainSettings = Field(default_factory=TrainSettings)
-    verify: VerifySection = Field(default_factory=VerifySection)
-    plan: PlanSection = Field(default_factory=PlanSection)
-
-
-def load_config(path: Path) -> RunConfig:
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise EyrieError(f"no config file {path}.", "pass the path of a run.yaml (examples/ has two).") from None
-    except (OSError, UnicodeDecodeError) as exc:  # a directory, a name too long, not UTF-8
-        raise EyrieError(f"cannot read config {str(path)[:120]!r} ({getattr(exc, 'strerror', None) or exc}).",
-                         "pass the path of a run.yaml file (UTF-8 text; examples/ has two).") from None
-    except (yaml.YAMLError, RecursionError) as exc:
-        raise EyrieError(f"{path} is not valid YAML ({' '.join(str(exc).split())[:200]}).",
-                         "fix the YAML syntax.") from None
-    try:
-        config = RunConfig.model_validate(raw)
-    except ValidationError as exc:
-        fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors())
-        raise EyrieError(f"{path}: {fields}.", "correct these fields (README: `eyrie run`).") from None
-    check_run_name(config.run)
-    return with_absolute_paths(config)
-
-
-def with_absolute_paths(config: RunConfig) -> RunConfig:
-    """A target directory or a dataset file named relative to where `eyrie run` reads the config,
-    made absolute: the stored config then names them for every service that mounts them there (the
-    server, the verifier, the generator workers that plan the run), whatever their working directory."""
-    model, source = Path(config.target.model), Path(config.dataset.source)
-    if not model.is_absolute() and model.is_dir():
-        config = config.model_copy(update={"target": config.target.model_copy(update={"model": str(model.resolve())})})
-    if not source.is_absolute() and source.exists():
-        config = config.model_copy(update={"dataset": config.dataset.model_copy(update={"source": str(source.resolve())})})
-    return config
-
-
-def config_key(run: str) -> str:
-    return Layout(run).pipeline_config
 
 
 def save_config(conn, store, config: RunConfig) -> None:
@@ -202,9 +30,8 @@ def save_config(conn, store, config: RunConfig) -> None:
 
 def check_config(store, config: RunConfig) -> None:
     """save_config's refusal, writing nothing: a kept config differs in a planned stage's section."""
-    key = config_key(config.run)
-    if store.exists(key):
-        kept = RunConfig.model_validate(store.get_json(key))
+    kept = stored_config(store, config.run)
+    if kept is not None:
         changed = sorted(k for k in RunConfig.model_fields if getattr(kept, k) != getattr(config, k))
         frozen = [k for k in changed if k not in _open_sections(store, config.run)]
         if frozen:
@@ -219,11 +46,6 @@ def _open_sections(store, run: str) -> set[str]:
     view = RunView(None, store, run, None, load_run_manifest(store, run))
     # how the target is served changes nothing the run records (a restart with more GPUs, say)
     return {"serve", "plan"} | {name for stage in PIPELINE if not stage.planned(view) for name in stage.sections}
-
-
-def stored_config(store, run: str) -> RunConfig | None:
-    key = config_key(run)
-    return RunConfig.model_validate(store.get_json(key)) if store.exists(key) else None
 
 
 def run_view(conn, store, run: str) -> RunView:

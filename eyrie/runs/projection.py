@@ -14,11 +14,11 @@ from eyrie.core.budget import parse_size, projected_bytes
 from eyrie.core.errors import EyrieError
 from eyrie.core.layers import resolve_aux_layers
 from eyrie.core.recipe import pack_length, trainer_device
+from eyrie.core.run_config import RunConfig
 from eyrie.core.support import architecture, check
 from eyrie.core.target import refuse_remote_code, text_config
 from eyrie.data.manifest import DatasetRef, Layout, ShardManifest, load_run_manifest
 from eyrie.data.store import open_store
-from eyrie.runs.pipeline import RunConfig
 from eyrie.runs.plan_checks import gpu_plan, on_demand_quota, over_budget, refuse, storage_refusal, unknown_mean
 from eyrie.runs.plan_inputs import dataset_rows, estimated_mean, published_answers, requests
 from eyrie.runs.plan_result import DOWNLOAD, Lengths, Plan, TrainRecipe

@@ -3,9 +3,9 @@ the pipeline (eyrie.stages.PIPELINE) reports its own."""
 
 from __future__ import annotations
 
-from eyrie.data.manifest import load_run_manifest
+from eyrie.data.manifest import config_key, load_run_manifest
 from eyrie.runs import serve_turns
-from eyrie.runs.pipeline import config_key, run_view
+from eyrie.runs.pipeline import run_view
 from eyrie.stages import PIPELINE, RunView
 from eyrie.stages.base import LIVE_JOB_STATES
 from eyrie.work import gpu, inference, keys

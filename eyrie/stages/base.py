@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from eyrie.core.run_config import RunConfig
 from eyrie.data.manifest import Layout, RunManifest
 from eyrie.work.queue import enqueue, job_errors, job_state, task_result, workers_on
 from eyrie.work.status_models import StageStatus
@@ -33,7 +34,7 @@ class RunView:
     conn: Any
     store: Any
     run: str
-    config: Any = None  # eyrie.runs.pipeline.RunConfig
+    config: RunConfig | None = None
     manifest: RunManifest | None = None
 
     @property

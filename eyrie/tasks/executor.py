@@ -19,7 +19,6 @@ import json
 import socket
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -27,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from eyrie.core.config import Settings, load_settings
 from eyrie.core.errors import EyrieError
+from eyrie.core.run_config import RUN_NAME
 from eyrie.data.store import open_store
 from eyrie.stages import TaskKind, entry, task_kinds
 from eyrie.tasks.gpu_admission import acquire_within, gpu_lease
@@ -36,14 +36,12 @@ from eyrie.work.gpu import in_mode
 from eyrie.work.queue import Heartbeat, connect, held_task
 from eyrie.work.worker_loop import stop_requested
 
-RUN_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-
 
 class RunTask(BaseModel):
     """The JSON payload of a task of one run (validated before anything runs)."""
 
     model_config = ConfigDict(extra="forbid")
-    run: str = Field(pattern=RUN_NAME)
+    run: str = Field(pattern=RUN_NAME.pattern)
 
 
 class ShardTask(RunTask):
@@ -141,20 +139,6 @@ class StageTask:
     def write_manifest(self, manifest: BaseModel) -> None:
         """The proof of completion, written last, where the done-check looks."""
         self.store.put_json(self.done_key(), manifest.model_dump())
-
-
-def outcomes(records) -> dict:
-    """A shard manifest's tallies of its skipped and failed records, by reason and error, and the
-    first record of each as its example."""
-    keyed = [(r["status"], r["reason"] if r["status"] == "skipped" else (r.get("error") or "")[:80], r)
-             for r in records if r["status"] in ("skipped", "failed")]
-    examples: dict[str, dict] = {}
-    for status, key, r in keyed:
-        examples.setdefault(status, {}).setdefault(key, {"sample_id": r.get("sample_id"), "row": r.get("row"),
-                                                         "detail": (r.get("error") or r.get("reason") or "")[:500]})
-    return {"skip_reasons": dict(Counter(key for status, key, _ in keyed if status == "skipped")),
-            "failure_errors": dict(Counter(key for status, key, _ in keyed if status == "failed")),
-            "examples": examples}
 
 
 def execute(stage_class: type[StageTask], payload: dict, ctx: Context | None = None) -> dict:

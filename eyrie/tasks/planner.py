@@ -14,7 +14,7 @@ from typing import ClassVar
 from pydantic import BaseModel, create_model
 
 from eyrie.core.errors import EyrieError
-from eyrie.data.manifest import Layout
+from eyrie.data.manifest import stored_config
 from eyrie.stages import PIPELINE
 from eyrie.tasks.executor import RunTask, StageTask
 from eyrie.work.cancel import block
@@ -39,13 +39,13 @@ class PlannerTask(StageTask):
         if self.payload.request is not None:
             return self.payload.request
         planned = next(s for s in PIPELINE if s.planner == self.stage)
-        key = Layout(self.run_name).pipeline_config
-        if not self.store.exists(key):
+        config = stored_config(self.store, self.run_name)
+        if config is None:
             raise EyrieError(f"run {self.run_name}: nothing to plan {planned.name} from (no pipeline config "
                              "and no settings given).",
                              f"start it with `eyrie run --config run.yaml` or `eyrie {planned.name} "
                              f"--run {self.run_name}`.")
-        return self.Request.model_validate(self.store.get_json(key)[planned.sections[-1]])
+        return self.Request.model_validate(getattr(config, planned.sections[-1]))
 
     def plan(self, request) -> dict:
         """Plan the stage (or check `request` against its plan) and enqueue what is missing."""

@@ -16,9 +16,9 @@ import time
 from collections import Counter
 from functools import cached_property
 
-from eyrie.data.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest, now_iso
+from eyrie.data.manifest import Counts, Layout, RunManifest, ShardManifest, load_run_manifest, now_iso, outcomes
 from eyrie.data.partlog import PartLog
-from eyrie.tasks.executor import Context, ShardTask, StageTask, outcomes
+from eyrie.tasks.executor import Context, ShardTask, StageTask
 
 
 class ShardedStageTask(StageTask):

@@ -19,9 +19,8 @@ from eyrie.core.stage_settings import DatasetSection, GenerateSettings
 from eyrie.core.target import check_served, describe, refuse_remote_code
 from eyrie.data import dataset
 from eyrie.data.manifest import (GenerateParams, Layout, RunManifest, SamplingParams, ShardPlan, TargetRef,
-                                 code_version, now_iso)
+                                 code_version, now_iso, stored_config)
 from eyrie.data.store import Store
-from eyrie.runs import pipeline
 from eyrie.stages import GENERATE, PLAN_GENERATE
 from eyrie.stages.start_checks import same_generate, usable_row
 from eyrie.tasks.executor import RunTask, execute
@@ -157,7 +156,7 @@ class PlanGenerate(PlannerTask):
         if payload.dataset is not None:
             named = {"model": payload.model} if payload.model else {}
             return self.settings.model_copy(update=named), payload.dataset, payload.request or GenerateSettings(), None
-        config = pipeline.stored_config(self.store, self.run_name)
+        config = stored_config(self.store, self.run_name)
         if config is None:
             raise EyrieError(f"run {self.run_name}: nothing to plan (no pipeline config and no dataset given).",
                              "start it with `eyrie run --config run.yaml` or `eyrie generate --dataset ...`.")

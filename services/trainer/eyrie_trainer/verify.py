@@ -30,14 +30,14 @@ from pathlib import Path
 
 import requests
 
+from eyrie.core.run_config import ServeSection, VerifySection
 from eyrie_trainer.benchmarks import load_benchmark
 from eyrie.core.errors import EyrieError
 from eyrie.core.target import load_tokenizer
 from eyrie.core.vllm import eagle3_flags, on_cpu, serve_argv, serve_env, start_server, stop_server
-from eyrie.data.manifest import Layout, load_run_manifest, now_iso
+from eyrie.data.manifest import Layout, load_run_manifest, now_iso, stored_config
 from eyrie.data.verify_outputs import (FAILED, IDENTICAL, MATCH_FLOOR, MATCH_MARGIN, MIN_COMPARED, TOO_FEW, WITHIN,
                                        worst)
-from eyrie.runs.pipeline import ServeSection, VerifySection, stored_config
 from eyrie.stages import VERIFY
 from eyrie.stages.verify import record_verify_rates
 from eyrie.tasks.executor import StageTask, execute
