@@ -118,6 +118,15 @@ def test_bad_dataset_path(env, tmp_path):
     one_line_error(result, f"no such file {tmp_path / 'missing.jsonl'}.")
 
 
+@pytest.mark.parametrize("name", ["../evil", "a\n", "", "-a", "a" * 65])
+def test_a_bad_run_name_is_refused_where_every_command_checks_it(name):
+    from eyrie.core.run_config import check_run_name
+
+    with pytest.raises(EyrieError, match="invalid run name"):
+        check_run_name(name)
+    assert check_run_name("a.b_c-1" + "d" * 57) == "a.b_c-1" + "d" * 57  # 64 characters
+
+
 def test_bad_run_name(env, tmp_path):
     one_line_error(eyrie("generate", "--dataset", "x.jsonl", "--run", "../evil", env=env, check=False),
                    "invalid run name")

@@ -18,7 +18,7 @@ RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 def check_run_name(name: str) -> str:
-    if not RUN_NAME.match(name):
+    if not RUN_NAME.fullmatch(name):  # match() let "a\n" through: `$` matches before a last newline
         raise EyrieError(f"invalid run name {name!r}.",
                          "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit.")
     return name
