@@ -32,7 +32,9 @@ def test_the_train_options_are_the_settings_fields():
     for name, field in TrainSettings.model_fields.items():
         assert options[name].opts == [f"--{name.replace('_', '-')}"] and options[name].default is None
         assert options[name].help.startswith(field.description.rstrip("."))
-        assert field.default is None or f"(default {field.default})" in options[name].help
+        default = field.get_default(call_default_factory=True)
+        assert default in (None, []) or f"(default {default})" in options[name].help
+        assert "PydanticUndefined" not in options[name].help  # a default_factory's field said so
     result = CliRunner().invoke(app, ["train", "--run", "r", "--ttt-steps", "17"])
     assert result.exit_code == 2  # the field's bound, checked by click as before
 

@@ -76,9 +76,16 @@ def _option(model: type[BaseModel], name: str, field: FieldInfo):
         elif isinstance(rule, Le):
             bounds["max"] = rule.le
     required = field.is_required()
-    default = "" if field.default is None or required else f" (default {field.default})"
     return typer.Option(... if required else None, f"--{flag(model, name)}",
-                        help=(field.description or "").rstrip(".") + f"{default}.", **bounds)
+                        help=(field.description or "").rstrip(".") + f"{_default_text(field, required)}.", **bounds)
+
+
+def _default_text(field: FieldInfo, required: bool) -> str:
+    """' (default X)' for --help; nothing where there is none (a factory's empty list included)."""
+    value = None if required else field.get_default(call_default_factory=True)
+    if isinstance(value, list):
+        value = ",".join(map(str, value)) or None  # given as `a,b,c`
+    return "" if value is None else f" (default {value})"
 
 
 def _base_type(annotation):
