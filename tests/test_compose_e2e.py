@@ -187,7 +187,7 @@ def test_an_online_run_trains_from_the_extraction_service_in_the_stack(stack, tm
     assert extract["on_demand"] == extract["done"] > 0, extract  # every sample stored as its token ids alone
     # it stops once the run is trained (a run that ends is also no longer active: either word), seen at its
     # next look at the run, seconds after the run is done
-    stops = [f"run {ONLINE} is {why}: stopping vLLM" for why in ("trained", "cancelled or no longer active")]
+    stops = [f"run {ONLINE} is trained: stopping vLLM", f"run {ONLINE} can no longer use it"]
 
     def logs() -> str:
         return stack.compose("logs", "--no-color", "extract-server").stdout

@@ -68,7 +68,9 @@ def extracted(store, manifest) -> bool:
 
 
 def trained(store, manifest) -> bool:
-    return store.exists(Layout(manifest.run).drafter_manifest)
+    """The run manifest's drafter record: the stage's own proof that it is done (the train stage's
+    `done`), read fresh."""
+    return load_run_manifest(store, manifest.run).drafter is not None
 
 
 def vllm_command(settings, cfg, manifest) -> list[str]:
@@ -152,10 +154,13 @@ class ExtractServer(Server):
         seen at the next poll (Server.POLL_S), then vLLM is stopped: the GPUs are free within
         Server.RELEASE_S."""
         run = self.run_name
-        if not needs_server(self.store, self.manifest):  # first: a finished run is also no longer active
-            return self._done(f"run {run} is trained" if trains_on_demand(self.manifest) else f"run {run} is extracted")
         reading = reading_stage(self.store, self.manifest)
-        if not can_go_on(self.conn, self.store, run, reading):
+        # asked before needs_server, which reads the same proofs the stage's `done` reads: a run that
+        # finishes between the two reads is then seen finished, not as one that can no longer go on
+        goes_on = can_go_on(self.conn, self.store, run, reading)
+        if not needs_server(self.store, self.manifest):
+            return self._done(f"run {run} is trained" if trains_on_demand(self.manifest) else f"run {run} is extracted")
+        if not goes_on:
             return self._done(f"run {run} can no longer use it (its {reading.name} failed for good, or it is "
                               "blocked, cancelled or no longer active)")
         if self.proc is not None and not self._said_training:
