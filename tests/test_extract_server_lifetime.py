@@ -14,7 +14,7 @@ import redis
 
 from conftest import BIN, ROOT, free_port, stop
 from eyrie.core.config import load_settings
-from eyrie.data.manifest import Layout, config_key
+from eyrie.data.manifest import Layout, config_key, load_run_manifest
 from eyrie.data.store import open_store
 from eyrie.work import inference, keys
 from eyrie.runs.projection import project
@@ -45,6 +45,14 @@ def _plant(conn, store, run: str, storage: str, shards=(0, 1)) -> None:
     conn.sadd(keys.ACTIVE_PIPELINES, run)
 
 
+def _trained(store, run: str) -> None:
+    """What export writes first: the run manifest's drafter record, the train stage's proof that it is
+    done (the drafter manifest beside it comes after; the server must not wait for that one)."""
+    manifest = load_run_manifest(store, run)
+    manifest.drafter = {"files": {}}
+    store.put_json(Layout(run).manifest, manifest.model_dump())
+
+
 @pytest.mark.parametrize("storage", ["hybrid", "online"])
 def test_a_run_training_on_demand_is_served_after_extraction_until_its_drafter_is_trained(storage, redis_url,
                                                                                           tmp_path):
@@ -52,7 +60,7 @@ def test_a_run_training_on_demand_is_served_after_extraction_until_its_drafter_i
     _plant(conn, store, OFFLINE_RUN, "offline")
     _plant(conn, store, RUN, storage)
     assert extraction_run(conn, store) == RUN  # extracted, still training: the offline one is done
-    store.put_json(Layout(RUN).drafter_manifest, {})
+    _trained(store, RUN)
     assert extraction_run(conn, store) is None
 
 
@@ -68,7 +76,7 @@ def test_the_server_of_a_run_training_on_demand_stops_once_trained_cancelled_or_
     assert server._drained()
     conn.delete(keys.cancelled(RUN))
     assert not server._drained()
-    store.put_json(Layout(RUN).drafter_manifest, {})
+    _trained(store, RUN)
     assert server._drained()
 
 
@@ -89,7 +97,7 @@ def test_serve_extract_starts_for_an_extracted_online_run_and_stops_once_it_is_t
         assert proc.poll() is None and holder(conn)["holder"]["owner"].startswith("extract-server@")
         assert holder(conn)["holder"]["mode"] == "share"  # its trainer may hold one of its GPUs beside it
         assert "vLLM keeps its --gpu-memory-utilization: vLLM's CPU build sizes its KV cache" in log.read_text()
-        store.put_json(Layout(RUN).drafter_manifest, {})
+        _trained(store, RUN)
         assert proc.wait(60) == 0, log.read_text()
         assert holder(conn) is None and inference.read_extract(conn).state == "stopped"
         assert "run xs is trained: stopping vLLM and handing over the GPUs" in log.read_text()
