@@ -265,6 +265,18 @@ def test_verify_settings_are_a_plain_section_beside_the_run_config():
             assert issubclass(section, StageSettings) and section.__module__ == "eyrie.core.stage_settings", s.name
 
 
+# the run config's sections no stage owns: the run's name, its target, how it is served, --plan's figures
+RUNS_OWN = ("run", "target", "serve", "plan")
+
+
+def test_the_run_configs_sections_are_the_stages_sections_and_the_runs_own():
+    """Each stage's `sections` are fields of RunConfig, in the pipeline's order, and it has no other
+    field but the run's own: a stage's settings are one field there (written by hand: eyrie/core/,
+    where RunConfig stands, imports no stage to build it from)."""
+    assert [name for name in RunConfig.model_fields if name not in RUNS_OWN] == \
+        [name for s in PIPELINE for name in s.sections]
+
+
 def test_the_executor_command_takes_a_task_kind_name(monkeypatch, capsys):
     """`python -m eyrie.tasks.executor <task kind> '<json>'` runs that kind's function, and only a kind's."""
     called = []
