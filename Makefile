@@ -104,10 +104,10 @@ compose-check: setup
 	$(BIN)/pytest -q tests/test_compose.py
 
 # The Helm chart rendered, linted and validated offline (docs/kubernetes.md); GOLDEN=1 rewrites
-# tests/golden/helm/ after a reviewed chart change.
+# tests/golden/helm/ and tests/golden/defaults.json after a reviewed chart or default change.
 helm-check: setup
 	$(if $(GOLDEN),EYRIE_UPDATE_GOLDEN=1) $(BIN)/pytest -q tests/test_helm.py tests/test_k8s_jobs.py tests/test_fleet.py \
-		tests/test_autoscaling.py
+		tests/test_autoscaling.py tests/test_defaults.py
 
 # The Compose stack. GPU host: `make up` (docker-compose.yml + compose.gpu.yml, .env from .env.example).
 # The CPU stack (a laptop, CI): COMPOSE_FILES="-f docker-compose.yml -f compose.ci.yml" EYRIE_CPU_STACK=1.

@@ -43,7 +43,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--url", required=True)
     parser.add_argument("--prompts", required=True, help="ShareGPT JSONL")
-    parser.add_argument("--concurrency", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, required=True, help="Requests in flight (generate_throughput "
+                                                                      "passes its own --concurrency).")
     parser.add_argument("--max-tokens", type=int, default=1000)
     args = parser.parse_args()
     with open(args.prompts) as f:

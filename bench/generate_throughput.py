@@ -44,6 +44,7 @@ from pathlib import Path
 
 import psutil
 
+from eyrie.core.stage_settings import GenerateSettings
 from tests.support.processes import start_redis, stop
 
 from generate_clients import CLIENTS, OFFLINE, Bench, write_prompts
@@ -122,7 +123,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--latencies", type=float, nargs="+", default=[1.0, 0.05])
     parser.add_argument("--prompts", type=int, default=2000)
-    parser.add_argument("--concurrency", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=GenerateSettings.model_fields["concurrency"].default,
+                        help="Requests in flight (default: eyrie's generate.concurrency).")
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--turns", type=int, default=1, help="User turns a row (each answered in order: one "
                                                              "request a turn); a section of its own in RESULTS.md.")

@@ -50,7 +50,7 @@ def build(work: Path, a) -> None:
     from eyrie.data.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, RunManifest, SamplingParams,
                                      ShardManifest, ShardPlan, TargetRef, code_version, now_iso)
     from eyrie_extractor.shard import sample_tensors
-    from eyrie.core.stage_settings import TrainSettings
+    from eyrie.core.stage_settings import GenerateSettings, TrainSettings
     from eyrie.stages.start_checks import extract_done
     from eyrie_trainer.plan import plan
 
@@ -73,8 +73,8 @@ def build(work: Path, a) -> None:
         run=RUN, created_at=now_iso(), code_version=code_version(), generate_shards=plans,
         target=TargetRef(model=str(target), revision="random", chat_template_sha256=None, server="transformers"),
         dataset=DatasetRef(source="synthetic", kind="jsonl", revision="0" * 64, row_end=a.samples),
-        generate=GenerateParams(sampling=SamplingParams(max_tokens=a.seq_len), concurrency=200,
-                                request_timeout_s=1800.0, max_retries=5, shard_size=size),
+        generate=GenerateParams(sampling=SamplingParams(max_tokens=a.seq_len), shard_size=size, **{
+            name: getattr(GenerateSettings(), name) for name in ("concurrency", "request_timeout_s", "max_retries")}),
         extract=ExtractParams(backend="hf", aux_layers=aux, dtype="bf16", max_length=None, num_layers=a.layers,
                               hidden_size=a.hidden, samples=a.samples, tokens=a.samples * a.seq_len, truncated=0,
                               projected_bytes=a.samples * a.seq_len * (len(aux) + 1) * a.hidden * 2, budget_bytes=None))

@@ -92,17 +92,35 @@ def test_the_stages_paragraph_names_every_module_of_eyrie_stages():
     assert named == {p.name for p in (ROOT / "eyrie/stages").glob("*.py")}
 
 
-def test_the_pipeline_is_generate_extract_train_verify_each_task_kind_on_its_stages_queue():
-    assert [s.name for s in PIPELINE] == ["generate", "extract", "train", "verify"]
+FLAT = " ".join(DOC.split())  # the page with its line breaks as spaces: a list may span lines
+
+
+def listed(pattern: str) -> list[str]:
+    """The comma-separated names the page lists where `pattern`'s group stands."""
+    found = re.search(pattern, FLAT)
+    assert found, f"docs/architecture.md no longer says {pattern!r}: update this test with the page"
+    return [name.strip() for name in found[1].split(",")]
+
+
+@pytest.mark.parametrize("where, pattern", [("Words", r"\*\*stage\*\*: one step of the pipeline \(([^)]*)\)"),
+                                            ("The pipeline as data", r"the list, `PIPELINE`: ([^.]*)\.")])
+def test_the_pages_pipeline_is_PIPELINE_each_task_kind_on_its_stages_queue(where, pattern):
+    assert listed(pattern) == [s.name for s in PIPELINE], f"docs/architecture.md ({where}) lists another pipeline"
     for s in PIPELINE:
         assert {k.queue for k in s.task_kinds()} == {s.queue}, s.name
 
 
-def test_every_stage_but_verify_has_a_planner_and_only_those_start_alone():
-    """Verify has nothing to plan (its `start` enqueues it or records the skip); the others are
-    planned by a task on their own queue, and a user may start each of them on its own."""
-    assert [s.name for s in PIPELINE if s.planner is None] == ["verify"]
+def test_the_pages_planners_are_the_stages_planners_and_those_stages_start_alone():
+    """The page names each stage's planner (and the stages with none: nothing to plan, its `start`
+    enqueues it or records the skip); the stages with a planner are planned by a task on their own
+    queue, and a user may start each of them on its own (`eyrie generate|extract|train`)."""
+    said = FLAT[FLAT.index("has a planner task kind ("):]
+    said = said[:said.index(")")]
+    assert dict(re.findall(r"(\w+)'s `([\w-]+)`", said)) == {s.name: s.planner.name for s in PIPELINE if s.planner}
+    assert re.findall(r"(\w+) has none", said) == [s.name for s in PIPELINE if s.planner is None]
     assert list(startable()) == [s.name for s in PIPELINE if s.planner is not None]
+    commands = re.findall(r"`eyrie ((?:[\w-]+\|)+[\w-]+)`", FLAT)
+    assert commands and all(c.split("|") == list(startable()) for c in commands), commands
 
 
 def test_start_alone_is_the_stage_bases_alone():
@@ -169,7 +187,8 @@ def imports_from(module: str, name: str) -> str | None:
 def test_sharded_tasks_and_planners_subclass_the_shared_skeletons():
     """The work of a sharded stage (generate, extract) runs a subclass of
     eyrie.tasks.sharded.ShardedStageTask; every planner, one of eyrie.tasks.planner.PlannerTask."""
-    checked = []
+    sharded = [s.name for s in PIPELINE if isinstance(s, ShardedStage)]
+    assert sharded == listed(r"A stage with one task per shard \(([^)]*)\)"), "the page names other sharded stages"
     for s in PIPELINE:
         pairs = [(s.planner, "PlannerTask", "eyrie.tasks.planner")] if s.planner else []
         if isinstance(s, ShardedStage):
@@ -178,8 +197,6 @@ def test_sharded_tasks_and_planners_subclass_the_shared_skeletons():
             module, cls = task_class(kind)
             assert base in bases_of(cls) and imports_from(module, base) == skeleton, \
                 f"{kind.name}: {module}.{cls.name} does not subclass {skeleton}.{base}"
-            checked.append(cls.name)
-    assert {"ShardRunner", "ExtractRunner", "PlanGenerate", "PlanExtract", "PlanTrain"} <= set(checked)
 
 
 def literal_texts(path: Path):
@@ -246,6 +263,18 @@ def test_verify_settings_are_a_plain_section_beside_the_run_config():
             assert section is VerifySection and section.__module__ == "eyrie.core.run_config", s.name
         else:
             assert issubclass(section, StageSettings) and section.__module__ == "eyrie.core.stage_settings", s.name
+
+
+# the run config's sections no stage owns: the run's name, its target, how it is served, --plan's figures
+RUNS_OWN = ("run", "target", "serve", "plan")
+
+
+def test_the_run_configs_sections_are_the_stages_sections_and_the_runs_own():
+    """Each stage's `sections` are fields of RunConfig, in the pipeline's order, and it has no other
+    field but the run's own: a stage's settings are one field there (written by hand: eyrie/core/,
+    where RunConfig stands, imports no stage to build it from)."""
+    assert [name for name in RunConfig.model_fields if name not in RUNS_OWN] == \
+        [name for s in PIPELINE for name in s.sections]
 
 
 def test_the_executor_command_takes_a_task_kind_name(monkeypatch, capsys):

@@ -1,11 +1,13 @@
 """The Compose stack, checked without a Docker engine: both files against the compose-spec schema,
 the GPU merge (with a Compose CLI when one is installed, otherwise a PyYAML deep merge), build
-contexts and Dockerfiles, and that .env.example documents every variable the files use."""
+contexts and Dockerfiles, that .env.example documents every variable the files use, and that each
+queue of eyrie.stages has its workers' service (and no service works another)."""
 
 from __future__ import annotations
 
 import copy
 import fnmatch
+import json
 import os
 import re
 import shutil
@@ -16,9 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eyrie.stages import PIPELINE, queues
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 GPU = ROOT / "compose.gpu.yml"
+CI = ROOT / "compose.ci.yml"
 ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERIGNORE = ROOT / ".dockerignore"
 CHECK_JSONSCHEMA = Path(sys.executable).with_name("check-jsonschema")
@@ -37,7 +42,7 @@ IMAGE_OF = {"extract-server": "inference", "verifier": "inference"}  # the same 
 PACKAGES_OF = {"api": set(), "generator": {"generator"}, "extractor": {"extractor"}, "trainer": {"trainer"},
                "inference": {"inference", "extractor", "trainer"}}
 ONE_SHOT = {"preflight", "minio-init"}
-WORKER_STAGE = {"generator": "generate", "extractor": "extract", "trainer": "train"}
+WORKER_QUEUE = {s.worker: s.queue for s in PIPELINE}  # each stage's workers' service (eyrie.stages: `worker`)
 COMMON_ENV = {"EYRIE_REDIS_URL", "EYRIE_STORE_URL", "EYRIE_S3_ENDPOINT", "EYRIE_S3_ACCESS_KEY",
               "EYRIE_S3_SECRET_KEY"}
 
@@ -319,8 +324,7 @@ def test_services_are_wired_as_the_stack_needs():
         assert deps["minio-init"]["condition"] == "service_completed_successfully", name
     assert services["minio-init"]["depends_on"]["minio"]["condition"] == "service_healthy"
     assert services["inference"]["depends_on"]["redis"]["condition"] == "service_healthy"
-    for name, stage in WORKER_STAGE.items():
-        assert f"rq:worker:{stage}-" in " ".join(services[name]["healthcheck"]["test"]), name
+    # each worker service's healthcheck looks for its queue's worker: checked with its queue, below
 
 
 def test_service_environment():
@@ -366,6 +370,41 @@ def test_env_example_documents_every_variable():
     for name, value in values.items():  # placeholders only, never a real secret
         if SECRET_NAME.search(name):
             assert value.startswith("change-me"), f"{name} must be a change-me placeholder"
+
+
+def image_argv(build: dict) -> tuple[list[str], list[str]]:
+    """(ENTRYPOINT, CMD) of the image a service builds, as its Dockerfile's last ones say."""
+    lines = dockerfile_lines((ROOT / build["context"] / build["dockerfile"]).read_text())
+    last = {instr: json.loads(line.split(None, 1)[1]) for line in lines for instr in ("ENTRYPOINT", "CMD")
+            if line.split(None, 1)[0].upper() == instr}
+    return last.get("ENTRYPOINT", []), last.get("CMD", [])
+
+
+def worker_queue(service: dict) -> str | None:
+    """The queue of a service that runs `eyrie worker QUEUE`: its entrypoint and command, the image's
+    where it sets none (an entrypoint set in Compose drops the image's CMD, as Docker does)."""
+    entrypoint, command = image_argv(service["build"]) if "build" in service else ([], [])
+    if "entrypoint" in service:
+        entrypoint, command = service["entrypoint"], []
+    argv = [*entrypoint, *service.get("command", command)]
+    return argv[2] if argv[:2] == ["eyrie", "worker"] and len(argv) == 3 else None
+
+
+@pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE, GPU), (COMPOSE, CI)],
+                         ids=lambda files: "+".join(p.name for p in files))
+def test_every_queue_has_its_stages_worker_service_and_no_worker_takes_another_queue(files):
+    """eyrie.stages.queues(), read from the code: a stage's queue is worked by the service its
+    `worker` names (its healthcheck looks for that queue's worker), and no service works a queue
+    that no stage has, with the GPU or the CPU stack's file merged over the base."""
+    services = load(files[0])["services"]
+    for overlay in files[1:]:
+        services = deep_merge(services, load(overlay)["services"])
+    worked = {name: queue for name, svc in services.items() if (queue := worker_queue(svc))}
+    assert sorted(set(worked.values())) == sorted(queues()), f"services working each queue: {worked}"
+    for s in PIPELINE:
+        assert worked.get(s.worker) == s.queue, f"the {s.name} stage's workers are the {s.worker} service"
+    for name, queue in worked.items():
+        assert f"'rq:worker:{queue}-'" in " ".join(services[name]["healthcheck"]["test"]), name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,8 +468,8 @@ def test_dockerfile_pinned_non_root_without_secrets(service):
     assert user and user.split(":")[0] not in ("root", "0"), f"{service} runs as {user!r}"
     assert secrets_in(text) == [], f"{service}: {secrets_in(text)}"
     assert any(line.upper().startswith(("ENTRYPOINT", "CMD")) for line in lines)
-    if service in WORKER_STAGE:
-        assert f'CMD ["worker", "{WORKER_STAGE[service]}"]' in text
+    if service in WORKER_QUEUE:
+        assert f'CMD ["worker", "{WORKER_QUEUE[service]}"]' in text
 
 
 def test_secret_detector_flags_baked_secrets():

@@ -1,7 +1,8 @@
 """The Helm chart, rendered by Helm's own SDK (no cluster, no helm binary) for every value set in
 deploy/helm/eyrie/ci/, each core object validated strictly against Kubernetes 1.33's schemas, the
 custom resources (Kueue, KEDA, Prometheus Operator) checked against what eyrie itself uses, and
-the renders compared with tests/golden/helm/ (EYRIE_UPDATE_GOLDEN=1 rewrites them)."""
+the renders compared with tests/golden/helm/ (EYRIE_UPDATE_GOLDEN=1 rewrites them), and what works
+each queue tied to eyrie.stages' queues and task kinds."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import yaml
 
 from eyrie.core.config import Settings
 from eyrie.core.stage_settings import GenerateSettings
+from eyrie.stages import gpu_queues, queues, task_kinds
 from eyrie.work import k8s_jobs
+from eyrie.work.task_kinds import jobs_for_queue
 from eyrie.work.queue import queue
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +43,10 @@ def render_text(values: dict, release: str = "eyrie", namespace: str = "eyrie") 
     with helm.Chart.load(str(CHART)) as chart:
         manifests = chart.render(values, name=release, namespace=namespace)
     return "".join(f"---\n# Source: {name}\n{text.strip()}\n" for name, text in sorted(manifests.items()) if text.strip())
+
+
+def chart_defaults() -> dict:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
 
 
 def value_set(name: str) -> dict:
@@ -212,7 +219,7 @@ def test_every_gpu_workload_is_queued_in_kueue_and_fits_the_quota(rendered):
     assert templates["queue"] == queue_name
     quota = values["kueue"]["clusterQueue"]["quota"]["gpus"]
     stages = set(templates["stages"])
-    assert {"extract", "train", "verify"} <= stages
+    assert {jobs_for_queue(queue)[-1] for queue in gpu_queues()} <= stages  # the Job draining each GPU queue
     for stage in stages:
         job = k8s_jobs.build_job(templates, stage, RUNS[0])
         assert job["metadata"]["labels"][k8s_jobs.QUEUE_LABEL] == queue_name
@@ -223,6 +230,45 @@ def test_every_gpu_workload_is_queued_in_kueue_and_fits_the_quota(rendered):
         for container in job["spec"]["template"]["spec"]["containers"]:
             limits = container["resources"]["limits"].get(k8s_jobs.GPU_RESOURCE, 0)
             assert int(limits) == gpus(container), "GPU requests and limits must be equal"
+
+
+def queues_worked(docs) -> dict[str, list[str]]:
+    """queue -> what works it in a render: a Deployment's container running `worker QUEUE` (its
+    image's entrypoint is `eyrie`), a GPU Job template's `eyrie.tasks.gpu_admission drain QUEUE`."""
+    worked: dict[str, list[str]] = {}
+    for obj, pod in pod_specs(docs):
+        for container in pod["containers"]:
+            if container.get("args", [])[:1] == ["worker"]:
+                worked.setdefault(container["args"][1], []).append(f"{obj['kind']} {obj['metadata']['name']}")
+    for job, template in gpu_jobs(docs)["stages"].items():
+        for container in template["spec"]["template"]["spec"]["containers"]:
+            command = container.get("command", [])
+            if "drain" in command:
+                worked.setdefault(command[command.index("drain") + 1], []).append(f"gpuJobs {job}")
+    return worked
+
+
+def test_no_worker_of_the_chart_takes_a_queue_no_stage_has(rendered):
+    name, _, _, docs = rendered
+    assert set(queues_worked(docs)) <= set(queues()), f"{name}: {queues_worked(docs)}"
+
+
+def test_every_queue_has_its_workers_and_every_job_a_task_kind_names_its_template():
+    """eyrie.stages.queues(), read from the code: with the chart's defaults, a CPU queue is worked by a
+    Deployment's workers, a GPU queue by its GPU Job (one of the Jobs its task kinds name, which
+    Kueue's dispatch creates); with every GPU Job enabled, the chart's templates are the Jobs the
+    task kinds name."""
+    worked = queues_worked(default_docs())
+    assert sorted(worked) == sorted(queues()), worked
+    for queue, by in worked.items():
+        if queue in gpu_queues():
+            assert [b for b in by if b.startswith("gpuJobs ")] == [f"gpuJobs {jobs_for_queue(queue)[-1]}"], (queue, by)
+        else:
+            assert all(b.startswith("Deployment ") for b in by), (queue, by)
+    values = value_set("seed-8gpu")
+    values["gpuJobs"]["serve"] = {"enabled": True}
+    every_job = {job for kind in task_kinds().values() for job in (*kind.jobs, *kind.reads_on_demand)}
+    assert set(gpu_jobs([d for d in yaml.safe_load_all(render_text(values)) if d])["stages"]) == every_job
 
 
 def test_two_runs_share_the_quota_in_order():
@@ -242,7 +288,8 @@ def test_generators_scale_on_live_generate_tasks(rendered):
     name, values, _, docs = rendered
     deployment = one(docs, "Deployment", "-generator")
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace >= values.get("generator", {}).get("requestTimeoutSeconds", 1800), "no room for a warm shutdown"
+    timeout = {**chart_defaults()["generator"], **values.get("generator", {})}["requestTimeoutSeconds"]
+    assert grace >= timeout, "no room for a warm shutdown"
     autoscaling = values.get("generator", {}).get("autoscaling", {}).get("enabled", True)
     if not autoscaling:
         assert not [d for d in docs if d["apiVersion"].startswith("keda.sh/")]
@@ -381,7 +428,7 @@ def test_bad_values_are_refused_with_the_fix(values, problem):
 
 def test_every_value_is_documented_in_the_schema():
     schema = json.loads((CHART / "values.schema.json").read_text())
-    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    defaults = chart_defaults()
 
     def leaves(node, value, path):
         if isinstance(value, dict) and value:

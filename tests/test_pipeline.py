@@ -14,6 +14,7 @@ import redis
 import yaml
 
 from eyrie.commands.display import verify_lines
+from eyrie.stages import PIPELINE, queues
 from eyrie.work import keys
 
 from conftest import BIN, OFFLINE, ROOT, TRAIN_PROMPTS, eyrie, stop, tiny_run_config, wait_for
@@ -42,9 +43,6 @@ def test_a_bad_config_names_the_field(tmp_path):
     assert "extract.dtype" in result.stderr
 
 
-STAGES = ("generate", "extract", "train", "verify")
-
-
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
 def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, tmp_path, workers, browser):
@@ -55,14 +53,14 @@ def test_the_chain_runs_by_itself_and_a_rerun_redoes_nothing(env, tiny_server, t
     env = vllm_env(tmp_path / "vllm-cache", {**env, "EYRIE_VLLM_ARGS": " ".join(SMALL[2:]),
                                              "EYRIE_MAX_MODEL_LEN": SMALL[1]})
     workers.env = env
-    workers.start("generate", "extract", "train", "verify")
+    workers.start(*queues())
     serve = {"max_model_len": int(SMALL[1]), "extra_args": SMALL[2:]}  # verify serves as the run config says
     verify_section = {"enabled": True, "benchmarks": [mt_bench(tmp_path, 3)]}
     path = tiny_run_config(tmp_path, "chain", verify=verify_section, serve=serve)
     out = eyrie("run", "--config", path, "--wait", env=env, timeout=900).stdout
     assert "4 generate tasks enqueued now" in out
     status = json.loads(eyrie("status", "chain", "--json", env=env).stdout)
-    assert {name: s["state"] for name, s in status["stages"].items()} == dict.fromkeys(STAGES, "done")
+    assert {name: s["state"] for name, s in status["stages"].items()} == {s.name: "done" for s in PIPELINE}
     train = status["stages"]["train"]
     assert train["evaluation"]["checkpoints"][-1]["tau"] > train["evaluation"]["baseline"]["tau"] + 0.2
     assert status["pipeline"]["blocked"] is None

@@ -17,6 +17,7 @@ import redis
 import yaml
 
 from conftest import BIN, ROOT, eyrie, free_port
+from eyrie.stages import PIPELINE
 from vllm_real import START_S, vllm_env
 
 TRAIN_MIX = ROOT / "assets" / "prompts" / "train-mix.jsonl"
@@ -80,7 +81,7 @@ def test_a_drafter_for_smollm2_from_real_prompts_measured_by_vllm_on_the_benchma
     print(out.stdout)
     status = json.loads(eyrie("status", "smol", "--json", env=env).stdout)
     stages = {name: s["state"] for name, s in status["stages"].items()}
-    assert stages == dict.fromkeys(("generate", "extract", "train", "verify"), "done"), status
+    assert stages == {s.name: "done" for s in PIPELINE}, status
     assert status["stages"]["verify"]["skipped"] == 1  # verify.enabled is false: counted as skipped, with why
     generate = status["stages"]["generate"]
     assert generate["done"] + generate["skipped"] + generate["failed"] == 16 and generate["done"] >= 15

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_serializer, model_validator
+from pydantic import AliasChoices, BaseModel, Field, field_validator, model_serializer, model_validator
 
 from eyrie.core import recipe as recipes
 from eyrie.core.budget import parse_size
@@ -16,6 +16,14 @@ from eyrie.core.section import Section
 
 MAX_HELDOUT = 500
 CLI_ONLY_IN_PLAN = {"cli": False}  # a field no stage command takes (read by `eyrie run --plan` only)
+# how fast or how robustly the answers are fetched, not what they are: left out of the fingerprint
+# a run's states are found by (eyrie.runs.reuse)
+PACING = {"pacing": True}
+
+
+def pacing_fields(model: type[BaseModel]) -> set[str]:
+    """The fields of a section marked PACING."""
+    return {name for name, field in model.model_fields.items() if (field.json_schema_extra or {}).get("pacing")}
 
 
 class StageSettings(Section):
@@ -59,16 +67,18 @@ class DatasetSection(Section):
 class GenerateSettings(StageSettings):
     """How the target answers the prompts (the run manifest's `generate`)."""
 
-    concurrency: int = Field(200, ge=1, description="Requests in flight per worker.")
+    concurrency: int = Field(200, ge=1, description="Requests in flight per worker.", json_schema_extra=PACING)
     max_tokens: int = Field(8192, ge=1, description="Completion token limit.")
     request_timeout_s: float = Field(1800.0, gt=0, description="Per-request timeout, seconds.",
                                      validation_alias=AliasChoices("request_timeout_s", "timeout_s"),
-                                     json_schema_extra={"flag": "timeout"})
+                                     json_schema_extra={"flag": "timeout", **PACING})
     temperature: float | None = Field(None, ge=0, description="Sampling temperature (unset: the server's).")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling (unset: the server's).")
-    max_retries: int = Field(5, ge=0, le=50, description="Retries of a request on 5xx, timeouts, drops.")
-    retry_backoff_s: float = Field(2.0, ge=0, description="First retry delay; doubles, capped at 60 s.")
-    shard_size: int = Field(1000, ge=1, description="Rows per task.")
+    max_retries: int = Field(5, ge=0, le=50, description="Retries of a request on 5xx, timeouts, drops.",
+                             json_schema_extra=PACING)
+    retry_backoff_s: float = Field(2.0, ge=0, description="First retry delay; doubles, capped at 60 s.",
+                                   json_schema_extra=PACING)
+    shard_size: int = Field(1000, ge=1, description="Rows per task.", json_schema_extra=PACING)
     turns: Literal["all", "last"] = Field("all", description="all: the target answers every user turn of a "
                                                              "conversation in order, one request each, with its "
                                                              "own earlier answers in the context (the dataset's "
@@ -76,7 +86,7 @@ class GenerateSettings(StageSettings):
                                                              "request, the last user turn after the dataset's "
                                                              "text.")
     prompt_tokens_estimate: int = Field(512, ge=1, description="For --plan only: mean prompt length.",
-                                        json_schema_extra=CLI_ONLY_IN_PLAN)
+                                        json_schema_extra={**CLI_ONLY_IN_PLAN, **PACING})
 
 
 class ExtractSettings(StageSettings):

@@ -19,25 +19,26 @@ import hashlib
 import orjson
 
 from eyrie.core.errors import EyrieError, UnknownRun
+from eyrie.core.stage_settings import pacing_fields
 from eyrie.core.target import describe
 from eyrie.data import dataset
 from eyrie.data.manifest import Layout, RunManifest, code_version, load_run_manifest, now_iso, states_index
 from eyrie.data.shared_states import add_user
 from eyrie.stages import PIPELINE
 
-# how fast or how robustly the answers were fetched, not what they are: not part of the fingerprint
-PACING = {"concurrency", "request_timeout_s", "max_retries", "retry_backoff_s", "shard_size", "prompt_tokens_estimate"}
 # how the target is served that changes its answers (--dtype, --quantization, ... in extra_args)
 SERVE_ANSWERS = ("reasoning_parser", "max_model_len", "extra_args")
 
 
 def settings_fingerprint(config) -> str:
     """The settings that make a run's answers and states (defaults resolved: a default written out
-    is the same run), from its run config. The target's content is keyed apart (target_identity)."""
+    is the same run), from its run config, less the fields marked PACING (how fast the answers were
+    fetched, not what they are). The target's content is keyed apart (target_identity)."""
     what = {"target": config.target.model, "serve": {field: getattr(config.serve, field) for field in SERVE_ANSWERS}}
-    for name in _states_sections():  # the dataset, generate and extract sections
+    for name in states_sections():  # the dataset, generate and extract sections
         section = getattr(config, name)
-        what[name] = {field: getattr(section, field) for field in type(section).model_fields if field not in PACING}
+        pacing = pacing_fields(type(section))
+        what[name] = {field: getattr(section, field) for field in type(section).model_fields if field not in pacing}
     return hashlib.sha256(orjson.dumps(what, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
 
 
@@ -122,7 +123,7 @@ def train_on_states(store, source: RunManifest, run: str) -> RunManifest:
     return manifest
 
 
-def _states_sections() -> tuple[str, ...]:
+def states_sections() -> tuple[str, ...]:
     """The run config's sections (and run manifest's records) of the stages up to the one that
     makes the states: dataset, generate, extract."""
     last = next(i for i, stage in enumerate(PIPELINE) if stage.makes_states)
@@ -131,7 +132,7 @@ def _states_sections() -> tuple[str, ...]:
 
 def _states_fields() -> tuple[str, ...]:
     """What a run on another's states takes of its manifest: what its answers and states are."""
-    return ("target", "generate_shards", "input_skips", *_states_sections())
+    return ("target", "generate_shards", "input_skips", *states_sections())
 
 
 def _refuse_unextracted(store, owner: RunManifest, run: str) -> None:
