@@ -112,6 +112,8 @@ class Readme:
         script = (ROOT / words[0]).read_text()
         unknown = [w for w in words[1:] if re.fullmatch(r"--[a-z-]+", w) and f'"{w}"' not in script]
         assert not unknown, f"{words[0]} has no option {unknown}"
+        if "--config" in words:  # a script that runs a config (bench/real_model.py) makes its run
+            self.runs.add(yaml.safe_load((ROOT / words[words.index("--config") + 1]).read_text())["run"])
 
     def make(self, words: list[str]) -> None:
         for word in words:
