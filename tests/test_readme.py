@@ -240,3 +240,17 @@ def test_the_stage_list_and_the_test_time():
 @pytest.mark.parametrize("line", ["for q in generate extract; do eyrie worker $q & done"])
 def test_a_loop_is_one_command_per_value(line):
     assert commands(line) == [(["eyrie", "worker", "generate"], True), (["eyrie", "worker", "extract"], True)]
+
+
+def test_the_example_card_readme_points_to_parses_as_a_hub_model_card():
+    """docs/examples/smollm2-general-2k-1ep/README.md (what `eyrie publish` wrote for the SmolLM2 run):
+    huggingface_hub's own card class reads its metadata, the results name vLLM's acceptance per set, and
+    the card says how to serve it and what --force overrode."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(ROOT / "docs/examples/smollm2-general-2k-1ep/README.md")
+    assert card.data.library_name == "speculators" and "eagle3" in card.data.tags
+    sets = {r.dataset_name for r in card.data.eval_results if r.metric_name.startswith("vLLM mean acceptance")}
+    assert {"heldout", "mt-bench", "humaneval", "gsm8k"} <= sets, sets
+    assert "vllm serve " in card.text and "Published with `--force`" in card.text
+    assert "docs/examples/smollm2-general-2k-1ep" in README

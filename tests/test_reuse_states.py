@@ -20,6 +20,7 @@ from eyrie.data import dataset
 from eyrie.data.manifest import Layout, TargetRef, load_run_manifest, stored_config
 from eyrie.data.shared_states import StatesInUse, users_of
 from eyrie.data.store import open_store
+from eyrie.runs.audit import _extract
 from eyrie.runs.control import pipeline_started, start_and_plan, start_pipeline, start_stage, train_as
 from eyrie.runs.pipeline import advance, run_job_ids, save_config
 from eyrie.runs.reuse import states_to_reuse
@@ -84,6 +85,12 @@ def test_a_run_that_differs_only_in_train_starts_at_train_on_the_earlier_runs_st
     with pytest.raises(StatesInUse, match="run a's generated answers or hidden states, which run.s. b train on"):
         store.delete(Layout("a").extract_sample(0, "s0"))
     store.delete(Layout("b").train_curve)  # b's own objects are b's to delete
+
+    for i in range(4):  # a's states stored: b's audit counts them done, none lost (it read b's prefix alone)
+        store.put_bytes(Layout("a").extract_sample(0, f"s{i}"), b"x")
+    records = {0: [{"sample_id": f"s{i}", "status": "done"} for i in range(4)]}
+    figure, extracted = _extract(store, manifest, Layout("b"), records)
+    assert (figure.done, figure.lost, len(extracted)) == (4, 0, 4), figure
 
 
 def test_other_extract_settings_or_another_dataset_are_a_new_run(run_a, tmp_path):

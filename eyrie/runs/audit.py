@@ -71,6 +71,8 @@ def _extract(store, manifest: RunManifest, layout: Layout,
              records: dict[int, list[dict]]) -> tuple[Figure, list[str]]:
     figure, extracted = Figure(stage=Extract.name), []
     stored = set(store.list(layout.extract_shards))
+    if manifest.states_from:  # a run on an earlier run's states: its samples are that run's objects
+        stored |= set(store.list(Layout(manifest.states_from).extract_shards))
     for plan in manifest.generate_shards:
         ids_in = [r["sample_id"] for r in records.get(plan.index, []) if r["status"] == "done"]
         key = layout.extract_shard_manifest(plan.index)

@@ -196,11 +196,16 @@ def _serve(manifest: RunManifest, served_as: str) -> str:
             "(temperature > 0) add `\"draft_sample_method\": \"probabilistic\"` to the speculative config.")
 
 
+def _where(license: License) -> str:
+    """Where a license was read, or (not known) why not."""
+    return license.where if license.id == UNKNOWN else f"read from {license.where}"
+
+
 def _target(manifest: RunManifest, license: License) -> str:
     t = manifest.target
     rows = [("model", f"`{t.model}`"), ("revision", f"`{t.revision}`"),
             ("chat template sha256", f"`{t.chat_template_sha256}`" if t.chat_template_sha256 else "none recorded"),
-            ("license", f"{license.id}" + (f" ({license.name})" if license.name else "") + f", read from {license.where}")]
+            ("license", f"{license.id}" + (f" ({license.name})" if license.name else "") + f" ({_where(license)})")]
     if t.conversion:
         source = t.conversion.get("source", {})
         rows.append(("converted from", f"`{source.get('file')}` (sha256 `{source.get('sha256')}`)"
@@ -213,7 +218,7 @@ def _data(store, manifest: RunManifest, license: License, answers: str | None) -
     lines = ["## Training data", "",
              _table(("source", "kind", "revision", "split", "rows", "license"),
                     [(f"`{redact(d.source)}`", d.kind, f"`{d.revision}`", d.split, f"{d.row_start}-{d.row_end}",
-                      f"{license.id} (read from {license.where})")]), "",
+                      f"{license.id} ({_where(license)})")]), "",
              "Samples per stage (eyrie audit's figures, from the store):", "",
              _table(("stage", "in", "done", "skipped", "failed", "lost", "pending"),
                     [(f.stage, f.samples_in, f.done, f.skipped, f.failed, f.lost, f.pending) for f in figures]),
