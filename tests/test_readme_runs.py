@@ -63,6 +63,9 @@ NOT_HERE = {
     "mc cp": "MinIO's client, for a MinIO store; not installed here",
     "vllm serve TARGET": "vLLM serving the drafter on the target: tests/test_served_drafter.py serves an export",
     "eyrie publish --run NAME --repo": "a Hugging Face hub: tests/test_publish.py publishes to a hub stand-in",
+    "EYRIE_STORE_URL=file://$HOME/.cache/eyrie/store .venv/bin/eyrie publish --run smollm2-general-2k-1ep":
+        "the SmolLM2 general run's drafter (hours to make: the block's first line); tests/test_publish.py publishes "
+        "the tiny run's with --to, and tests/test_readme.py parses the card this line wrote",
 }
 # The names README leaves to the reader, and `[--json]` (optional) run both ways.
 PLACEHOLDERS = {"NAME": "demo", "DIR": "published"}
