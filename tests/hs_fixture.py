@@ -11,13 +11,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.harness import ROOT
+
 TINY = ROOT / "assets" / "tiny-target"
 PROMPTS = ROOT / "tests" / "data" / "tiny_prompts.jsonl"
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
 
-def _prompts(n: int, seed: int) -> list[list[dict]]:
+def _chats(n: int, seed: int) -> list[list[dict]]:
     """The rows of tiny_prompts.jsonl, then (for n > 40) other prompts of the tiny corpus
     (scripts/build_tiny_target.py), in an order drawn with `seed`."""
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
@@ -51,7 +52,7 @@ def build_hs_dir(dest: Path, n: int = 24, aux_layers=(2, 4, 5), seed: int = 0) -
     torch.set_num_threads(1)  # hidden size 64 gains nothing from threads, and loses a lot on a busy machine
     try:
         capture = HFCapture(str(TINY), list(aux_layers), "cpu")  # its model also writes the answers
-        columns = _write_samples(dest / "hidden_states", tokenizer, capture, _prompts(n, seed))
+        columns = _write_samples(dest / "hidden_states", tokenizer, capture, _chats(n, seed))
     finally:
         torch.set_num_threads(threads)
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),

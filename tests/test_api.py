@@ -20,7 +20,8 @@ from schemathesis.checks import not_a_server_error
 from eyrie.work import keys
 from eyrie.work.queue import EyrieJob
 
-from conftest import BIN, OFFLINE, ROOT, TINY, eyrie, free_port, start_worker, stop, wait_for, wait_http
+from tests.support.harness import BIN, OFFLINE, ROOT, TINY, eyrie, start_worker, wait_for, wait_http
+from tests.support.processes import free_port, stop
 
 TOKEN = "test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from eyrie.stages import CALLBACKS, PIPELINE, task_kinds
+from tests.support.harness import ROOT, rel
 
-ROOT = Path(__file__).resolve().parent.parent
 SERVICES = {"eyrie_generator": "generator", "eyrie_extractor": "extractor", "eyrie_trainer": "trainer",
             "eyrie_inference": "inference"}
 MAX_LINES = 400
@@ -43,10 +43,6 @@ def imported_packages(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module.split(".")[0])
     return found
-
-
-def rel(path: Path) -> str:
-    return str(path.relative_to(ROOT))
 
 
 def project_imports_in_functions(path: Path) -> set[str]:

@@ -28,32 +28,24 @@ import time
 from pathlib import Path
 
 import pytest
-import redis
 from rq.serializers import JSONSerializer
 
-from conftest import tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import load_config
-from eyrie.data.store import open_store
 from eyrie.runs.control import start_pipeline
 from eyrie.runs.pipeline import save_config
 from eyrie.stages import EXTRACT, FETCH
-from eyrie.tasks.executor import Context, ShardTask, StageTask, execute
+from eyrie.tasks.executor import ShardTask, StageTask, execute
 from eyrie.work import planning
 from eyrie.work import task_kinds as declared
 from eyrie.work import queue as work_queue
 from eyrie.work.queue import EyrieJob, enqueue, job_state, queue, task_lease, task_result
 from eyrie.work.worker_loop import InProcessWorker
+from tests.support.harness import tiny_run_config
 from test_refused_start import planned_run
 
 FILE_STORE = pytest.mark.parametrize("store_env", ["file"], indirect=True)  # the tests on Redis and a store
-
-
-@pytest.fixture
-def ctx(env) -> Context:
-    settings = load_settings()
-    return Context(settings, redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(settings))
 
 
 def queued_ids(conn, name: str) -> list[str]:

@@ -17,8 +17,8 @@ from eyrie.stages.sharded import ShardedStage
 from eyrie.tasks import executor
 from eyrie.work import task_kinds as declared
 from test_architecture import ROOMS, SERVICES, modules, rel
+from tests.support.harness import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs/architecture.md").read_text()
 # Task functions that are not the one line `return execute(Class, payload)`, each with its reason.
 NOT_ONE_LINE: dict[str, str] = {}

@@ -11,8 +11,9 @@ import pytest
 import redis
 import requests
 
-from conftest import start_worker, stop, wait_for
 from eyrie.work.queue import job_state
+from tests.support.harness import start_worker, wait_for
+from tests.support.processes import stop
 from test_api import TOKEN, prompts, run_config, start_api
 from test_helm import default_docs, keda_triggers, one, trigger_secret
 

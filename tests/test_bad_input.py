@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from conftest import ROOT, TINY, eyrie, eyrie_in_process, free_port, stop, wait_http
+from tests.support.harness import ROOT, TINY, eyrie, eyrie_in_process, wait_http
+from tests.support.processes import free_port, stop
 
 GOOD = {"conversations": [{"from": "human", "value": "hello"}]}
 HUGE = "word " * (1 << 20)  # a 5 MB message

@@ -9,7 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.harness import ROOT, rel
+
 MAX_LINES = 400
 MAX_FUNCTION_LINES = 60
 PRODUCT = ("eyrie", "eyrie_generator", "eyrie_extractor", "eyrie_trainer", "eyrie_inference")
@@ -28,10 +29,6 @@ IMPORTS_IN_FUNCTIONS = {
 
 def sources(*folders: str) -> list[Path]:
     return sorted(p for d in folders for p in (ROOT / d).rglob("*.py"))
-
-
-def rel(path: Path) -> str:
-    return str(path.relative_to(ROOT))
 
 
 def sys_path_edits(source: str) -> list[int]:

@@ -1,18 +1,17 @@
 """Benchmark prompt sets (eyrie_trainer.benchmarks) and the committed training mix (assets/prompts)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from eyrie.core.run_config import VerifySection
-from eyrie_trainer.benchmarks import BENCHMARKS, load_benchmark
 from eyrie.commands.cli_options import checked
 from eyrie.core.errors import EyrieError
+from eyrie.core.run_config import VerifySection
 from eyrie.data import dataset
 from eyrie.data.prompts import Skip, to_prompt
+from eyrie_trainer.benchmarks import BENCHMARKS, load_benchmark
+from tests.support.harness import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 TRAIN_MIX = ROOT / "assets" / "prompts" / "train-mix.jsonl"
 
 

@@ -136,7 +136,7 @@ def test_eyrie_run_stops_waiting_for_a_planning_task_a_worker_took_and_hangs_in(
 def test_eyrie_verify_takes_the_gpu_lease_as_the_verify_task_does(gpu_held, env):
     """vLLM takes the GPUs: `eyrie verify` (what a skipped verify tells the user to run) waits for
     their lease like the verify task, bounded the same way, instead of starting beside its holder."""
-    from conftest import TINY, TRAIN_PROMPTS, eyrie_in_process
+    from tests.support.harness import TINY, TRAIN_PROMPTS, eyrie_in_process
 
     env = {**env, "EYRIE_MODEL": str(TINY), "EYRIE_INFERENCE_URL": "http://127.0.0.1:9", "EYRIE_GPU_WAIT_S": "1"}
     eyrie_in_process("generate", "--dataset", str(TRAIN_PROMPTS), "--limit", "4", "--run", "vr", env=env)

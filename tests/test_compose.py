@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from eyrie.stages import PIPELINE, queues
+from tests.support.harness import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 GPU = ROOT / "compose.gpu.yml"
 CI = ROOT / "compose.ci.yml"

@@ -19,7 +19,8 @@ import pytest
 import requests
 import yaml
 
-from conftest import ROOT, free_port, wait_for
+from tests.support.harness import ROOT, wait_for
+from tests.support.processes import free_port
 from tls_index import WheelIndex, bridge_gateway, download_wheels, make_ca
 
 PROJECT = "eyrie-e2e"

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from conftest import eyrie
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.stage_settings import GenerateSettings
+from tests.support.harness import eyrie
 
 
 def test_defaults_are_the_embedded_default(monkeypatch):
@@ -156,7 +156,8 @@ def test_a_sigtermed_demo_stops_everything_it_started_and_named_its_server(env, 
     import signal
     import subprocess
 
-    from conftest import BIN, children_of, state_of, stop, tiny_run_config, wait_for
+    from tests.support.harness import BIN, children_of, state_of, tiny_run_config, wait_for
+    from tests.support.processes import stop
 
     config = tiny_run_config(tmp_path, "sig")
     demo = subprocess.Popen([str(BIN / "eyrie"), "demo", "--config", config, "--run", "sig"], cwd=tmp_path,
@@ -204,7 +205,7 @@ def _living_in(folder) -> list[int]:
     """Processes (not zombies) whose working directory is `folder`."""
     import os
 
-    from conftest import state_of
+    from tests.support.harness import state_of
 
     living = []
     for entry in os.listdir("/proc"):

@@ -6,10 +6,7 @@ chat client, whose real requests the generate e2e tests make."""
 import asyncio
 import json
 
-import pytest
-from transformers import AutoTokenizer
 
-from conftest import TINY
 from eyrie.data.prompts import Skip, to_turns
 from eyrie_extractor.render import Rendered, fit, render
 from eyrie_generator.client import Completion
@@ -80,11 +77,6 @@ def test_a_turn_that_fails_fails_the_sample_naming_the_turn_and_a_turn_that_cann
     assert [m["content"] for m in cut["messages"]] == ["S", "U1", "own answer 1", "U2"]  # the last answer's request
     ask, _ = _asker({1: Completion("skipped", reason="prompt_too_long")})
     assert asyncio.run(answer_turns(to_turns(ROW), ask))["status"] == "skipped"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(TINY)
 
 
 def _templated_record(tokenizer) -> dict:

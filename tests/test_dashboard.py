@@ -15,7 +15,8 @@ import time
 import pytest
 import requests
 
-from conftest import BIN, ROOT, TINY, TRAIN_PROMPTS, eyrie_in_process, start_worker, stop, wait_for
+from tests.support.harness import BIN, ROOT, TINY, TRAIN_PROMPTS, eyrie_in_process, start_worker, wait_for
+from tests.support.processes import stop
 from test_api import AUTH, start_api
 from test_faults import fault_proxy
 from test_generate_e2e import BAD

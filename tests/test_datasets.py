@@ -8,8 +8,8 @@ import pytest
 
 from eyrie.core.errors import EyrieError
 from eyrie.data import dataset
-from eyrie_generator.plan import sample_id
 from eyrie.data.prompts import Skip, to_prompt
+from eyrie_generator.plan import sample_id
 
 ROWS = [{"conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(25)]
 

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from conftest import wait_for
-from deadline import HELPER_MARGIN_S
+from tests.support.deadline import HELPER_MARGIN_S
+from tests.support.harness import wait_for
 
 LIMIT_S = HELPER_MARGIN_S + 5
 

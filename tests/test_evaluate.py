@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import save, save_file
 
 from builders import make_manifest
-from conftest import OFFLINE, eyrie
 from eyrie.core.errors import EyrieError
 from eyrie.data.manifest import Counts, Layout, ShardManifest
 from eyrie.data.store import FileStore
 from eyrie_extractor.shard import ids_tensors
 from eyrie_trainer.evaluate import accepted_lengths, simulate, summarize_walk, untrained_like, walk
+from tests.support.harness import OFFLINE, eyrie
 from hs_fixture import TINY, build_hs_dir
 
 K = 3

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import TINY, eyrie
 from eyrie.core.config import load_settings
 from eyrie.data.manifest import Layout, RunManifest, ShardManifest
 from eyrie.data.store import open_store
 from eyrie.work import keys
+from tests.support.harness import TINY, eyrie
 
 PROMPTS = [{"conversations": [{"from": "human", "value": q}]} for q in
            ("What is 4 plus 7?", "Say hello to Rosa.", "What is the opposite of dark?",
@@ -133,7 +133,7 @@ def test_sigkilled_extractor_then_task_completed_exactly_once(env, stub_server, 
 
     import psutil
 
-    from conftest import start_worker
+    from tests.support.harness import start_worker
 
     n = 600
     url = stub_server(tokens=48)
@@ -181,7 +181,7 @@ def test_a_cancel_stops_a_running_extract_task_and_a_retry_finishes_it(env, stub
     import signal
     import time
 
-    from conftest import start_worker
+    from tests.support.harness import start_worker
 
     n = 600
     genv = {**env, "EYRIE_INFERENCE_URL": stub_server(tokens=48), "EYRIE_SERVER": "vllm", "EYRIE_MODEL": str(TINY)}

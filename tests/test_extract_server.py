@@ -12,7 +12,6 @@ import pytest
 import redis
 
 from builders import make_manifest
-from conftest import BIN, ROOT, TINY, TRAIN_PROMPTS, free_port, stop
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import RunConfig
@@ -23,6 +22,8 @@ from eyrie.work import inference, keys
 from eyrie.work.extract_server import ServerWait
 from eyrie.work.gpu import GpuLease, holder
 from eyrie_inference.extract_server import extraction_run, vllm_command
+from tests.support.harness import BIN, ROOT, TINY, TRAIN_PROMPTS
+from tests.support.processes import free_port, stop
 
 RUN = "xs"
 

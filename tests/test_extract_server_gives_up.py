@@ -8,12 +8,10 @@ server's (eyrie.runs.pipeline.can_go_on). Real Redis and store; tests/fake_vllm 
 import os
 import subprocess
 
-import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from builders import make_manifest
-from conftest import BIN, ROOT, free_port, stop, wait_for
 from eyrie.core.config import load_settings
 from eyrie.data.manifest import Layout, load_run_manifest
 from eyrie.data.store import open_store
@@ -23,15 +21,10 @@ from eyrie.work.gpu import GpuLease, holder, leases
 from eyrie.work.queue import enqueue
 from eyrie_inference.extract_server import ExtractServer, extraction_run
 from eyrie_inference.server import Server
+from tests.support.harness import BIN, ROOT, own_db, wait_for
+from tests.support.processes import free_port, stop
 from test_extract_server import RUN, extract_server_ready
 from test_extract_server_lifetime import _plant, _settings
-
-
-def _own_db(redis_url: str, db: int) -> tuple[redis.Redis, str]:
-    url = redis_url.rsplit("/", 1)[0] + f"/{db}"
-    conn = redis.Redis.from_url(url)
-    conn.flushdb()
-    return conn, url
 
 
 def _failed_for_good(conn, kind, run: str, shard: int = 0) -> None:
@@ -53,7 +46,7 @@ def _serve_extract(url: str, tmp_path) -> tuple[subprocess.Popen, object]:
 
 
 def test_a_run_that_cannot_use_the_extraction_server_is_not_chosen_and_a_served_one_lets_it_go(redis_url, tmp_path):
-    conn, url = _own_db(redis_url, 13)
+    conn, url = own_db(redis_url, 13)
     store = open_store(_settings(url, tmp_path))
     _plant(conn, store, "a-offline", "offline", shards=(0,))  # shard 1 still to extract
     _plant(conn, store, RUN, "hybrid", shards=(0,))
@@ -82,7 +75,7 @@ def test_a_run_that_cannot_use_the_extraction_server_is_not_chosen_and_a_served_
 def test_serve_extract_hands_the_gpus_back_once_its_runs_extraction_failed(redis_url, tmp_path):
     """Served and ready, its run's last extract shard fails for good: vLLM stops and the GPU lease is
     free within RELEASE_S (the README's figure)."""
-    conn, url = _own_db(redis_url, 14)
+    conn, url = own_db(redis_url, 14)
     store = open_store(_settings(url, tmp_path))
     _plant(conn, store, RUN, "offline", shards=(0,))
     enqueue(conn, EXTRACT, {"run": RUN, "shard": 1}, 1)
@@ -103,7 +96,7 @@ def test_serve_extract_waiting_for_the_gpus_stops_waiting_once_its_run_is_cancel
     """The GPUs held by another owner (a long training): the server waits for them, published as
     `waiting`; its run cancelled, it stops waiting within Server.POLL_S (and a poll of the lease), never
     starting vLLM, and leaves the GPUs to whoever comes next."""
-    conn, url = _own_db(redis_url, 15)
+    conn, url = own_db(redis_url, 15)
     store = open_store(_settings(url, tmp_path))
     _plant(conn, store, RUN, "offline", shards=(0,))
     enqueue(conn, EXTRACT, {"run": RUN, "shard": 1}, 1)

@@ -12,17 +12,18 @@ import time
 import pytest
 import redis
 
-from conftest import BIN, ROOT, free_port, stop
 from eyrie.core.config import load_settings
 from eyrie.data.manifest import Layout, config_key, load_run_manifest
 from eyrie.data.store import open_store
-from eyrie.work import inference, keys
 from eyrie.runs.projection import project
 from eyrie.tasks.executor import Context, RunTask, StageTask, execute
+from eyrie.work import inference, keys
 from eyrie.work.gpu import holder, leases
 from eyrie_inference import extract_server
 from eyrie_inference.extract_server import ExtractServer, extraction_run
 from eyrie_trainer.runner import TrainRunner
+from tests.support.harness import BIN, ROOT
+from tests.support.processes import free_port, stop
 from test_extract_server import RUN, _config, _manifest, extract_server_ready
 
 OFFLINE_RUN = "a-offline"  # sorted before RUN: extraction_run passes over it

@@ -6,8 +6,8 @@ whose hidden states must equal the one-device forward's."""
 import torch
 from transformers import AutoConfig
 
-from conftest import TINY
 from eyrie_extractor.capture import HFCapture, spread_devices, spread_map
+from tests.support.harness import TINY
 
 
 def test_61_layers_over_8_gpus_in_even_contiguous_blocks():

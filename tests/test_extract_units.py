@@ -2,23 +2,16 @@
 token-budget batching, sizes and the storage projection."""
 
 import pytest
-from transformers import AutoTokenizer
 
-from conftest import TINY
 from eyrie.core.budget import bytes_per_token, check_fits, parse_size
 from eyrie.core.errors import EyrieError
-from eyrie_extractor.capture import token_budget_batches
 from eyrie.core.layers import default_aux_layers, resolve_aux_layers
+from eyrie_extractor.capture import token_budget_batches
 from eyrie_extractor.render import Rendered, fit, render
 
 THINK = ("<think>", "</think>")
 RECORD = {"messages": [{"role": "user", "content": "What is 4 plus 7?"}], "reasoning": "4 plus 7 is 11.",
           "content": "The answer is 11.", "finish_reason": "stop"}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(TINY)
 
 
 def test_template_rendering_puts_reasoning_in_think_markers(tokenizer):

@@ -19,11 +19,12 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from builders import publish_endpoint
-from conftest import TINY, eyrie, free_port, wait_for
 from eyrie.core.errors import EyrieError
 from eyrie.work import inference, keys
 from eyrie.work.cancel import Cancelled
 from eyrie.work.extract_server import ServerWait, health
+from tests.support.harness import TINY, eyrie, wait_for
+from tests.support.processes import free_port
 
 RUN, TASK = "xw", "extract-xw-00000"
 FILE_STORE = pytest.mark.parametrize("store_env", ["file"], indirect=True)  # one store is enough
@@ -69,7 +70,7 @@ def _job(conn) -> Job:
     return Job.fetch(TASK, connection=conn, serializer=JSONSerializer)
 
 
-def _start(workers, env, deadline_s: float):
+def _start_extract_worker(workers, env, deadline_s: float):
     workers.env = {**env, "EYRIE_SERVE_DEADLINE_S": str(deadline_s)}
     workers.start("extract")
     return workers.procs["extract"][-1]
@@ -77,7 +78,7 @@ def _start(workers, env, deadline_s: float):
 
 @FILE_STORE
 def test_with_no_server_the_task_says_so_and_gives_up_after_the_stated_bound(env, planned, workers):
-    worker = _start(workers, env, 15)
+    worker = _start_extract_worker(workers, env, 15)
     shown = _waiting_for(env, "the vLLM extraction server (state: never published)", "at most 15 s",
                          "EYRIE_SERVE_DEADLINE_S")
     assert _extract(env)["state"] == "in_progress", shown
@@ -93,7 +94,7 @@ def test_with_no_server_the_task_says_so_and_gives_up_after_the_stated_bound(env
 def test_a_server_that_died_is_named_dead_not_a_connection_error(env, planned, workers):
     url = f"http://127.0.0.1:{free_port()}"  # published ready, then its process died: the port refuses
     _publish(planned, url)
-    _start(workers, env, 12)
+    _start_extract_worker(workers, env, 12)
     _waiting_for(env, f"the vLLM extraction server at {url} (state: dead: connection refused at 127.0.0.1:",
                  "last seen", "at most 12 s")
     wait_for(lambda: _job(planned).get_status() == "scheduled", "the attempt failed and scheduled again", 60)
@@ -128,7 +129,7 @@ def test_a_server_that_dies_while_a_shard_extracts_is_named_dead(env, planned, w
     for target in (die_at_first_request, republish):
         threading.Thread(target=target, daemon=True).start()
     try:
-        _start(workers, env, 600)
+        _start_extract_worker(workers, env, 600)
         wait_for(lambda: _job(planned).get_status() == "scheduled", "the attempt failed and scheduled again", 120)
     finally:
         died.set()
@@ -140,7 +141,7 @@ def test_a_server_that_dies_while_a_shard_extracts_is_named_dead(env, planned, w
 
 @FILE_STORE
 def test_a_cancel_ends_the_wait(env, planned, workers):
-    worker = _start(workers, env, 600)
+    worker = _start_extract_worker(workers, env, 600)
     _waiting(env)
     cancelled_at = time.monotonic()
     eyrie("cancel", RUN, env=env)
@@ -153,7 +154,7 @@ def test_a_cancel_ends_the_wait(env, planned, workers):
 
 @FILE_STORE
 def test_sigterm_ends_the_wait_so_the_worker_stops_and_hands_the_task_back(env, planned, workers):
-    worker = _start(workers, env, 600)
+    worker = _start_extract_worker(workers, env, 600)
     _waiting(env)
     worker.send_signal(signal.SIGTERM)  # what `docker stop` sends
     assert worker.wait(30) == 0  # warm shutdown: the wait ended, the worker stopped
@@ -162,7 +163,7 @@ def test_sigterm_ends_the_wait_so_the_worker_stops_and_hands_the_task_back(env, 
     assert f"handed back {TASK}" in log and "internal error" not in log, log[-3000:]
     job = _job(planned)
     assert job.get_status() == "queued" and job.retries_left == 3  # back in the queue at once, no failure counted
-    _start(workers, env, 600)  # the next worker takes it up again
+    _start_extract_worker(workers, env, 600)  # the next worker takes it up again
     _waiting_for(env, "the vLLM extraction server (state: never published)")
 
 

@@ -23,12 +23,13 @@ import pytest
 import redis
 import requests
 
-from conftest import (BIN, ROOT, S3_KEYS, TINY, TRAIN_PROMPTS, Workers, eyrie, eyrie_in_process, free_port,
-                      start_worker, stop, tiny_run_config, wait_for, wait_http)
 from eyrie.core.vllm import serve_argv, with_cpu_dtype
 from eyrie.data.manifest import Layout, ShardManifest
 from eyrie.work import progress
 from eyrie.work.queue import queue
+from tests.support.harness import (BIN, ROOT, S3_KEYS, TINY, TRAIN_PROMPTS, Workers, eyrie, eyrie_in_process,
+                                   start_worker, status_json, tiny_run_config, wait_for, wait_http)
+from tests.support.processes import free_port, stop
 from vllm_real import SMALL, VLLM_PYTHON, requests_served, start_vllm, stop_vllm, vllm_env
 
 DOCS = ROOT / "docs"
@@ -54,13 +55,9 @@ def fault_proxy(mode: str, upstream: str, *args: str) -> tuple[subprocess.Popen,
     return proc, url
 
 
-def status(run: str, env: dict) -> dict:
-    return json.loads(eyrie("status", run, "--json", env=env).stdout)
-
-
 def stage_done(run: str, env: dict, stage: str = "train") -> bool:
     """Train done: the drafter is exported."""
-    return status(run, env)["stages"].get(stage, {}).get("state") == "done"
+    return status_json(run, env)["stages"].get(stage, {}).get("state") == "done"
 
 
 def audit(run: str, env: dict) -> list[dict]:
@@ -149,7 +146,7 @@ def test_workers_sigkilled_mid_task_in_every_stage(env, slow_inference, tmp_path
 
     wait_for(generate_part_stored, "a generate task with a part stored", timeout=300, every=0.2)
     workers.kill("generate")
-    assert status("kill", env)["stages"]["generate"]["state"] != "done", "finished before the kill: proves nothing"
+    assert status_json("kill", env)["stages"]["generate"]["state"] != "done", "finished before the kill: proves nothing"
     workers.start("generate")
 
     wait_for(lambda: stored_parts(env, "kill", "extract"), "an extract task with a part stored", every=0.01, timeout=600)
@@ -166,7 +163,7 @@ def test_workers_sigkilled_mid_task_in_every_stage(env, slow_inference, tmp_path
 
     wait_for(lambda: stage_done("kill", env), "the drafter exported after the restarts", timeout=600)
     assert killed_mid_task, "the extract task had finished before the kill: proves nothing"
-    train = status("kill", env)["stages"]["train"]
+    train = status_json("kill", env)["stages"]["train"]
     assert any("resuming from checkpoint" in note for note in train["notes"]), train["notes"]
     figures = {f["stage"]: f for f in audit("kill", env)}
     record("generator worker SIGKILLed mid-task", [figures["generate"]],
@@ -234,7 +231,7 @@ def s3_behind_relay(s3_server):
 
 
 def test_s3_away_for_30_s_mid_upload(redis_url, tiny_server, s3_behind_relay, tmp_path, monkeypatch):
-    from conftest import OFFLINE
+    from tests.support.harness import OFFLINE
 
     relay, endpoint = s3_behind_relay
     bucket = f"faults-{uuid.uuid4().hex[:8]}"
@@ -366,7 +363,7 @@ def test_over_its_storage_budget_a_pipeline_stops_before_any_forward_pass(env, t
     path = run_config(tmp_path, "budget", dataset={"limit": 12}, extract={"budget": "10kB"}, plan={"mean_tokens": 1})
     result = eyrie("run", "--config", path, "--wait", env=env, check=False, timeout=900)
     assert result.returncode == 3
-    report = status("budget", env)
+    report = status_json("budget", env)
     assert report["stages"]["generate"]["state"] == "done"
     refused = report["stages"]["extract"]  # failed with its planner's refusal, nothing planned
     assert refused["state"] == "failed" and refused["total"] == 0 and "10.00 kB" in refused["errors"][0], refused
@@ -380,7 +377,7 @@ def test_over_its_storage_budget_a_pipeline_stops_before_any_forward_pass(env, t
     fixed = run_config(tmp_path, "budget", dataset={"limit": 12}, extract={"budget": "1GB"}, plan={"mean_tokens": 1})
     assert "extract started" in eyrie("run", "--config", fixed, env=env).stdout
     wait_for(lambda: stage_done("budget", env, "extract"), "extract after the fix", timeout=600)
-    assert status("budget", env)["pipeline"]["blocked"] is None
+    assert status_json("budget", env)["pipeline"]["blocked"] is None
 
 
 @pytest.fixture(params=["stub", "vllm"])

@@ -5,7 +5,7 @@ optimizer steps and vLLM's acceptance per set)."""
 import json
 from types import SimpleNamespace
 
-from conftest import ROOT
+from tests.support.harness import ROOT
 
 import finetune
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import kubernetes_validate
 import redis
@@ -16,8 +15,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from eyrie.api import metrics
 from eyrie.work import k8s_jobs
 from eyrie.work.status_models import RunStatus, TrainStatus
+from tests.support.harness import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "eyrie.json"
 # Kueue's own metrics (kueue/pkg/metrics): the dashboard's admission panel
 KUEUE_METRICS = {"kueue_pending_workloads", "kueue_admitted_active_workloads", "kueue_cluster_queue_resource_usage"}

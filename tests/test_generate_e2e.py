@@ -6,10 +6,10 @@ import json
 
 import orjson
 
-from conftest import TINY, eyrie
 from eyrie.core.config import load_settings
 from eyrie.data.manifest import Layout, RunManifest
 from eyrie.data.store import open_store
+from tests.support.harness import TINY, eyrie
 
 GOOD = [
     {"conversations": [{"from": "human", "value": "What is 4 plus 7?"}]},

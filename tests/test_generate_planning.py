@@ -12,17 +12,11 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from conftest import eyrie, start_worker, wait_for
 from eyrie.stages import PLAN_GENERATE
 from eyrie.work.queue import workers_on
+from tests.support.harness import eyrie, numbered_prompts, start_worker, wait_for
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
-
-
-def prompts(path, n: int) -> str:
-    path.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"q{i}"}]}) + "\n"
-                            for i in range(n)))
-    return str(path)
 
 
 def planner_of(conn, run: str) -> str:
@@ -33,7 +27,7 @@ def test_a_generate_worker_plans_the_run_and_a_refusal_it_finds_is_the_clis_erro
         env, stub_server, tmp_path):
     env = {**env, "EYRIE_INFERENCE_URL": stub_server(tokens=2), "EYRIE_SERVER": "vllm"}
     conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
-    source = prompts(tmp_path / "p.jsonl", 6)
+    source = numbered_prompts(tmp_path / "p.jsonl", 6)
     worker = start_worker(env, burst=False)
     try:
         wait_for(lambda: workers_on(conn, "generate"), "the generate worker")
@@ -57,7 +51,7 @@ def test_a_generate_worker_plans_the_run_and_a_refusal_it_finds_is_the_clis_erro
 def test_with_no_generate_worker_up_the_cli_plans_the_run_itself_once(env, stub_server, tmp_path):
     env = {**env, "EYRIE_INFERENCE_URL": stub_server(tokens=2), "EYRIE_SERVER": "vllm"}
     conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])
-    out = eyrie("generate", "--dataset", prompts(tmp_path / "p.jsonl", 4), "--run", "here", "--shard-size", "2",
+    out = eyrie("generate", "--dataset", numbered_prompts(tmp_path / "p.jsonl", 4), "--run", "here", "--shard-size", "2",
                 env=env).stdout
     assert "4 rows in 2 shards; 2 tasks enqueued now" in out
     job = Job.fetch(PLAN_GENERATE.task_id("here"), connection=conn, serializer=JSONSerializer)

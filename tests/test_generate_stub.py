@@ -11,12 +11,12 @@ import pytest
 import redis
 import requests
 
-from conftest import eyrie, start_worker
 from eyrie.core.config import load_settings
 from eyrie.data.manifest import Layout
 from eyrie.data.store import open_store
 from eyrie.work import keys
 from eyrie_generator.shard import FLUSH_EVERY
+from tests.support.harness import eyrie, start_worker
 
 
 def kill_worker(worker) -> None:

@@ -10,9 +10,9 @@ import redis
 import requests
 
 from builders import publish_endpoint
-from conftest import TINY, TRAIN_PROMPTS, eyrie, wait_for
 from eyrie.core.target import describe
 from eyrie.work import inference
+from tests.support.harness import TINY, TRAIN_PROMPTS, eyrie, wait_for
 
 DB = 12  # our own database: the endpoints published here reach no other test
 
@@ -87,7 +87,7 @@ def test_a_server_away_past_the_serve_deadline_fails_the_task_not_its_samples():
 
     import aiohttp
 
-    from conftest import free_port
+    from tests.support.processes import free_port
     from eyrie_generator.client import ChatClient, ServerAway, ServerGate
 
     async def ask():

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT
+from tests.support.harness import ROOT
 
 
 def test_the_gpu_script_says_what_it_would_measure_and_its_flags_exist():

@@ -17,7 +17,6 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from conftest import BIN, stop, wait_for
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.data.manifest import Layout
@@ -27,6 +26,8 @@ from eyrie.work import inference, keys
 from eyrie.work.extract_server import ServerWait
 from eyrie.work.gpu import GpuLease
 from eyrie.work.queue import enqueue, job_state, workers_on
+from tests.support.harness import BIN, wait_for
+from tests.support.processes import stop
 from test_verify_state import exported_run
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)

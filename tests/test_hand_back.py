@@ -10,12 +10,12 @@ import json
 import pytest
 import redis
 
-from conftest import TINY, eyrie_in_process
 from eyrie.core.config import load_settings
 from eyrie.data.manifest import Layout, ShardManifest
 from eyrie.data.store import open_store
 from eyrie.tasks.executor import Context, execute
 from eyrie.work import cancel
+from tests.support.harness import TINY, eyrie_in_process
 
 ROWS = 24
 

@@ -10,7 +10,6 @@ import gzip
 import json
 import os
 from functools import cache
-from pathlib import Path
 
 import helm_python as helm
 import jsonschema
@@ -25,8 +24,8 @@ from eyrie.stages import gpu_queues, queues, task_kinds
 from eyrie.work import k8s_jobs
 from eyrie.work.task_kinds import jobs_for_queue
 from eyrie.work.queue import queue
+from tests.support.harness import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "eyrie"
 GOLDEN = ROOT / "tests" / "golden" / "helm"
 KUBERNETES = "1.33.0"  # the Kubernetes version whose schemas every core object must meet

@@ -17,7 +17,8 @@ from eyrie.commands.display import verify_lines
 from eyrie.stages import PIPELINE, queues
 from eyrie.work import keys
 
-from conftest import BIN, OFFLINE, ROOT, TRAIN_PROMPTS, eyrie, stop, tiny_run_config, wait_for
+from tests.support.harness import BIN, OFFLINE, ROOT, TRAIN_PROMPTS, eyrie, tiny_run_config, wait_for
+from tests.support.processes import stop
 from test_api import start_api
 from test_dashboard import CHART_FACTS, browser, chart, screenshot, stages  # noqa: F401 (browser: a fixture)
 from vllm_real import SMALL, vllm_env

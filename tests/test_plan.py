@@ -10,8 +10,8 @@ import sys
 import pytest
 import yaml
 
-from conftest import OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, eyrie_in_process, tiny_run_config
 from eyrie.core.support import check, table
+from tests.support.harness import OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, eyrie_in_process, tiny_run_config
 
 SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
 

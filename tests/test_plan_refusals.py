@@ -13,7 +13,7 @@ import pytest
 import redis
 import yaml
 
-from conftest import ROOT, eyrie, eyrie_in_process, plan_env, seed_variant, tiny_run_config
+from tests.support.harness import ROOT, eyrie, eyrie_in_process, plan_env, seed_variant, tiny_run_config
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"

@@ -14,7 +14,8 @@ import time
 import pytest
 import redis
 
-from conftest import BIN, OFFLINE, S3_KEYS, eyrie_in_process, stop, tiny_run_config
+from tests.support.harness import BIN, OFFLINE, S3_KEYS, eyrie_in_process, tiny_run_config
+from tests.support.processes import stop
 
 TIB = 2**40
 

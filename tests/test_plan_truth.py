@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import OFFLINE, ROOT, eyrie_in_process, plan_env, seed_variant, tiny_run_config
 from eyrie.core.budget import parse_size
 from eyrie.core.run_config import load_config
 from eyrie.core.stage_settings import ExtractSettings
 from eyrie.core.storage import resolve_mode
 from eyrie.runs.projection import project
 from eyrie.runs.storage_plan import auto_choice
+from tests.support.harness import OFFLINE, ROOT, eyrie_in_process, plan_env, seed_variant, tiny_run_config
 
 SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
 

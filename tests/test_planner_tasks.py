@@ -8,16 +8,12 @@ import subprocess
 import sys
 
 import pytest
-import redis
 from pydantic import ValidationError
 from rq.serializers import JSONSerializer
 
-from conftest import TINY, eyrie_in_process, tiny_run_config
-from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import load_config
 from eyrie.core.stage_settings import TrainSettings
-from eyrie.data.store import open_store
 from eyrie.data.manifest import Layout, load_run_manifest
 from eyrie.runs.control import await_started, start_stage
 from eyrie.runs.pipeline import save_config
@@ -29,17 +25,11 @@ from eyrie.work import keys
 from eyrie.work.queue import EyrieJob, job_state
 from eyrie_extractor.plan import PlanExtract
 from eyrie_trainer.plan import FetchBase, PlanTrain
+from tests.support.harness import TINY, eyrie_in_process, tiny_run_config
 from legacy_drafter import build_legacy_drafter
 from test_stage_constructors import extracted_run
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
-
-
-@pytest.fixture
-def ctx(env, tmp_path, monkeypatch) -> Context:
-    monkeypatch.setenv("EYRIE_CACHE_DIR", str(tmp_path / "cache"))
-    settings = load_settings()
-    return Context(settings, redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(settings))
 
 
 def pipeline(ctx: Context, tmp_path, run: str, **sections) -> None:
@@ -136,7 +126,6 @@ EDGE = """
 import sys
 for name in ("torch", "transformers", "speculators"):  # what the API's image has not
     sys.modules[name] = None
-import redis
 from eyrie.core.config import load_settings
 from eyrie.core.stage_settings import ExtractSettings, TrainSettings
 from eyrie.data.store import open_store

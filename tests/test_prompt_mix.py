@@ -7,13 +7,12 @@ import importlib.util
 import json
 import re
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from eyrie.data.prompts import to_prompt
+from tests.support.harness import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "assets" / "prompts"
 README = (PROMPTS / "README.md").read_text(encoding="utf-8")
 MIX = PROMPTS / "general-mix.jsonl"

@@ -17,7 +17,6 @@ import orjson
 import pytest
 from huggingface_hub import ModelCard
 
-from conftest import OFFLINE, ROOT, TINY, eyrie, free_port
 from eyrie.core.errors import EyrieError
 from eyrie.data.manifest import (Counts, DatasetRef, ExtractParams, Layout, ShardManifest, ShardPlan,
                                  load_run_manifest)
@@ -27,6 +26,8 @@ from eyrie_trainer import verify
 from eyrie_trainer.card import redact
 from eyrie_trainer.publish import files, publish, same_content
 from eyrie_trainer.verify_figures import benchmark_result, k_figures
+from tests.support.harness import OFFLINE, ROOT, TINY, eyrie
+from tests.support.processes import free_port
 from hub_stub import metadata_errors, running
 from test_served_drafter import K, exported
 

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 from huggingface_hub import DatasetCard
 
-from conftest import eyrie
 from eyrie.data.manifest import load_run_manifest
 from eyrie_trainer.publish import files, publish
+from tests.support.harness import eyrie
 from hub_stub import metadata_errors, running
 from test_publish import ANSWERED, REPO, RUN, TOKEN, finished_run, hub_env, no_secrets
 

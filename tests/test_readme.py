@@ -17,11 +17,11 @@ import pytest
 import yaml
 from typer.main import get_command
 
-from conftest import OFFLINE, ROOT, eyrie_in_process
-from eyrie_trainer.benchmarks import BENCHMARKS
 from eyrie.commands.cli import app
 from eyrie.core.config import Settings
 from eyrie.stages import PIPELINE, queues
+from eyrie_trainer.benchmarks import BENCHMARKS
+from tests.support.harness import OFFLINE, ROOT, eyrie_in_process
 
 README = (ROOT / "README.md").read_text()
 MAKEFILE = (ROOT / "Makefile").read_text()

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port
+from tests.support.harness import ROOT
+from tests.support.processes import free_port
 from test_readme import blocks
 from test_worker_redis import OwnRedis
 

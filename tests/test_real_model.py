@@ -16,15 +16,16 @@ import pytest
 import redis
 import yaml
 
-from conftest import BIN, ROOT, eyrie, free_port
 from eyrie.stages import PIPELINE
+from tests.support.harness import BIN, ROOT, eyrie
+from tests.support.processes import free_port
 from vllm_real import START_S, vllm_env
 
 TRAIN_MIX = ROOT / "assets" / "prompts" / "train-mix.jsonl"
 BENCHES = ["mt-bench", "gsm8k", "humaneval"]
 
 
-def _prompts(path) -> str:
+def _mix_sample(path) -> str:
     """12 GSM8K questions and 4 self-instruct tasks from the training mix."""
     rows = TRAIN_MIX.read_text().splitlines()
     path.write_text("\n".join(rows[:12] + rows[-4:]) + "\n")
@@ -32,7 +33,7 @@ def _prompts(path) -> str:
 
 
 def _config(tmp_path, target) -> str:
-    body = {"run": "smol", "target": {"model": str(target)}, "dataset": {"source": _prompts(tmp_path / "mix.jsonl")},
+    body = {"run": "smol", "target": {"model": str(target)}, "dataset": {"source": _mix_sample(tmp_path / "mix.jsonl")},
             "serve": {"max_model_len": 768, "extra_args": ["--enforce-eager"]},
             "generate": {"concurrency": 8, "max_tokens": 64, "temperature": 0.2, "top_p": 0.9, "shard_size": 8},
             "extract": {"backend": "vllm", "max_length": 767},
@@ -43,7 +44,7 @@ def _config(tmp_path, target) -> str:
     return str(path)
 
 
-def _start(args: list[str], env: dict, log) -> subprocess.Popen:
+def _start_logged(args: list[str], env: dict, log) -> subprocess.Popen:
     return subprocess.Popen([str(BIN / "eyrie"), *args], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -59,8 +60,8 @@ def services(smollm2_target, env, tmp_path, workers):
                                               "EYRIE_EXTRACT_SHARED_DIR": str(tmp_path / "hs"),
                                               "EYRIE_CACHE_DIR": str(tmp_path / "cache")})
     config = _config(tmp_path, smollm2_target)
-    procs = [_start(["serve", "--config", config], env, tmp_path / "serve.log"),
-             _start(["serve-extract", "--once", "--port", str(free_port())],
+    procs = [_start_logged(["serve", "--config", config], env, tmp_path / "serve.log"),
+             _start_logged(["serve-extract", "--once", "--port", str(free_port())],
                     env, tmp_path / "serve-extract.log")]
     workers.env = env
     workers.start("generate", "extract", "train")

@@ -2,32 +2,25 @@
 work tree; a second sitting on the same home finds the first one's state, says what it reuses, starts only the
 services still needed, and `eyrie run` asks for nothing done again (the vLLM stand-in counts the requests)."""
 
-import json
 
 import pytest
 import redis
 import requests
 
-from conftest import OFFLINE, eyrie, tiny_run_config
 from eyrie.data.manifest import Layout
 from eyrie.data.store import FileStore
+from tests.support.harness import OFFLINE, eyrie, numbered_prompts, tiny_run_config
 
 import real_model as rm
 
 QUEUES = {"generate": "generator", "extract": "extractor", "train": "trainer"}
 
 
-def _prompts(path, n: int) -> str:
-    path.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"q{i}"}]}) + "\n"
-                            for i in range(n)))
-    return str(path)
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_second_sitting_continues_the_first_ones_run_and_asks_for_no_done_shard_again(stub_server, tmp_path):
     stub, home = stub_server(tokens=4), tmp_path / "home"
-    config = tiny_run_config(tmp_path, "sittings", dataset={"source": _prompts(tmp_path / "p.jsonl", 30)},
+    config = tiny_run_config(tmp_path, "sittings", dataset={"source": numbered_prompts(tmp_path / "p.jsonl", 30)},
                              generate={"shard_size": 10, "max_tokens": 8})
     outside = {**OFFLINE, "EYRIE_INFERENCE_URL": stub, "EYRIE_SERVER": "vllm"}
     with rm.own_redis(home) as (url, started):  # sitting 1: generation, then it stops

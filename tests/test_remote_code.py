@@ -11,16 +11,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import TINY, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import load_config
 from eyrie.core.stage_settings import DatasetSection, GenerateSettings
 from eyrie.core.target import load_tokenizer, text_config
+from eyrie.data.manifest import Layout, config_key
 from eyrie.data.store import open_store
 from eyrie.runs.control import start_pipeline
-from eyrie.data.manifest import Layout, config_key
 from eyrie.runs.projection import project
+from tests.support.harness import TINY, tiny_run_config
 
 CODE = {
     "configuration_eyrie.py": "from transformers import LlamaConfig\n\n\n"

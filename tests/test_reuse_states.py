@@ -10,7 +10,6 @@ import shutil
 import pytest
 import redis
 
-from conftest import TINY, eyrie_in_process, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import load_config
@@ -23,11 +22,12 @@ from eyrie.data.store import open_store
 from eyrie.runs.audit import _extract
 from eyrie.runs.control import pipeline_started, start_and_plan, start_pipeline, start_stage, train_as
 from eyrie.runs.pipeline import advance, run_job_ids, save_config
+from eyrie.runs.projection import project
 from eyrie.runs.reuse import states_to_reuse
 from eyrie.stages import PIPELINE, PLAN_TRAIN
-from eyrie.runs.projection import project
 from eyrie.stages.train import Train
 from eyrie.work.queue import job_state
+from tests.support.harness import TINY, eyrie_in_process, tiny_run_config
 from test_refused_start import planned_run
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)

@@ -13,7 +13,6 @@ import orjson
 import pytest
 import redis
 
-from conftest import OFFLINE, TINY, eyrie, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import load_config
@@ -29,6 +28,7 @@ from eyrie.work import keys
 from eyrie.work.queue import job_state
 from eyrie_trainer.card import prompts_license
 from eyrie_trainer.publish import publish
+from tests.support.harness import OFFLINE, TINY, eyrie, tiny_run_config
 from test_publish import RUN, REPO, TOKEN, finished_run, set_manifest
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)

@@ -7,13 +7,13 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from conftest import TRAIN_PROMPTS, eyrie_in_process, plan_env, seed_variant, tiny_run_config
 from eyrie.api.app import create_app
 from eyrie.core.config import load_settings
 from eyrie.core.run_config import load_config
 from eyrie.data.manifest import config_key
 from eyrie.data.store import open_store
 from eyrie.work import keys
+from tests.support.harness import TRAIN_PROMPTS, eyrie_in_process, plan_env, seed_variant, tiny_run_config
 
 
 @pytest.fixture

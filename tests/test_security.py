@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.harness import ROOT
+
 CODE = [p for d in ("eyrie", "services") for p in sorted((ROOT / d).rglob("*.py"))]
 
 UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "joblib", "cloudpickle", "shelve", "marshal", "pickletools"}
@@ -132,7 +133,8 @@ def secrets_env(stub_server, tmp_path):
 
     import redis
 
-    from conftest import OFFLINE, free_port, stop
+    from tests.support.harness import OFFLINE
+    from tests.support.processes import free_port, stop
 
     values = {"redis": f"rp{random.token_hex(12)}", "access": f"AK{random.token_hex(8)}",
               "secret": f"sk{random.token_hex(16)}", "token": f"tk{random.token_hex(16)}"}
@@ -170,7 +172,8 @@ def wait_redis(conn) -> None:
 def test_secrets_never_appear_in_output_status_responses_redis_or_the_store(secrets_env, tmp_path):
     import requests
 
-    from conftest import eyrie, stop
+    from tests.support.harness import eyrie
+    from tests.support.processes import stop
     from test_api import prompts, run_config, start_api
 
     env, values = secrets_env
@@ -213,7 +216,7 @@ def _said(result) -> str:
 
 def _refusals(env: dict, values: dict, seen: dict) -> None:
     """The error paths: a wrong Redis password, an unreachable S3 endpoint, refused values."""
-    from conftest import eyrie
+    from tests.support.harness import eyrie
 
     wrong = env["EYRIE_REDIS_URL"].replace(values["redis"], values["redis"][::-1])
     values["wrong redis password"] = values["redis"][::-1]

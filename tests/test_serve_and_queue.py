@@ -11,11 +11,12 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from conftest import BIN, OFFLINE, ROOT, TINY, eyrie, free_port
 from eyrie.core.config import load_settings
 from eyrie.work import inference
 from eyrie.work.queue import connect, queue
 from eyrie_inference.server import command, health_path
+from tests.support.harness import BIN, OFFLINE, ROOT, TINY, eyrie
+from tests.support.processes import free_port
 
 
 def test_serve_publishes_a_ready_endpoint(tiny_server, redis_server):

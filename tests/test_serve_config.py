@@ -7,7 +7,6 @@ import pytest
 import redis
 
 from builders import publish_endpoint
-from conftest import ROOT, TINY, TRAIN_PROMPTS, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import load_config
@@ -17,6 +16,7 @@ from eyrie.data.store import open_store
 from eyrie.work import inference
 from eyrie_generator.plan import start_generate
 from eyrie_inference.server import command
+from tests.support.harness import ROOT, TINY, TRAIN_PROMPTS, tiny_run_config
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def conn(redis_server):
     c.flushdb()
 
 
-def _start(conn, tmp_path, model: str, run: str = "r1"):
+def _start_generate(conn, tmp_path, model: str, run: str = "r1"):
     settings = load_settings(model=model, store_url=f"file://{tmp_path / 'store'}")
     return start_generate(settings, conn, open_store(settings), run, DatasetSection(source=str(TRAIN_PROMPTS), limit=4),
                           GenerateSettings())
@@ -41,7 +41,7 @@ def test_the_run_keeps_its_own_target_when_the_server_published_a_relative_name(
     monkeypatch.chdir(ROOT)
     publish_endpoint(conn, "assets/tiny-target", server="transformers", served_as="assets/tiny-target")
     monkeypatch.chdir(tmp_path)
-    manifest, enqueued = _start(conn, tmp_path, str(TINY))
+    manifest, enqueued = _start_generate(conn, tmp_path, str(TINY))
     assert manifest.target.model == str(TINY) and enqueued == 1
     assert manifest.target.revision == describe(str(TINY)).revision
 
@@ -52,7 +52,7 @@ def test_a_served_model_that_is_not_the_target_is_refused_naming_both(conn, tmp_
     (other / "config.json").write_text((other / "config.json").read_text().replace("}", ', "eyrie_note": 1}', 1))
     publish_endpoint(conn, str(other), server="transformers")
     with pytest.raises(EyrieError) as err:
-        _start(conn, tmp_path, str(TINY))
+        _start_generate(conn, tmp_path, str(TINY))
     assert str(other) in str(err.value) and str(TINY) in str(err.value) and "not the run's target" in str(err.value)
     assert not (tmp_path / "store" / "runs" / "r1" / "manifest.json").exists()  # refused before any write
 
@@ -61,7 +61,7 @@ def test_the_same_content_elsewhere_is_the_same_target(conn, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(TINY, copy)
     publish_endpoint(conn, str(copy), server="transformers")
-    manifest, _ = _start(conn, tmp_path, str(TINY))
+    manifest, _ = _start_generate(conn, tmp_path, str(TINY))
     assert manifest.target.model == str(TINY)
 
 
@@ -100,7 +100,8 @@ def test_the_stacks_inference_serves_the_active_runs_target_with_its_serve_secti
     import subprocess
     import time
 
-    from conftest import BIN, free_port, stop
+    from tests.support.harness import BIN
+    from tests.support.processes import free_port, stop
     from eyrie.data.manifest import config_key
     from eyrie.work import keys
     from eyrie_inference.server import generating_run

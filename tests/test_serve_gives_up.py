@@ -6,12 +6,10 @@ tests/fake_vllm stands in for `vllm` (the supervision is under test, not vLLM)."
 import os
 import subprocess
 
-import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from builders import make_manifest
-from conftest import BIN, OFFLINE, ROOT, free_port, stop, tiny_run_config, wait_for
 from eyrie.core.config import load_settings
 from eyrie.core.run_config import load_config
 from eyrie.data.manifest import Layout, config_key
@@ -21,13 +19,8 @@ from eyrie.work import inference, keys
 from eyrie.work.gpu import holder
 from eyrie.work.queue import enqueue
 from eyrie_inference.server import Server, generating_run
-
-
-def _own_db(redis_url: str, db: int) -> tuple[redis.Redis, str]:
-    url = redis_url.rsplit("/", 1)[0] + f"/{db}"
-    conn = redis.Redis.from_url(url)
-    conn.flushdb()
-    return conn, url
+from tests.support.harness import BIN, OFFLINE, ROOT, own_db, tiny_run_config, wait_for
+from tests.support.processes import free_port, stop
 
 
 def _planned(conn, store, tmp_path, run: str, shards: int = 1) -> None:
@@ -45,7 +38,7 @@ def _failed_for_good(conn, run: str, shard: int = 0) -> None:
 
 
 def test_a_run_that_cannot_generate_is_not_chosen_to_serve(redis_url, tmp_path):
-    conn, _ = _own_db(redis_url, 12)
+    conn, _ = own_db(redis_url, 12)
     store = open_store(load_settings(store_url=f"file://{tmp_path / 'store'}"))
     _planned(conn, store, tmp_path, "a-failed")
     _planned(conn, store, tmp_path, "b-generating", shards=2)
@@ -67,7 +60,7 @@ def test_a_run_that_cannot_generate_is_not_chosen_to_serve(redis_url, tmp_path):
 def test_the_service_hands_the_gpus_back_once_its_runs_generation_failed(redis_url, tmp_path):
     """Served and ready, its run's only generate task fails for good: vLLM stops and the GPU lease is
     free within RELEASE_S (the README's figure), and the service waits for the next run."""
-    conn, url = _own_db(redis_url, 13)
+    conn, url = own_db(redis_url, 13)
     store_url = f"file://{tmp_path / 'store'}"
     store = open_store(load_settings(store_url=store_url))
     env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": url, "EYRIE_STORE_URL": store_url,

@@ -12,9 +12,10 @@ import time
 import pytest
 import redis
 
-from conftest import BIN, OFFLINE, ROOT, TINY, free_port, wait_for
 from eyrie.work import inference
 from eyrie_inference.server import Server
+from tests.support.harness import BIN, OFFLINE, ROOT, TINY, wait_for
+from tests.support.processes import free_port
 from test_worker_redis import OwnRedis
 
 pytestmark = pytest.mark.integration

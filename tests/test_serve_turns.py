@@ -10,12 +10,10 @@ import os
 import shutil
 import subprocess
 
-import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from builders import make_manifest
-from conftest import BIN, OFFLINE, ROOT, TINY, Workers, eyrie, free_port, stop, tiny_run_config, wait_for
 from eyrie.core.config import load_settings
 from eyrie.core.run_config import load_config
 from eyrie.core.target import describe
@@ -26,15 +24,10 @@ from eyrie.runs.status import run_status
 from eyrie.stages import GENERATE
 from eyrie.work import inference, keys
 from eyrie.work.queue import RETRY_INTERVALS_S, enqueue
+from tests.support.harness import BIN, OFFLINE, ROOT, TINY, Workers, eyrie, own_db, tiny_run_config, wait_for
+from tests.support.processes import free_port, stop
 
 DEADLINE_S = 15  # the generate workers' EYRIE_SERVE_DEADLINE_S: the second run waits its turn longer
-
-
-def _own_db(redis_url: str, db: int = 4) -> tuple[redis.Redis, str]:
-    url = redis_url.rsplit("/", 1)[0] + f"/{db}"
-    conn = redis.Redis.from_url(url)
-    conn.flushdb()
-    return conn, url
 
 
 def _other_target(tmp_path) -> str:
@@ -48,7 +41,7 @@ def _other_target(tmp_path) -> str:
 
 def test_runs_are_served_in_the_order_they_started_and_one_on_another_target_waits_for_the_one_served(
         redis_url, tmp_path):
-    conn, _ = _own_db(redis_url)
+    conn, _ = own_db(redis_url, 4)
     store = open_store(load_settings(store_url=f"file://{tmp_path / 'store'}"))
     for run, started in (("b-first", "2026-01-01T00:00:00+00:00"), ("a-second", "2026-01-01T00:00:05+00:00")):
         store.put_json(config_key(run), load_config(tiny_run_config(tmp_path, run)).model_dump())
@@ -85,7 +78,7 @@ def test_a_second_run_on_another_target_waits_its_turn_and_both_generate(redis_u
     is started while it does: its tasks wait past EYRIE_SERVE_DEADLINE_S, hand themselves back, and
     status says they wait for the first run; then the service switches targets and both finish
     generating, no attempt failed. Before: its tasks failed after EYRIE_SERVE_DEADLINE_S each."""
-    conn, url = _own_db(redis_url)
+    conn, url = own_db(redis_url, 4)
     store_url = f"file://{tmp_path / 'store'}"
     store = open_store(load_settings(store_url=store_url))
     base = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": url, "EYRIE_STORE_URL": store_url,

@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from builders import make_manifest
-from conftest import ROOT, TINY, free_port
 from eyrie.core.errors import EyrieError
 from eyrie.core.target import load_tokenizer
 from eyrie.core.vllm import eagle3_flags, eagle3_spec, serve_argv
@@ -25,6 +24,8 @@ from eyrie.data.store import FileStore
 from eyrie_trainer import checkpoints, verify
 from eyrie_trainer.export import download, export, vllm_command
 from eyrie_trainer.verify_turns import chat_prompt_ids
+from tests.support.harness import ROOT, TINY
+from tests.support.processes import free_port
 from vllm_real import SMALL, VLLM_PYTHON, start_vllm, stop_vllm, vllm_env
 
 K, DRAFT_VOCAB, AUX = 3, 500, [2, 4, 5]

@@ -16,16 +16,11 @@ import pytest
 import redis
 
 from builders import make_manifest
-from conftest import BIN, OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, eyrie_in_process, free_port, stop, wait_for
 from eyrie.work import inference, keys
 from eyrie.work.gpu import GpuLease, holder
 from eyrie.work.queue import LEASE_TTL_S, Heartbeat, held_task
-
-
-def own_db(redis_url: str, db: int) -> redis.Redis:
-    conn = redis.Redis.from_url(redis_url.rsplit("/", 1)[0] + f"/{db}")
-    conn.flushdb()
-    return conn
+from tests.support.harness import BIN, OFFLINE, ROOT, TINY, TRAIN_PROMPTS, eyrie, eyrie_in_process, own_db, wait_for
+from tests.support.processes import free_port, stop
 
 
 def test_the_extractor_drops_the_target_before_the_gpu_lease_goes(redis_url):
@@ -34,7 +29,7 @@ def test_the_extractor_drops_the_target_before_the_gpu_lease_goes(redis_url):
     from eyrie.core.config import load_settings
     from eyrie_extractor.shard import extractor_gpu_lease, loaded_capture
 
-    conn = own_db(redis_url, 7)
+    conn, _ = own_db(redis_url, 7)
     lease = extractor_gpu_lease(load_settings(), conn, "cpu")
     assert lease.acquire(wait_s=5)
     model = weakref.ref(loaded_capture(str(TINY), (2, 4, 5), "cpu").model)
@@ -57,7 +52,7 @@ def test_the_extractor_drops_the_target_before_the_gpu_lease_goes(redis_url):
 def test_leases_live_through_a_gpu_wait_and_a_load_longer_than_their_ttl(redis_url):
     """A task that waits for the GPU (another stage holds it past LEASE_TTL_S) and then loads
     slowly keeps its task lease and its GPU lease: no second worker takes the task over."""
-    conn = own_db(redis_url, 8)
+    conn, _ = own_db(redis_url, 8)
     other = GpuLease(conn, "inference@elsewhere", ttl_s=3)
     assert other.acquire(wait_s=5)
 
@@ -84,7 +79,7 @@ def test_leases_live_through_a_gpu_wait_and_a_load_longer_than_their_ttl(redis_u
 
 def test_serve_fails_when_vllm_dies_after_it_was_ready(redis_url, tmp_path):
     """Exit non-zero (so that `restart: on-failure` starts it again) and publish `failed`."""
-    conn = own_db(redis_url, 9)
+    conn, _ = own_db(redis_url, 9)
     env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_url.rsplit("/", 1)[0] + "/9",
            "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}",
            "PATH": f"{ROOT / 'tests' / 'fake_vllm'}:{BIN}:{os.environ['PATH']}",
@@ -166,9 +161,9 @@ def test_the_stacks_inference_serves_run_after_run(redis_url, tmp_path):
     from eyrie.tasks.gpu_admission import gpu_lease
     from eyrie.work.queue import enqueue
 
-    from conftest import tiny_run_config
+    from tests.support.harness import tiny_run_config
 
-    conn = own_db(redis_url, 10)
+    conn, _ = own_db(redis_url, 10)
     env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_url.rsplit("/", 1)[0] + "/10",
            "EYRIE_STORE_URL": f"file://{tmp_path / 'store'}",
            "PATH": f"{ROOT / 'tests' / 'fake_vllm'}:{BIN}:{os.environ['PATH']}"}
@@ -217,7 +212,7 @@ def test_generate_waits_for_a_server_that_waits_for_the_gpus(redis_url):
     from eyrie.core.errors import EyrieError
     from eyrie.core.target import describe, same_target
 
-    conn = own_db(redis_url, 11)
+    conn, _ = own_db(redis_url, 11)
     target = describe(str(TINY))
     endpoint = inference.Endpoint(url="http://127.0.0.1:9", model=target.model, server="vllm", state="waiting",
                                   revision=target.revision, chat_template_sha256=target.chat_template_sha256)

@@ -5,16 +5,12 @@ under the task lease (eyrie.tasks.executor.execute). On real Redis and a real st
 import socket
 
 import pytest
-import redis
 
-from conftest import TINY
-from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.data.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
                                  ShardManifest, ShardPlan, TargetRef, code_version, load_run_manifest, now_iso)
-from eyrie.data.store import open_store
 from eyrie.stages import TRAIN, task_kinds
-from eyrie.tasks.executor import Context, execute
+from eyrie.tasks.executor import execute
 from eyrie.work import keys
 from eyrie.work.queue import job_state
 from eyrie_extractor.plan import PlanExtract
@@ -24,6 +20,7 @@ from eyrie_generator.shard import ShardRunner
 from eyrie_trainer.plan import FetchBase, PlanTrain
 from eyrie_trainer.runner import TrainRunner
 from eyrie_trainer.verify import VerifyRunner
+from tests.support.harness import TINY
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
 
@@ -38,13 +35,6 @@ STAGE_TASKS = {  # every task kind's stage class with a payload of hers
     "plan-extract": (PlanExtract, {"run": RUN}),
     "fetch": (FetchBase, {"run": RUN}),
 }
-
-
-@pytest.fixture
-def ctx(env, tmp_path, monkeypatch) -> Context:
-    monkeypatch.setenv("EYRIE_CACHE_DIR", str(tmp_path / "cache"))
-    settings = load_settings()
-    return Context(settings, redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(settings))
 
 
 def payload_of(name: str, tmp_path) -> dict:

@@ -8,8 +8,8 @@ import ast
 from pathlib import Path
 
 from eyrie.stages import PIPELINE, task_kinds
+from tests.support.harness import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 NAMES = {s.name for s in PIPELINE} | {s.queue for s in PIPELINE} | set(task_kinds())
 # The same words meaning something else, each with its reason.
 NOT_A_STAGE = {

@@ -5,10 +5,10 @@ own TrainConfig built from settings by name, the same one its CLI makes from the
 import pytest
 from typer.testing import CliRunner
 
-from conftest import TINY
 from eyrie.commands.cli_options import flag
 from eyrie.core.run_config import RunConfig
 from eyrie.core.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
+from tests.support.harness import TINY
 
 
 def test_a_setting_not_given_takes_the_default_and_is_not_written_out():

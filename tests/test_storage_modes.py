@@ -28,7 +28,6 @@ from safetensors import safe_open
 from safetensors.torch import save, save_file
 
 from builders import make_manifest
-from conftest import BIN, OFFLINE, TINY, TRAIN_PROMPTS, clone_run, eyrie, free_port, wait_for, wait_http
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.stage_settings import ExtractSettings
@@ -41,6 +40,8 @@ from eyrie_extractor.shard import ExtractRunner, ids_tensors, sample_tensors
 from eyrie_extractor.storage_split import ids_object_bound, split, states_file_bound
 from eyrie_extractor.vllm_backend import clear_orphans, connector_env, extract_command
 from eyrie_trainer.data import heldout_ids, materialize
+from tests.support.harness import BIN, OFFLINE, TINY, TRAIN_PROMPTS, clone_run, eyrie, wait_for, wait_http
+from tests.support.processes import free_port
 from vllm_real import SMALL, START_S, VLLM_PYTHON, stop_vllm, vllm_env
 from vllm_real import requests_served as vllm_requests_served
 

@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from conftest import OFFLINE, ROOT, eyrie_in_process
 from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import RunConfig, load_config
 from eyrie.core.storage import resolve_mode, shard_allowance
@@ -20,6 +19,7 @@ from eyrie.runs.plan_result import Space
 from eyrie.runs.projection import project
 from eyrie.runs.storage_plan import gpu_sharing, vllm_utilization
 from eyrie_extractor.storage_split import ids_object_bound, split, states_file_bound
+from tests.support.harness import OFFLINE, ROOT, eyrie_in_process
 
 SEED = ROOT / "examples" / "run.kimi-k2.5.yaml"
 GPU_VARS = ("EYRIE_INFERENCE_GPU_IDS", "EYRIE_EXTRACTOR_GPU_IDS", "EYRIE_TRAINER_GPU_IDS",

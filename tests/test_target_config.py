@@ -5,11 +5,11 @@ import json
 import shutil
 import sys
 
-from conftest import TINY, tiny_run_config
 from eyrie.core.config import load_settings
 from eyrie.core.run_config import load_config
 from eyrie.core.target import text_config
 from eyrie.runs.projection import project
+from tests.support.harness import TINY, tiny_run_config
 
 FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size")
 

@@ -7,7 +7,6 @@ import pytest
 import redis
 from rq.serializers import JSONSerializer
 
-from conftest import tiny_run_config
 from eyrie import stages
 from eyrie.core.config import load_settings
 from eyrie.core.run_config import load_config
@@ -18,8 +17,9 @@ from eyrie.runs.status import run_status
 from eyrie.stages import PipelineStage, RunView, TaskKind
 from eyrie.tasks.executor import StageTask, execute
 from eyrie.work.queue import EyrieJob, job_state, queue
-from eyrie.work.worker_loop import InProcessWorker
 from eyrie.work.status_models import StageStatus
+from eyrie.work.worker_loop import InProcessWorker
+from tests.support.harness import tiny_run_config
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
 PLAN_NOTE = TaskKind("plan-note", "note", "test_throwaway_stage.run_plan_note")

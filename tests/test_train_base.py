@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY
 from eyrie.core.errors import EyrieError
 from eyrie_trainer.base import BaseInfo, check_base, fetch, is_legacy, prepare_base, to_speculators
+from tests.support.harness import TINY
 from legacy_drafter import build_legacy_drafter, write_speculators_config
 
 TARGET = str(TINY.resolve())

@@ -16,13 +16,14 @@ import pytest
 import redis
 from safetensors import safe_open
 
-from conftest import BIN, OFFLINE, S3_KEYS, TINY, TRAIN_PROMPTS, clone_run, eyrie, eyrie_in_process, tiny_run_config
-from deadline import bounded
 from eyrie.core.config import load_settings
 from eyrie.data.manifest import Layout, RunManifest
 from eyrie.data.store import open_store
 from eyrie.stages import PLAN_TRAIN
 from eyrie.work import keys, progress
+from tests.support.deadline import bounded
+from tests.support.harness import (BIN, OFFLINE, S3_KEYS, TINY, TRAIN_PROMPTS, clone_run, eyrie, eyrie_in_process,
+                                   status_json, tiny_run_config)
 from legacy_drafter import build_legacy_drafter
 from test_security import assert_no_pickles
 
@@ -58,10 +59,6 @@ def store_of(env):
                 os.environ[k] = v
 
 
-def status(run, env) -> dict:
-    return json.loads(eyrie("status", run, "--json", env=env).stdout)
-
-
 @pytest.mark.timeout(1500)  # the first test of the module also pays for `pipeline` (306 prompts generated)
 def test_pipeline_trains_evaluates_and_exports_a_drafter_vllm_loads(pipeline, tmp_path):
     env, _ = pipeline
@@ -74,7 +71,7 @@ def test_pipeline_trains_evaluates_and_exports_a_drafter_vllm_loads(pipeline, tm
                                                       "EYRIE_TRAIN_STALL_S": "300"}, timeout=1200)
     assert "made no progress" not in worker.stderr, "the training stalled; its stacks:\n" + worker.stderr[-6000:]
 
-    train = status("p", env)["stages"]["train"]
+    train = status_json("p", env)["stages"]["train"]
     assert train["state"] == "done" and train["done"] == train["total"] > 0
     assert train["loss"] > 0 and len(train["acc"]) == 3
     evaluation = train["evaluation"]
@@ -149,7 +146,7 @@ def test_finetune_from_a_converted_legacy_base(pipeline, tmp_path):
     assert f"from {base}" in out.stdout and "draft vocab 400 (the base drafter)" in out.stdout
     eyrie("worker", "train", "--burst", env=env, timeout=900)
 
-    train = status("ft", env)["stages"]["train"]
+    train = status_json("ft", env)["stages"]["train"]
     assert train["state"] == "done" and train["done"] == 5  # --max-steps is the total
     manifest = RunManifest.model_validate(store.get_json(Layout("ft").manifest))
     assert manifest.train.base.legacy and manifest.train.base.aux_layers == [2, 4, 5]
@@ -199,7 +196,7 @@ def test_a_killed_trainer_resumes_from_its_last_checkpoint(pipeline):
     assert "1 task enqueued now" in eyrie("train", "--run", "resume", env=env).stdout
     eyrie("worker", "train", "--burst", env=env, timeout=900)
 
-    train = status("resume", env)["stages"]["train"]
+    train = status_json("resume", env)["stages"]["train"]
     assert train["state"] == "done"
     assert any("resuming from checkpoint 0" in note for note in train["notes"])
     assert saved["global_step"] > 0 and train["done"] > saved["global_step"]
@@ -240,12 +237,12 @@ def test_sigterm_saves_a_mid_epoch_checkpoint_and_the_trainer_resumes_there(pipe
                               stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
-        while status("term", env)["stages"]["train"]["state"] != "done" and time.monotonic() < deadline:
+        while status_json("term", env)["stages"]["train"]["state"] != "done" and time.monotonic() < deadline:
             assert worker.poll() is None
             time.sleep(1)
     finally:
         os.killpg(worker.pid, signal.SIGKILL)
-    train = status("term", env)["stages"]["train"]
+    train = status_json("term", env)["stages"]["train"]
     assert train["state"] == "done"
     assert any(f"resuming from checkpoint 0 (step {saved['local_step']} of epoch 0)" in n for n in train["notes"])
     assert assert_no_pickles(store, layout.train) > 0
@@ -270,9 +267,9 @@ def test_a_cancelled_training_stops_with_a_checkpoint_and_a_retry_resumes_it(pip
             time.sleep(0.2)
         assert "stopme" in eyrie_in_process("cancel", "stopme", env=env).stdout
         deadline = time.monotonic() + 120
-        while status("stopme", env)["stages"]["train"]["state"] != "cancelled" and time.monotonic() < deadline:
+        while status_json("stopme", env)["stages"]["train"]["state"] != "cancelled" and time.monotonic() < deadline:
             time.sleep(0.5)
-        train = status("stopme", env)["stages"]["train"]
+        train = status_json("stopme", env)["stages"]["train"]
         assert train["state"] == "cancelled" and worker.poll() is None  # the worker outlives the cancel
         layout = Layout("stopme")
         # the cancel is seen after a step, so its checkpoint is mid-epoch (epoch 0, or 1 when the cancel
@@ -282,11 +279,11 @@ def test_a_cancelled_training_stops_with_a_checkpoint_and_a_retry_resumes_it(pip
         assert interrupted, saved
         assert "1 tasks requeued" in eyrie("retry", "stopme", env=env).stdout
         deadline = time.monotonic() + 600
-        while status("stopme", env)["stages"]["train"]["state"] != "done" and time.monotonic() < deadline:
+        while status_json("stopme", env)["stages"]["train"]["state"] != "done" and time.monotonic() < deadline:
             time.sleep(1)
     finally:
         os.killpg(worker.pid, signal.SIGKILL)
-    train = status("stopme", env)["stages"]["train"]
+    train = status_json("stopme", env)["stages"]["train"]
     resumed = f"resuming from checkpoint {interrupted[-1]['label']} (step {interrupted[-1]['local_step']} of epoch"
     assert train["state"] == "done" and any(resumed in n for n in train["notes"]), train["notes"]
 
@@ -317,7 +314,7 @@ def test_a_run_that_differs_only_in_train_trains_on_the_earlier_runs_states(pipe
     assert tasks == {PLAN_TRAIN.task_id("sweep")}, tasks
     eyrie("worker", "train", "--burst", env=env, timeout=900)
 
-    train = status("sweep", env)["stages"]["train"]
+    train = status_json("sweep", env)["stages"]["train"]
     assert train["state"] == "done" and (train["params"]["lr"], train["params"]["heldout_samples"]) == (1e-3, 5)
     manifest = RunManifest.model_validate(store.get_json(Layout("sweep").manifest))
     assert manifest.states_from == "p" and manifest.drafter and manifest.drafter["checkpoint"] == "0"

@@ -13,11 +13,11 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from conftest import TINY, eyrie, eyrie_in_process, wait_for
 from eyrie.core.config import load_settings
 from eyrie.data.store import open_store
 from eyrie.tasks.executor import Context, execute
 from eyrie.work import progress
+from tests.support.harness import TINY, eyrie, eyrie_in_process, wait_for
 
 RUN, TASK, ROWS, STOPS = "stops", "train-stops-00000", 40, 4
 # 12 steps an epoch, 180 in all: each attempt is held at its first reported step past its start

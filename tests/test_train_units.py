@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import TINY
+from tests.support.harness import TINY
 from hs_fixture import build_hs_dir
 from eyrie_trainer import engine
 

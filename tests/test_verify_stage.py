@@ -11,12 +11,13 @@ import pytest
 import redis
 import requests
 
-from conftest import BIN, eyrie, stop, tiny_run_config, wait_for
 from eyrie.core.run_config import load_config
 from eyrie.stages import VERIFY, queues
 from eyrie.stages.verify import verify_skipped, verify_timeout_s
 from eyrie.work import progress
 from eyrie.work.queue import workers_on
+from tests.support.harness import BIN, eyrie, tiny_run_config, wait_for
+from tests.support.processes import stop
 
 
 def test_verify_has_a_queue_of_its_own():

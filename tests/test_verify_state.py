@@ -20,7 +20,6 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from conftest import BIN, TINY, eyrie_in_process, tiny_run_config, wait_for
 from eyrie.core.config import load_settings
 from eyrie.core.run_config import load_config
 from eyrie.data.manifest import (DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams, TargetRef,
@@ -36,6 +35,7 @@ from eyrie.work import keys
 from eyrie.work.gpu import GpuLease
 from eyrie.work.queue import job_state, queue
 from eyrie_trainer.verify import benchmark_result, headline
+from tests.support.harness import BIN, TINY, eyrie_in_process, tiny_run_config, wait_for
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
 

@@ -6,7 +6,6 @@ tests/test_pipeline.py's chain)."""
 import json
 
 from builders import make_manifest
-from conftest import TINY
 from eyrie.commands.display import verify_lines
 from eyrie.core.target import load_tokenizer
 from eyrie.data.charts import benchmark_series
@@ -16,6 +15,7 @@ from eyrie.work.status_models import TrainStatus
 from eyrie_trainer.benchmarks import load_benchmark
 from eyrie_trainer.verify import Client, benchmark_result, benchmark_sets, measured_paces
 from eyrie_trainer.verify_turns import SecondTurns
+from tests.support.harness import TINY
 
 TOKENIZER = load_tokenizer(str(TINY))
 

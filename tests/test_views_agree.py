@@ -15,7 +15,6 @@ import redis
 from fastapi.testclient import TestClient
 
 from builders import make_manifest
-from conftest import TINY, eyrie_in_process
 from eyrie.api.app import create_app
 from eyrie.core.config import load_settings
 from eyrie.data.manifest import Layout
@@ -25,6 +24,7 @@ from eyrie.tasks.executor import Context, RunTask, execute
 from eyrie_trainer import engine
 from eyrie_trainer.ledger import TrainedSamples
 from eyrie_trainer.runner import TrainRunner
+from tests.support.harness import TINY, eyrie_in_process
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
 
@@ -40,13 +40,6 @@ def gave_up(row: int, failures: int) -> str:
 # one reason for every such sample, its numbers as N
 GAVE_UP = ("Hidden-state round trip failed for dataset index N, file index N (attempt N/N, consecutive "
            "failures=N/N): ConnectError: [Errno N] Connection refused")
-
-
-@pytest.fixture
-def ctx(env, tmp_path, monkeypatch) -> Context:
-    monkeypatch.setenv("EYRIE_CACHE_DIR", str(tmp_path / "cache"))
-    settings = load_settings()
-    return Context(settings, redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(settings))
 
 
 def attempt(ctx: Context, run: str, samples: list[dict]) -> TrainRunner:

@@ -32,10 +32,11 @@ import torch
 from aiohttp import web
 from safetensors.torch import save_file
 
-from conftest import TINY, free_port
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie_extractor.vllm_backend import VllmCapture, VllmCaptureError, connector_env, extract_command, main
+from tests.support.harness import TINY
+from tests.support.processes import free_port
 from vllm_real import SMALL, VLLM_PYTHON, start_vllm, stop_vllm, vllm_env
 
 MODEL = "org/huge-moe"  # the double serves any name; a 1T MoE is what this backend is for

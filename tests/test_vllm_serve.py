@@ -17,10 +17,11 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
-from conftest import BIN, ROOT, TINY, eyrie, free_port, state_of, tiny_run_config, wait_for
 from eyrie.data.manifest import Layout
 from eyrie.work import inference
 from eyrie.work.gpu import GpuLease, holder
+from tests.support.harness import BIN, ROOT, TINY, eyrie, state_of, tiny_run_config, wait_for
+from tests.support.processes import free_port
 from vllm_real import SMALL, START_S, VLLM_PYTHON, vllm_env
 
 PROMPTS = [{"conversations": [{"from": "human", "value": text}]} for text in

@@ -12,10 +12,11 @@ import time
 import pytest
 import redis
 
-from conftest import BIN, OFFLINE, free_port, wait_for
 from eyrie.stages import GENERATE
 from eyrie.work.queue import _enqueue, job_state
 from eyrie.work.worker_loop import STOP_S
+from tests.support.harness import BIN, OFFLINE, wait_for
+from tests.support.processes import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import OFFLINE, ROOT, wait_http
+from tests.support.harness import OFFLINE, ROOT, wait_http
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 # Small enough for 2 shared cores: 1 GiB of KV cache, short sequences, no compile at start-up.

@@ -1,6 +1,6 @@
 """The helpers' waits end before pytest-timeout ends the test (pyproject's `timeout`, or the test's
 own mark): a wait that hangs then fails with its own report (what it waited for; the stacks of the
-processes it waited on: conftest.eyrie, the workers fixture), where pytest's stop would show only
+processes it waited on: harness.eyrie, the workers fixture), where pytest's stop would show only
 this process's stacks and cut the test short of them."""
 
 from __future__ import annotations
