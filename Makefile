@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 VLLM_VENV := .venv-vllm
-# the demo's vLLM (tests that start vLLM name it themselves: tests/vllm_real.py)
+# the demo's vLLM (tests that start vLLM name it themselves: tests/support/vllm_real.py)
 VLLM_COMMAND ?= $(abspath $(VLLM_VENV))/bin/python
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_UPDATE_CHECK := 1
@@ -54,18 +54,18 @@ test: setup
 	@mkdir -p .eyrie; { $(MAKE) --no-print-directory compose-stack >.eyrie/compose-stack.log 2>&1; \
 	   echo $$? >.eyrie/compose-stack.rc; } & \
 	$(BIN)/pytest -q -n $(TEST_PROCS) --dist loadfile --durations=$(DURATIONS) --junitxml=.eyrie/pytest.xml \
-	  --ignore=tests/test_compose_e2e.py; \
+	  --ignore=tests/e2e/test_compose_e2e.py; \
 	rest=$$?; wait; \
 	if [ "$$(cat .eyrie/compose-stack.rc)" != 0 ]; then tail -40 .eyrie/compose-stack.log; exit 1; fi; \
-	$(BIN)/pytest -q --junitxml=.eyrie/pytest-stack.xml tests/test_compose_e2e.py && exit $$rest
+	$(BIN)/pytest -q --junitxml=.eyrie/pytest-stack.xml tests/e2e/test_compose_e2e.py && exit $$rest
 
-# The inner loop: the unit tier alone (no process, no server; tests/tiers.py), a few minutes
+# The inner loop: the unit tier alone (no process, no server; tests/support/tiers.py), a few minutes
 check: $(VENV)/.installed
 	$(BIN)/pytest -q -m unit --durations=10
 
 # The fault suite alone (it is also part of `make test`): writes docs/faults.md
 faults: setup
-	$(BIN)/pytest -q tests/test_faults.py
+	$(BIN)/pytest -q tests/e2e/test_faults.py
 
 # The embedded default: Redis on 127.0.0.1:6379 (started here if none answers), a local
 # file store in .eyrie/store, transformers serve on the tiny target, one worker per queue, and
@@ -101,13 +101,13 @@ assets/smollm2-135m-instruct/eyrie-conversion.json: | $(VENV)/.installed
 	$(BIN)/eyrie convert-gguf --smollm2 --out assets/smollm2-135m-instruct
 
 compose-check: setup
-	$(BIN)/pytest -q tests/test_compose.py
+	$(BIN)/pytest -q tests/integration/test_compose.py
 
 # The Helm chart rendered, linted and validated offline (docs/kubernetes.md); GOLDEN=1 rewrites
 # tests/golden/helm/ and tests/golden/defaults.json after a reviewed chart or default change.
 helm-check: setup
-	$(if $(GOLDEN),EYRIE_UPDATE_GOLDEN=1) $(BIN)/pytest -q tests/test_helm.py tests/test_k8s_jobs.py tests/test_fleet.py \
-		tests/test_autoscaling.py tests/test_defaults.py
+	$(if $(GOLDEN),EYRIE_UPDATE_GOLDEN=1) $(BIN)/pytest -q tests/unit/test_helm.py tests/unit/test_k8s_jobs.py \
+		tests/unit/test_fleet.py tests/integration/test_autoscaling.py tests/unit/test_defaults.py
 
 # The Compose stack. GPU host: `make up` (docker-compose.yml + compose.gpu.yml, .env from .env.example).
 # The CPU stack (a laptop, CI): COMPOSE_FILES="-f docker-compose.yml -f compose.ci.yml" EYRIE_CPU_STACK=1.
@@ -148,11 +148,11 @@ run:
 	  -v $(CURDIR)/assets:/opt/eyrie/assets:ro -v $(CURDIR)/tests/data:/opt/eyrie/tests/data:ro \
 	  generator run --config /opt/eyrie/run.yaml $(if $(PLAN),--plan)
 
-# The CPU stack built and brought up here, then a pipeline through it (tests/test_compose_e2e.py)
+# The CPU stack built and brought up here, then a pipeline through it (tests/e2e/test_compose_e2e.py)
 compose-stack: docker wheelhouse
 	EYRIE_CPU_STACK=1 scripts/compose-images.sh
 compose-e2e: setup compose-stack
-	$(BIN)/pytest -q tests/test_compose_e2e.py
+	$(BIN)/pytest -q tests/e2e/test_compose_e2e.py
 
 clean:
 	rm -rf .eyrie

@@ -6,7 +6,7 @@ vLLM extraction service, each drafter's acceptance measured by vLLM itself.
 What it does, in its own Redis, file store and work directory (--work), with the vLLM of EYRIE_VLLM_COMMAND (default
 the project's .venv-vllm, vLLM's CPU build here): vLLM serves the target while eyrie generates answers to --prompts
 prompts (run `g`), which are cloned into runs `offline`, `hybrid` and `online` (the same shard objects, as
-tests/test_storage_modes.py does). vLLM's extraction service (CPU-safe connector) extracts each with `eyrie extract
+tests/e2e/test_storage_modes.py does). vLLM's extraction service (CPU-safe connector) extracts each with `eyrie extract
 --storage MODE` (hybrid: a budget of half the offline run's stored bytes), and `eyrie train` + `eyrie worker train`
 train each the same way (epochs, lr, seq len, draft vocabulary, held-out samples; speculators' default seed): hybrid
 and online while the service runs (training asks it for the states not stored), offline after it is stopped (it

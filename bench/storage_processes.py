@@ -71,7 +71,7 @@ def eyrie(*args: str, timeout: float = 3600) -> float:
 
 
 class Service:
-    """vLLM's extraction service (CPU-safe connector), started as tests/test_storage_modes.py starts it."""
+    """vLLM's extraction service (CPU-safe connector), started as tests/e2e/test_storage_modes.py starts it."""
 
     def __init__(self, t: Target, settings, work: Path):
         self.port, self.shared, self.log = free_port(), work / "hs-shared", work / "extract-service.log"

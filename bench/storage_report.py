@@ -1,4 +1,4 @@
-"""bench/storage_modes.py's pure parts (tests/test_benchmarks.py): the prompt slice, the epochs' walls, the
+"""bench/storage_modes.py's pure parts (tests/unit/test_benchmarks.py): the prompt slice, the epochs' walls, the
 acceptance's standard error, and the RESULTS.md section and chart from the JSON result."""
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from tests.support.deadline import (FAILED, pytest_runtest_makereport,  # noqa: 
 from tests.support.harness import BIN, OFFLINE, ROOT, S3_KEYS, SMOLLM2, TINY, WHEELS, Workers, wait_http
 from tests.support.processes import free_port, start_redis, stop
 
-pytest_plugins = ["tiers"]  # unit / integration / e2e markers (tests/tiers.py)
+pytest_plugins = ["tests.support.tiers"]  # unit / integration / e2e markers, from the folders
 os.environ.update(OFFLINE)  # no test reaches a hub: `pytest` run by hand behaves as under make
 
 

@@ -1,5 +1,5 @@
 """The one configuration object: every EYRIE_* environment variable, validated at start. No other
-module reads an EYRIE_* variable (tests/test_architecture.py checks it): a field here, or
+module reads an EYRIE_* variable (tests/unit/test_architecture.py checks it): a field here, or
 `Settings.generate_defaults` for the generate settings' host defaults, EYRIE_<FIELD>."""
 
 from __future__ import annotations

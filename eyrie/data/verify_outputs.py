@@ -19,8 +19,8 @@ MATCH_FLOOR = 0.5
 MATCH_MARGIN = 0.125
 # The fewest answers compared at 1 in flight that verify judges: one near-tie flip (which greedy speculative decoding
 # allows, lossless only up to numerics) moves the match rate by 1/n, within MATCH_MARGIN only from 8 answers on; on
-# fewer, one flip would fail a batch-invariant target (tests/test_real_model.py verifies 2 prompts a set: one flip of
-# 1 compared failed it). vLLM's own test judges 100 prompts. Fewer: recorded, said, and failing nothing.
+# fewer, one flip would fail a batch-invariant target (tests/e2e/test_real_model.py verifies 2 prompts a set: one
+# flip of 1 compared failed it). vLLM's own test judges 100 prompts. Fewer: recorded, said, and failing nothing.
 MIN_COMPARED = 8
 
 IDENTICAL = "identical"
