@@ -2,7 +2,8 @@
 extract stage runs on the vLLM backend, under the GPU lease like inference, configured from the run
 config, published for the extractor, stopped (lease handed back) once every shard is extracted.
 tests/fake_vllm stands in for the `vllm` command (an OpenAI-shaped server on the port it is given:
-eyrie's supervision is under test; real vLLM extraction: tests/e2e/test_vllm_backend.py); the lease, Redis, the store, the command line and the supervision are real."""
+eyrie's supervision is under test; real vLLM extraction: tests/e2e/test_vllm_backend.py); the lease, Redis, the store, the command line and the supervision are real.
+The command from the run, without a process: tests/unit/test_extract_server_command.py."""
 
 import os
 import subprocess
@@ -14,13 +15,12 @@ import redis
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import RunConfig
-from eyrie.core.vllm import CPU_KV_CACHE_GIB, SERVER_MODULE, serve_env
 from eyrie.data.manifest import Layout, RunManifest, config_key
 from eyrie.data.store import open_store
 from eyrie.work import inference, keys
 from eyrie.work.extract_server import ServerWait
 from eyrie.work.gpu import GpuLease, holder
-from eyrie_inference.extract_server import extraction_run, vllm_command
+from eyrie_inference.extract_server import extraction_run
 from tests.support.builders import make_manifest
 from tests.support.harness import BIN, ROOT, TINY, TRAIN_PROMPTS
 from tests.support.processes import free_port, stop
@@ -38,35 +38,6 @@ def _config(**serve) -> RunConfig:
 def _manifest() -> RunManifest:
     return make_manifest(RUN, 20, shard_size=10, source=str(TRAIN_PROMPTS), max_tokens=64, concurrency=8,
                          extract={"max_length": 512, "tokens": 2000})
-
-
-def test_the_extraction_servers_command_comes_from_the_run(tmp_path):
-    settings = load_settings(extract_shared_dir=str(tmp_path / "hs"), port=8100, host="0.0.0.0",
-                             vllm_command="/opt/vllm/bin/vllm")
-    cmd = vllm_command(settings, _config(), _manifest())
-    assert cmd[:9] == ["/opt/vllm/bin/vllm", "serve", str(TINY), "--host", "0.0.0.0", "--port", "8100",
-                       "--tensor-parallel-size", "2"]
-    joined = " ".join(cmd)
-    assert '"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]' in joined and str(tmp_path / "hs") in joined
-    # no GPU here: vLLM's CPU build loads our CPU-safe connector (the stock one pins memory and dies)
-    assert "CpuHiddenStatesConnector" in joined and "ExampleHiddenStatesConnector" not in joined
-    assert cmd[-3:] == ["--max-model-len", "600", "--trust-remote-code"]
-    # a config naming the target by a relative path: vLLM serves the name the extractor asks for,
-    # the manifest's (made absolute when the run was planned), or every request is a 404
-    relative = _config().model_copy(update={"target": _config().target.model_copy(update={"model": "assets/tiny-target"})})
-    assert vllm_command(settings, relative, _manifest())[2] == str(TINY)
-    with pytest.raises(EyrieError, match="set serve.max_model_len to at least 513"):
-        vllm_command(settings, _config(max_model_len=512), _manifest())
-
-
-def test_every_way_eyrie_starts_vllm_finds_the_projects_own_when_none_is_on_path(monkeypatch):
-    """A fresh clone after `make setup`: no `vllm` on PATH, EYRIE_VLLM_COMMAND unset."""
-    monkeypatch.setenv("PATH", "/usr/bin:/bin")
-    monkeypatch.delenv("EYRIE_VLLM_COMMAND", raising=False)
-    settings = load_settings()
-    assert settings.vllm_command == str(ROOT / ".venv-vllm" / "bin" / "python")
-    assert vllm_command(settings, _config(), _manifest())[:3] == [settings.vllm_command, "-m", SERVER_MODULE]
-    assert serve_env()["VLLM_CPU_KVCACHE_SPACE"] == CPU_KV_CACHE_GIB  # else vLLM's CPU build refuses to start
 
 
 def test_the_extractor_waits_for_a_published_server_and_says_how_to_start_one(redis_url):

