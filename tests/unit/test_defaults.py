@@ -22,8 +22,8 @@ from pydantic_core import to_jsonable_python
 from eyrie.core.config import Settings
 from eyrie.core.run_config import RunConfig
 from eyrie.core.stage_settings import GenerateSettings
+from tests.support.harness import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "defaults.json"
 VALUES = ROOT / "deploy" / "helm" / "eyrie" / "values.yaml"
 REQUIRED = "(required)"

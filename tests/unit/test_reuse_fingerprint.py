@@ -1,7 +1,7 @@
 """The fingerprint a run's states are found by (eyrie.runs.reuse.settings_fingerprint), read from
 the fields' markers: a field of the sections that make the states (dataset, generate, extract)
 marked PACING (eyrie.core.stage_settings) changes nothing, every other one changes it. No process,
-no store: the end-to-end reuse is tests/test_reuse_states.py."""
+no store: the end-to-end reuse is tests/integration/test_reuse_states.py."""
 
 from __future__ import annotations
 
