@@ -59,7 +59,7 @@ def render_status(status: RunStatus) -> None:
         console.print(f"[magenta]run cancelled[/] at {status.cancelled}; `eyrie retry {status.run}` resumes it")
     pipeline = status.pipeline
     if pipeline:
-        console.print("pipeline: next stages start by themselves"
+        console.print(_pipeline_line(pipeline.stages)
                       + "".join(f"; {name} {task.state}" for name, task in pipeline.tasks.items()))
         if pipeline.blocked:
             console.print(f"[red]pipeline blocked[/] {pipeline.blocked}")
@@ -140,6 +140,12 @@ def render_train(s: TrainStatus) -> None:
     if s.drafter:
         console.print(f"export: {s.drafter['files']['model.safetensors']['key'].rsplit('/', 1)[0]}/ "
                       f"(`eyrie export --run RUN --out DIR`)")
+
+
+def _pipeline_line(stages: list[str]) -> str:
+    if len(stages) == 1:
+        return f"run of {stages[0]} alone: nothing starts after it by itself"
+    return f"pipeline {' -> '.join(stages)}: next stages start by themselves"
 
 
 def live_progress(conn, store, run: str, stage: str, poll_s: float = 1.0) -> str:

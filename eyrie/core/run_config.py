@@ -52,8 +52,10 @@ class ServeSection(_Section):
     def of_host(cls, settings) -> "ServeSection":
         """Where no run config says how to serve (`eyrie serve` alone, `eyrie verify` of a run started
         without one): the host's EYRIE_* vLLM settings, read the one way for every server eyrie starts."""
+        args = shlex.split(settings.vllm_args)
         return cls(tensor_parallel_size=settings.tensor_parallel_size, reasoning_parser=settings.reasoning_parser,
-                   max_model_len=settings.max_model_len, extra_args=shlex.split(settings.vllm_args))
+                   max_model_len=settings.max_model_len, trust_remote_code="--trust-remote-code" in args,
+                   extra_args=[arg for arg in args if arg != "--trust-remote-code"])
 
     def vllm_flags(self) -> list[str]:
         flags = ["--tensor-parallel-size", str(self.tensor_parallel_size)]
@@ -140,9 +142,12 @@ class PlanSection(_Section):
 
 
 class RunConfig(_Section):
-    """What `eyrie run --config run.yaml` runs: every stage, from prompts to an exported drafter."""
+    """What `eyrie run --config run.yaml` runs: every stage, from prompts to an exported drafter (or
+    the stages it names: `eyrie generate|extract|train` keep a config naming the stage they start)."""
 
     run: str = Field(pattern=RUN_NAME.pattern, description="1-64 letters, digits, '.', '_' or '-'.")
+    stages: list[str] | None = Field(None, min_length=1, description="The stages this run runs (unset: every "
+                                     "stage of the pipeline); a stage started alone is a run of that stage.")
     target: TargetSection
     dataset: DatasetSection
     serve: ServeSection = Field(default_factory=ServeSection)

@@ -14,7 +14,7 @@ from eyrie.core.errors import EyrieError, UnknownRun
 from eyrie.core.run_config import check_run_name
 from eyrie.core.support import refuse_unsupported_config
 from eyrie.data.manifest import Layout, RunManifest, config_key, load_run_manifest, now_iso, stored_config
-from eyrie.runs.pipeline import advance_or_record, check_config, run_job_ids, run_view, save_config
+from eyrie.runs.pipeline import advance_or_record, check_config, run_job_ids, run_view, save_config, stage_config
 from eyrie.runs.from_answers import answers_of, plan_from_answers
 from eyrie.runs.projection import refuse_before_start
 from eyrie.runs.restart import hold_cancel, pending
@@ -78,11 +78,11 @@ def start_pipeline(settings, conn, store, cfg, states: RunManifest | None = None
 
 
 def _start_first(settings, conn, store, cfg, plans: bool) -> None:
-    """The first stage's planning task, where the run is to plan (not on another run's states)."""
+    """The first stage planned (again, on a rerun), where the run is to plan (not on another run's states)."""
     if not plans:
         return
     try:
-        PIPELINE[0].start_alone(settings, conn, store, cfg.run, None, cfg.dataset)
+        PIPELINE[0].plan(run_view(conn, store, cfg.run))
     except EyrieError:
         _forget_unstarted(conn, store, cfg.run)
         raise
@@ -112,8 +112,9 @@ def train_as(settings, conn, store, source_run: str, run: str, request) -> dict:
     if config is not None:
         section = Train().settings_in(config)
         train = type(request).model_validate({**section.given(), **request.given()})
-        out = start_pipeline(settings, conn, store, config.model_copy(update={"run": run, Train.sections[-1]: train}),
-                             source)
+        stages = None if config.stages is None else [Train.name]  # a pipeline where A was one, else train alone
+        out = start_pipeline(settings, conn, store,
+                             config.model_copy(update={"run": run, Train.sections[-1]: train, "stages": stages}), source)
     else:
         if not store.exists(Layout(run).manifest):
             train_on_states(store, source, run)
@@ -155,19 +156,22 @@ def _forget_unstarted(conn, store, run: str) -> None:
         store.delete(config_key(run))
 
 
-def start_stage(settings, conn, store, run: str, name: str, section, dataset=None):
+def start_stage(settings, conn, store, run: str, name: str, section, dataset=None) -> Started:
     """One stage on its own (`eyrie generate|extract|train`, POST /runs?stage=), from its section
-    of a run config (generate also reads `dataset`): no pipeline is kept, so nothing starts after
-    it by itself. Its planning task is enqueued on its queue: `await_started` waits for it."""
+    of a run config (generate also reads `dataset`): the run's config kept names that stage (a
+    pipeline of it alone, eyrie.runs.pipeline.stage_config), so nothing starts after it by itself.
+    Its planning task is enqueued on its queue: `await_started` waits for it."""
     if name not in startable():
         raise EyrieError(f"no stage {name!r} to start on its own.", f"start one of: {', '.join(startable())}.")
     chosen = stage(name)
     chosen.check_start(store, run, section, dataset)  # its refusals known at once, before anything is written
+    save_config(conn, store, stage_config(settings, store, run, chosen, section, dataset))
     conn.delete(keys.blocked(run))  # the user's start retries a refusal
     # what only planning knows (the budget, a base drafter) its planning task refuses: the run blocked,
     # and a cancelled one still cancelled (its cancel is lifted once it has planned: eyrie.runs.restart)
     hold_cancel(conn, run, [chosen.planner])
-    return chosen.start_alone(settings, conn, store, run, section, dataset)
+    chosen.plan(run_view(conn, store, run))
+    return Started(planning=chosen.planner)
 
 
 def run_names(conn) -> list[str]:

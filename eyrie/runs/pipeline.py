@@ -8,12 +8,12 @@ from collections import Counter
 
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
-from eyrie.core.run_config import RunConfig
+from eyrie.core.run_config import RunConfig, ServeSection
 from eyrie.data.manifest import Layout, config_key, load_run_manifest, stored_config
 from eyrie.data.store import open_store
 from eyrie.runs.restart import on_planned
 from eyrie.runs.reuse import record_states
-from eyrie.stages import PIPELINE, RunView
+from eyrie.stages import PIPELINE, RunView, check_stage_names, run_stages
 from eyrie.stages.base import PipelineStage, state_of
 from eyrie.work import keys
 from eyrie.work.cancel import block
@@ -24,12 +24,50 @@ def save_config(conn, store, config: RunConfig) -> None:
     """The run's config is kept; a rerun continues the run and may change only the sections of
     stages not yet planned (e.g. extract.budget after a refusal)."""
     check_config(store, config)
-    store.put_json(config_key(config.run), config.model_dump())
+    # the settings as given: a field not given stays so (generate's take the planning worker's EYRIE_<FIELD>)
+    store.put_json(config_key(config.run), config.model_dump(exclude_unset=True))
     conn.sadd(keys.ACTIVE_PIPELINES, config.run)
+
+
+def stage_config(settings, store, run: str, stage: PipelineStage, section, dataset=None) -> RunConfig:
+    """A stage started alone (`eyrie generate|extract|train`, POST /runs?stage=) is a run whose kept
+    config names it: the config the run has, with the stage's settings (and the stage added to its
+    stages, where it names some), else a new one of that stage alone: the
+    target and how it is served from the host's settings (EYRIE_MODEL, EYRIE_VLLM_ARGS) or, for a
+    run planned without a config, from its manifest."""
+    kept = stored_config(store, run)
+    if kept is None:
+        kept = _config_of_manifest(settings, store, run, stage) if store.exists(Layout(run).manifest) else None
+        if kept is None:  # a new run: generate's (the stage with a dataset)
+            return RunConfig(run=run, stages=[stage.name], target={"model": settings.model}, dataset=dataset,
+                             serve=ServeSection.of_host(settings), **{stage.sections[-1]: section})
+    own, planned = stage.sections[-1], stage.sections[-1] not in _open_sections(store, run)
+    # a planned stage's rerun continues its plan: the settings given over the kept ones (start_checks
+    # refused any that differ from the plan); before it is planned, the settings given are its settings
+    update = {own: type(section).model_validate({**getattr(kept, own).given(), **section.given()}) if planned
+              else section}
+    if dataset is not None and "dataset" in stage.sections:
+        update["dataset"] = type(dataset).model_validate({**kept.dataset.given(), **dataset.given()}) if planned \
+            else dataset
+    if kept.stages is not None:
+        update["stages"] = [s.name for s in PIPELINE if s.name in kept.stages or s is stage]
+    return kept.model_copy(update=update)
+
+
+def _config_of_manifest(settings, store, run: str, stage: PipelineStage) -> RunConfig:
+    """The config of a run planned before stages started alone kept one (or on another run's states
+    with none): its target and dataset as its manifest recorded them; no stage of it ran under it."""
+    manifest = load_run_manifest(store, run)
+    ref = manifest.dataset
+    dataset = {"source": ref.source, "split": ref.split, "revision": ref.revision if ref.kind == "hf" else None,
+               "limit": (ref.row_end - ref.row_start) or None}
+    serve = ServeSection.of_host(settings).model_copy(update={"trust_remote_code": manifest.target.trust_remote_code})
+    return RunConfig(run=run, stages=[stage.name], target={"model": manifest.target.model}, dataset=dataset, serve=serve)
 
 
 def check_config(store, config: RunConfig) -> None:
     """save_config's refusal, writing nothing: a kept config differs in a planned stage's section."""
+    check_stage_names(config)
     kept = stored_config(store, config.run)
     if kept is not None:
         changed = sorted(k for k in RunConfig.model_fields if getattr(kept, k) != getattr(config, k))
@@ -44,8 +82,9 @@ def _open_sections(store, run: str) -> set[str]:
     if not store.exists(Layout(run).manifest):
         return set(RunConfig.model_fields)
     view = RunView(None, store, run, None, load_run_manifest(store, run))
-    # how the target is served changes nothing the run records (a restart with more GPUs, say)
-    return {"serve", "plan"} | {name for stage in PIPELINE if not stage.planned(view) for name in stage.sections}
+    # how the target is served changes nothing the run records (a restart with more GPUs, say); a run
+    # of some stages may go on as a whole pipeline (`eyrie run` after `eyrie generate`)
+    return {"serve", "plan", "stages"} | {name for stage in PIPELINE if not stage.planned(view) for name in stage.sections}
 
 
 def run_view(conn, store, run: str) -> RunView:
@@ -63,7 +102,7 @@ def advance(conn, store, run: str) -> str | None:
 
 
 def _next_stage(view: RunView) -> str | None:
-    for stage in PIPELINE:
+    for stage in run_stages(view.config):
         if stage.done(view):
             if stage.makes_states:
                 record_states(view)  # findable by a later run with the same settings (eyrie.runs.reuse)
@@ -72,7 +111,7 @@ def _next_stage(view: RunView) -> str | None:
         if stage.done(view):  # done at its start (verify skipped, with the reason recorded)
             continue
         return stage.name if started else None
-    view.conn.srem(keys.ACTIVE_PIPELINES, view.run)  # exported (and verified): the pipeline is done
+    view.conn.srem(keys.ACTIVE_PIPELINES, view.run)  # its last stage done (exported and verified): the run is done
     return None
 
 
@@ -87,7 +126,7 @@ def drained_run(conn, store) -> str | None:
         if not store.exists(Layout(run).manifest):
             continue
         view = run_view(conn, store, run)
-        if first.done(view) and not all(s.done(view) for s in PIPELINE) and not _stalled(view):
+        if first.done(view) and not all(s.done(view) for s in run_stages(view.config)) and not _stalled(view):
             return run
     return None
 

@@ -60,13 +60,19 @@ def index_key(config, target, dataset_revision: str) -> str | None:
 def record_states(view) -> None:
     """A pipeline whose states are complete (advance, once the stage that makes them is done):
     findable by its fingerprint and its target as its manifest recorded it (nothing hashed again).
-    A run on another's states records nothing: that one is found."""
+    A run on another's states records nothing: that one is found; nor does one whose config did not
+    run every stage that made them (its config may not say how the earlier ones ran)."""
     manifest = view.manifest
-    if view.config is None or manifest is None or manifest.states_from:
+    if view.config is None or manifest is None or manifest.states_from or not _made_here(view.config):
         return
     key = index_key(view.config, manifest.target, manifest.dataset.revision)
     if key is not None and not view.store.exists(key):
         view.store.put_json(key, {"run": view.run, "dataset": manifest.dataset.model_dump(), "recorded_at": now_iso()})
+
+
+def _made_here(config) -> bool:
+    last = next(i for i, stage in enumerate(PIPELINE) if stage.makes_states)
+    return config.stages is None or {stage.name for stage in PIPELINE[:last + 1]} <= set(config.stages)
 
 
 def states_to_reuse(store, config) -> RunManifest | None:

@@ -3,10 +3,10 @@ the pipeline (eyrie.stages.PIPELINE) reports its own."""
 
 from __future__ import annotations
 
-from eyrie.data.manifest import config_key, load_run_manifest
+from eyrie.data.manifest import load_run_manifest
 from eyrie.runs import serve_turns
 from eyrie.runs.pipeline import run_view
-from eyrie.stages import PIPELINE, RunView
+from eyrie.stages import PIPELINE, RunView, run_stages
 from eyrie.stages.base import LIVE_JOB_STATES
 from eyrie.work import gpu, inference, keys
 from eyrie.work.status_models import GpuHolder, PipelineStatus, RunStatus, StageStatus
@@ -40,9 +40,8 @@ def overall_state(status: RunStatus) -> str:
         return "cancelled"
     if "failed" in states or (status.pipeline and status.pipeline.blocked):
         return "failed"
-    # a pipeline is done once every stage with a status of its own is (exported); a stage started
-    # by hand, once it is
-    every_stage = {s.name for s in PIPELINE if s.shown}
+    # a run is done once every stage of it with a status of its own is (a pipeline: exported and verified)
+    every_stage = {s.name for s in PIPELINE if s.shown and (not status.pipeline or s.name in status.pipeline.stages)}
     if all(s == "done" for s in states) and (not status.pipeline or every_stage <= set(status.stages)):
         return "done"
     return "in_progress" if any(s != "pending" for s in states) else "pending"
@@ -67,10 +66,12 @@ def _mark_cancelled(stages: dict[str, StageStatus]) -> None:
 
 
 def pipeline_status(view: RunView) -> PipelineStatus | None:
-    """Set for runs started by `eyrie run`: whether the chain is blocked, and the state of the
-    stages' planners and side tasks (the extract stage's planning, the base drafter's fetch)."""
-    if not view.store.exists(config_key(view.run)):
+    """Set for runs with a config kept (every run started since stages alone keep one): its stages,
+    whether the chain is blocked, and the state of the stages' planners and side tasks (the extract
+    stage's planning, the base drafter's fetch)."""
+    if view.config is None:
         return None
     blocked = view.conn.get(keys.blocked(view.run))
     tasks = {name: state for s in PIPELINE for name, state in s.planner_states(view).items()}
-    return PipelineStatus(blocked=blocked.decode() if blocked else None, tasks=tasks)
+    return PipelineStatus(stages=[s.name for s in run_stages(view.config)], blocked=blocked.decode() if blocked else None,
+                          tasks=tasks)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 
+from eyrie.core.errors import EyrieError
 from eyrie.stages.base import PipelineStage, RunView
 from eyrie.stages.extract import Extract
 from eyrie.stages.generate import Generate
@@ -24,7 +25,7 @@ FETCH = Train.side_tasks[0]
 
 __all__ = ["PIPELINE", "PipelineStage", "RunView", "TaskKind", "CALLBACKS", "ON_TASK_DONE", "QUEUE_PREFIX",
            "entry", "queue_name", "task_id", "stage", "queues", "gpu_queues", "task_kinds", "task_funcs",
-           "startable", "on_queue", "on_queue_stages", "preload", "GENERATE", "PLAN_GENERATE", "EXTRACT",
+           "startable", "run_stages", "check_stage_names", "on_queue", "on_queue_stages", "preload", "GENERATE", "PLAN_GENERATE", "EXTRACT",
            "PLAN_EXTRACT", "TRAIN", "PLAN_TRAIN", "VERIFY", "FETCH"]
 
 
@@ -50,6 +51,22 @@ def gpu_queues() -> tuple[str, ...]:
 def startable() -> tuple[str, ...]:
     """The stages a user may start on their own."""
     return tuple(s.name for s in PIPELINE if s.starts_alone)
+
+
+def run_stages(config) -> list[PipelineStage]:
+    """The stages a run runs, in pipeline order: those its config names (a stage started alone: that
+    one), else every stage; none for a run with no config kept."""
+    if config is None:
+        return []
+    return [s for s in PIPELINE if config.stages is None or s.name in config.stages]
+
+
+def check_stage_names(config) -> None:
+    """A run config's `stages` are stages of the pipeline."""
+    unknown = sorted(set(config.stages or ()) - {s.name for s in PIPELINE})
+    if unknown:
+        raise EyrieError(f"run {config.run}: no stage {', '.join(map(repr, unknown))} in the pipeline.",
+                         f"name stages of: {', '.join(s.name for s in PIPELINE)} (or leave `stages` out: all).")
 
 
 def on_queue_stages(queue: str) -> list[PipelineStage]:

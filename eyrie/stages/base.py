@@ -18,7 +18,7 @@ LIVE_JOB_STATES = {"queued", "started", "scheduled", "deferred"}
 
 @dataclass
 class Started:
-    """What starting a stage did: its run manifest and the tasks it enqueued now, or (while its
+    """What a user's start did: its run manifest and the tasks it enqueued now, or (while its
     planning task runs on its queue) that task's kind."""
 
     manifest: RunManifest | None = None
@@ -28,8 +28,9 @@ class Started:
 
 @dataclass
 class RunView:
-    """What a stage's control side reads of one run: Redis, the store, the pipeline's config
-    (None for a stage started on its own) and the run manifest (None before the run is planned)."""
+    """What a stage's control side reads of one run: Redis, the store, the run's config (None for a
+    run made before configs were kept for stages started alone) and the run manifest (None before
+    the run is planned)."""
 
     conn: Any
     store: Any
@@ -47,8 +48,9 @@ class PipelineStage:
 
     `planner`: the task kind that plans the stage on its own queue (None: nothing to plan);
     `work`: the task kind that does its work; `side_tasks`: others it runs (a base drafter's fetch).
-    `start` is idempotent: it enqueues the planner until the stage is planned, then what is missing.
-    However a stage is started (`advance`, `eyrie <name>`, POST /runs), its planner plans it."""
+    `start` is idempotent: it plans the stage until it is planned, then enqueues what is missing.
+    However a stage is started (`eyrie run`, `eyrie <name>`, POST /runs), the run's config is kept
+    and `advance` starts it; its planner plans it from that config."""
 
     name: ClassVar[str]
     queue: ClassVar[str]
@@ -74,15 +76,25 @@ class PipelineStage:
         raise NotImplementedError
 
     def start(self, view: RunView) -> bool:
-        """Enqueue what the stage needs now; False when it finished without a task (nothing runs)."""
-        if self.planner is not None and not self.planned(view):
-            enqueue(view.conn, self.planner, {"run": view.run})
-        else:
-            self.enqueue_work(view)
+        """The one way a stage starts (`advance` calls it for the next stage of the run's config): planned
+        first, then what is missing enqueued. False where nothing was enqueued (nothing runs now)."""
+        return self.enqueue_work(view) if self.planned(view) else self.plan(view)
+
+    def plan(self, view: RunView) -> bool:
+        """Its planning task, first in its queue; a user's start (`eyrie run`, `eyrie <name>`) calls
+        it on a planned stage too: planned again, checked against its plan, what is missing enqueued."""
+        if self.planner is None:
+            return self.enqueue_work(view)
+        enqueue(view.conn, self.planner, {"run": view.run}, at_front=True)
         return True
 
-    def enqueue_work(self, view: RunView) -> None:
+    def enqueue_work(self, view: RunView) -> bool:
         enqueue(view.conn, self.work, {"run": view.run})
+        return True
+
+    def in_run(self, view: RunView) -> bool:
+        """Whether the run's config names this stage (a run with no config kept runs none by itself)."""
+        return view.config is not None and (view.config.stages is None or self.name in view.config.stages)
 
     def settings_in(self, config):
         """Its own settings: the last of its sections of the run config."""
@@ -103,21 +115,6 @@ class PipelineStage:
         """What starting the stage now would refuse (other settings than its plan, a stage before
         it not finished, a dataset with no usable row), raised before anything is written: a
         refused command changes nothing, so a cancelled run stays cancelled (eyrie.stages.start_checks)."""
-
-    def start_alone(self, settings, conn, store, run: str, section, dataset=None) -> Started:
-        """Checked where it is started (check_start, first), planned by its planning task (first in
-        its queue). On its own (`section` given) what to plan travels with the task; a pipeline's
-        planner reads the stored config. A rerun plans again: checked against its plan, what is
-        missing enqueued."""
-        payload = {"run": run}
-        if section is not None:
-            payload.update(self.asked(settings, section, dataset))
-        enqueue(conn, self.planner, payload, at_front=True)
-        return Started(planning=self.planner)
-
-    def asked(self, settings, section, dataset=None) -> dict:
-        """What a start on its own asks its planner to plan: the section's settings as given."""
-        return {"request": section.model_dump(exclude_unset=True)}
 
     def tasks_left(self, view: RunView) -> list[str]:
         """The task ids of its planned work not finished yet."""

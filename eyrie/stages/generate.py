@@ -8,7 +8,7 @@ from eyrie.stages.base import RunView, state_of
 from eyrie.stages.sharded import ShardedStage
 from eyrie.stages.start_checks import check_generate
 from eyrie.work import keys
-from eyrie.work.queue import enqueue, job_errors, job_state, task_result, workers_on
+from eyrie.work.queue import job_errors, job_state, task_result, workers_on
 from eyrie.work.status_models import StageStatus
 from eyrie.work.task_kinds import TaskKind
 
@@ -26,17 +26,9 @@ class Generate(ShardedStage):
     def planned(self, view: RunView) -> bool:
         return view.manifest is not None
 
-    def start(self, view: RunView) -> bool:
+    def enqueue_work(self, view: RunView) -> bool:
         """Its planner enqueues its tasks; a shard that failed for good waits for `eyrie retry`."""
-        if self.planned(view):
-            return False
-        enqueue(view.conn, self.planner, {"run": view.run}, at_front=True)
-        return True
-
-    def asked(self, settings, section, dataset=None) -> dict:
-        """Its settings as given, the dataset, and the target where it was named."""
-        named = settings.model if "model" in settings.model_fields_set else None
-        return {**super().asked(settings, section), "dataset": dataset.model_dump(exclude_unset=True), "model": named}
+        return False
 
     def total(self, view: RunView) -> int:
         return view.manifest.dataset.row_end - view.manifest.dataset.row_start

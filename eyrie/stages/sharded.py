@@ -26,10 +26,11 @@ class ShardedStage(PipelineStage):
     def done(self, view: RunView) -> bool:
         return self.planned(view) and all(self.shard_done(view, i) for i in self.shards(view))
 
-    def enqueue_work(self, view: RunView) -> None:
+    def enqueue_work(self, view: RunView) -> bool:
         for shard in self.shards(view):
             if not self.shard_done(view, shard):
                 enqueue(view.conn, self.work, {"run": view.run, "shard": shard}, shard)
+        return True
 
     def tasks_left(self, view: RunView) -> list[str]:
         return [self.work.task_id(view.run, i) for i in self.shards(view) if not self.shard_done(view, i)]

@@ -41,7 +41,10 @@ class Verify(PipelineStage):
     def done(self, view: RunView) -> bool:
         return view.manifest is not None and view.manifest.verify is not None
 
-    def start(self, view: RunView) -> bool:
+    def plan(self, view: RunView) -> bool:
+        """Decided where the other stages plan (it has no planning task: no verify worker may be up to
+        run one): skipped with the reason recorded, or its task enqueued with the time limit its plan
+        allows (verify_timeout_s)."""
         if job_state(view.conn, self.work.task_id(view.run)) in LIVE_JOB_STATES:
             # enqueued already (maybe waiting for a restarting verifier): not decided again. RQ lists a task whose
             # verifier was SIGKILLed under it as started for good: enqueue replaces it (its lease lapsed), so a
@@ -67,7 +70,7 @@ class Verify(PipelineStage):
         manifest, job = view.manifest, self.work.task_id(view.run)
         state = job_state(view.conn, job)
         result = manifest.verify if manifest else None
-        if result is None and state is None and (view.config is None or manifest is None or manifest.drafter is None):
+        if result is None and state is None and (not self.in_run(view) or manifest is None or manifest.drafter is None):
             return None
         common = {"total": 1, "workers": workers_on(view.conn, self.queue)}
         if result is not None and state not in LIVE_JOB_STATES:  # (a failed task since verified by hand: done)

@@ -1,8 +1,8 @@
 """A stage's planning task (plan-extract, plan-train, ...): what to plan, and the refusal contract.
 
 However a stage is started its planner plans it, on the stage's own queue, where its data and tools
-are. What to plan: the settings its payload carries (a stage started on its own, `eyrie extract`,
-POST /runs?stage=) or else its section of the run config `eyrie run` kept (a pipeline). A refusal
+are. What to plan: its section of the run's kept config, the one source (`eyrie run` keeps the
+pipeline's; `eyrie extract`, POST /runs?stage= keep one naming that stage). A refusal
 (settings the data cannot carry, a stage before not finished, a base drafter that does not fit)
 blocks the run, shown by status, and is the task's result: {"status": "refused", "error", "fix"},
 which the command that waits for it prints as its one-line error (eyrie.work.planning)."""
@@ -11,38 +11,29 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import BaseModel, create_model
+from pydantic import BaseModel
 
 from eyrie.core.errors import EyrieError
 from eyrie.data.manifest import stored_config
 from eyrie.stages import PIPELINE
-from eyrie.tasks.executor import RunTask, StageTask
+from eyrie.tasks.executor import StageTask
 from eyrie.work.cancel import block
 
 
 class PlannerTask(StageTask):
     """A subclass sets `stage` (the planner's task kind, as its stage declares it) and `Request`
     (the settings model of that stage's section) and plans in `plan`, returning its result's fields.
-    Its payload, made from `Request`, is the run and (for a stage started on its own) `request`, the
-    settings as given; validated before anything runs. No done-check: a plan made already is
-    checked against and what is missing enqueued again."""
+    Its payload is the run alone. No done-check: a plan made already is checked against and what is
+    missing enqueued again."""
 
     Request: ClassVar[type[BaseModel]]
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "Request" in vars(cls) and "Payload" not in vars(cls):
-            cls.Payload = create_model(f"{cls.__name__}Payload", __base__=RunTask, request=(cls.Request | None, None))
-
     def request(self) -> BaseModel:
-        """What to plan: the payload's settings, else the stored run config's section."""
-        if self.payload.request is not None:
-            return self.payload.request
+        """What to plan: the run's kept config's section."""
         planned = next(s for s in PIPELINE if s.planner == self.stage)
         config = stored_config(self.store, self.run_name)
         if config is None:
-            raise EyrieError(f"run {self.run_name}: nothing to plan {planned.name} from (no pipeline config "
-                             "and no settings given).",
+            raise EyrieError(f"run {self.run_name}: nothing to plan {planned.name} from (no run config kept).",
                              f"start it with `eyrie run --config run.yaml` or `eyrie {planned.name} "
                              f"--run {self.run_name}`.")
         return self.Request.model_validate(getattr(config, planned.sections[-1]))

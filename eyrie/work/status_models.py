@@ -79,9 +79,10 @@ class TaskState(BaseModel):
 
 
 class PipelineStatus(BaseModel):
-    """Set for runs started by `eyrie run`: whether the chain is blocked, and the stages' planners
-    and side tasks (e.g. plan-extract, the base drafter's fetch) by task kind, once enqueued."""
+    """Every run's: its stages (a stage started alone: that one), whether the chain is blocked, and the
+    stages' planners and side tasks (e.g. plan-extract, the base drafter's fetch) by task kind, once enqueued."""
 
+    stages: list[str] = Field(default_factory=list)
     blocked: str | None = None
     tasks: dict[str, TaskState] = Field(default_factory=dict)
 

@@ -14,9 +14,9 @@ from rq.serializers import JSONSerializer
 from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import load_config
 from eyrie.core.stage_settings import TrainSettings
-from eyrie.data.manifest import Layout, load_run_manifest
+from eyrie.data.manifest import Layout, config_key, load_run_manifest, stored_config
 from eyrie.runs.control import await_started, start_stage
-from eyrie.runs.pipeline import save_config
+from eyrie.runs.pipeline import save_config, stage_config
 from eyrie.runs.status import run_status
 from eyrie.stages import PLAN_EXTRACT, PLAN_TRAIN, TRAIN
 from eyrie.stages.train import Train
@@ -68,16 +68,29 @@ def test_plan_extract_refused_blocks_the_run(ctx, tmp_path):
     assert f"{result['error']} Fix: {result['fix']}" == blocked(ctx, "unplanned")
 
 
+def train_alone(ctx: Context, run: str, **given) -> None:
+    """The config `eyrie train --run RUN` keeps: the run's, naming train, with the settings given."""
+    save_config(ctx.conn, ctx.store, stage_config(ctx.settings, ctx.store, run, Train(), TrainSettings(**given)))
+
+
 def test_plan_train_plans_from_the_settings_given_and_enqueues_training(ctx):
-    """A start alone sends the settings given: the plan has them; the training task carries the run alone."""
+    """A start alone keeps the settings given in the run's config: the plan has them; the training
+    task carries the run alone."""
     extracted_run(ctx.store, "given")
-    result = execute(PlanTrain, {"run": "given", "request": {"lr": 0.002, "seq_len": 256}}, ctx)
+    train_alone(ctx, "given", lr=0.002, seq_len=256)
+    assert stored_config(ctx.store, "given").stages == ["train"]
+    result = execute(PlanTrain, {"run": "given"}, ctx)
     assert result == {"run": "given", "status": "planned", "train_samples": 2, "enqueued": 1}
     assert load_run_manifest(ctx.store, "given").train.lr == 0.002
     job = EyrieJob.fetch(TRAIN.task_id("given"), connection=ctx.conn, serializer=JSONSerializer)
     assert list(job.args) == [{"run": "given"}] and job.get_status().value == "queued"
 
-    again = execute(PlanTrain, {"run": "given", "request": {"lr": 0.001}}, ctx)  # other settings: refused
+    with pytest.raises(EyrieError, match="planned with other settings: lr 0.001 vs 0.002"):  # refused where started
+        start_stage(ctx.settings, ctx.conn, ctx.store, "given", Train.name, TrainSettings(lr=0.001))
+    assert stored_config(ctx.store, "given").train.lr == 0.002  # the refused start changed nothing
+    changed = stored_config(ctx.store, "given").model_copy(update={"train": TrainSettings(lr=0.001)})
+    ctx.store.put_json(config_key("given"), changed.model_dump(exclude_unset=True))  # by hand: its planner refuses
+    again = execute(PlanTrain, {"run": "given"}, ctx)
     assert again["status"] == "refused" and "planned with other settings: lr 0.001 vs 0.002" in again["error"]
     assert "--as NEW_RUN --lr 0.001" in again["fix"] and "lr 0.001 vs 0.002" in blocked(ctx, "given")
 
@@ -126,6 +139,7 @@ EDGE = """
 import sys
 for name in ("torch", "transformers", "speculators"):  # what the API's image has not
     sys.modules[name] = None
+import redis
 from eyrie.core.config import load_settings
 from eyrie.core.stage_settings import ExtractSettings, TrainSettings
 from eyrie.data.store import open_store

@@ -123,11 +123,18 @@ def test_the_pages_planners_are_the_stages_planners_and_those_stages_start_alone
     assert commands and all(c.split("|") == list(startable()) for c in commands), commands
 
 
-def test_start_alone_is_the_stage_bases_alone():
-    """Every start of a stage enqueues its planner the same way: no stage class redefines it."""
+def test_a_stage_has_one_start_method_the_bases_and_the_page_says_so():
+    """How a stage is started, in the page's one sentence, made true by the code: `start(view)` is
+    defined once, in the stage base (no stage redefines it), the base has no other method whose name
+    starts with "start", and `advance` and a user's start reach a stage through it (start_stage keeps a
+    config naming the stage: a pipeline of length one)."""
+    assert "**How a stage is started: every start keeps the run's config and `advance` calls the stage's " \
+           "`start(view)`, its one start method.**" in FLAT
     for s in PIPELINE:
-        owners = [c.__name__ for c in type(s).__mro__ if "start_alone" in vars(c)]
-        assert owners == [PipelineStage.__name__], f"{s.name}: start_alone defined in {owners}"
+        owners = [c.__name__ for c in type(s).__mro__ if "start" in vars(c)]
+        assert owners == [PipelineStage.__name__], f"{s.name}: start defined in {owners}"
+    starts = [name for name in vars(PipelineStage) if name.startswith("start") and callable(vars(PipelineStage)[name])]
+    assert starts == ["start"], starts
 
 
 @pytest.mark.parametrize("kind", sorted(task_kinds()))
@@ -265,8 +272,8 @@ def test_verify_settings_are_a_plain_section_beside_the_run_config():
             assert issubclass(section, StageSettings) and section.__module__ == "eyrie.core.stage_settings", s.name
 
 
-# the run config's sections no stage owns: the run's name, its target, how it is served, --plan's figures
-RUNS_OWN = ("run", "target", "serve", "plan")
+# the run config's sections no stage owns: the run's name, its stages, its target, how it is served, --plan's figures
+RUNS_OWN = ("run", "stages", "target", "serve", "plan")
 
 
 def test_the_run_configs_sections_are_the_stages_sections_and_the_runs_own():

@@ -7,8 +7,10 @@ import socket
 import pytest
 
 from eyrie.core.errors import EyrieError
+from eyrie.core.run_config import RunConfig
 from eyrie.data.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
-                                 ShardManifest, ShardPlan, TargetRef, code_version, load_run_manifest, now_iso)
+                                 ShardManifest, ShardPlan, TargetRef, code_version, config_key, load_run_manifest,
+                                 now_iso)
 from eyrie.stages import TRAIN, task_kinds
 from eyrie.tasks.executor import execute
 from eyrie.work import keys
@@ -30,19 +32,19 @@ STAGE_TASKS = {  # every task kind's stage class with a payload of hers
     "generate": (ShardRunner, {"run": RUN, "shard": 0}),
     "extract": (ExtractRunner, {"run": RUN, "shard": 1}),
     "train": (TrainRunner, {"run": RUN}),
-    "plan-train": (PlanTrain, {"run": RUN, "request": {"base": "{missing}", "epochs": 1}}),
+    "plan-train": (PlanTrain, {"run": RUN}),
     "verify": (VerifyRunner, {"run": RUN}),
     "plan-extract": (PlanExtract, {"run": RUN}),
     "fetch": (FetchBase, {"run": RUN}),
 }
 
 
-def payload_of(name: str, tmp_path) -> dict:
-    """The stage's payload; a base drafter that does not exist (fetching it would fail)."""
-    payload = dict(STAGE_TASKS[name][1])
-    if "request" in payload:
-        payload["request"] = {**payload["request"], "base": str(tmp_path / "no-such-base-drafter")}
-    return payload
+def keep_config(store, tmp_path, run: str = RUN) -> None:
+    """The run's config as `eyrie train` alone keeps it, asking a base drafter that does not exist
+    (fetching it would fail)."""
+    config = RunConfig(run=run, stages=["train"], target={"model": str(TINY)}, dataset={"source": "synthetic"},
+                       train={"base": str(tmp_path / "no-such-base-drafter"), "epochs": 1})
+    store.put_json(config_key(run), config.model_dump())
 
 
 def extracted_run(store, run: str = RUN) -> None:
@@ -81,7 +83,7 @@ def test_constructing_a_stage_task_reads_and_writes_nothing(ctx, tmp_path, name)
     constructor and the done-check stand; neither the store nor Redis is touched."""
     stage_class = STAGE_TASKS[name][0]
     before = set(ctx.conn.keys())
-    task = stage_class(ctx, stage_class.Payload.model_validate(payload_of(name, tmp_path)))
+    task = stage_class(ctx, stage_class.Payload.model_validate(STAGE_TASKS[name][1]))
     done = task.done_key()
     assert done is None or not ctx.store.exists(done)
     assert ctx.store.list("") == [] and set(ctx.conn.keys()) == before
@@ -113,7 +115,8 @@ def test_plan_train_plans_under_the_task_lease_and_a_missing_base_is_refused_the
     """The plan is made in `run` (plan-train), where fetching the missing base drafter is refused:
     the run blocked, nothing planned, no training task enqueued."""
     extracted_run(ctx.store)
-    result = execute(PlanTrain, payload_of("plan-train", tmp_path), ctx)
+    keep_config(ctx.store, tmp_path)
+    result = execute(PlanTrain, {"run": RUN}, ctx)
     assert result["status"] == "refused" and "no such directory" in result["error"], result
     assert load_run_manifest(ctx.store, RUN).train is None
     assert "no such directory" in ctx.conn.get(keys.blocked(RUN)).decode()

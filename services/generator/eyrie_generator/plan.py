@@ -23,7 +23,7 @@ from eyrie.data.manifest import (GenerateParams, Layout, RunManifest, SamplingPa
 from eyrie.data.store import Store
 from eyrie.stages import GENERATE, PLAN_GENERATE
 from eyrie.stages.start_checks import same_generate, usable_row
-from eyrie.tasks.executor import RunTask, execute
+from eyrie.tasks.executor import execute
 from eyrie.tasks.planner import PlannerTask
 from eyrie.work import inference, keys, progress
 from eyrie.work.queue import enqueue
@@ -125,23 +125,13 @@ def _write_inputs(store, layout, ref, shard_size: int) -> tuple[list[ShardPlan],
 
 
 
-class PlanGenerateTask(RunTask):
-    """The planning task's payload: for a stage started on its own, what to plan (a pipeline's
-    planner reads its stored config); `model` when the target was named where it was started."""
-
-    dataset: DatasetSection | None = None
-    request: GenerateSettings | None = None
-    model: str | None = None
-
-
 class PlanGenerate(PlannerTask):
     """The run's dataset read and cut into input shards in the store, the run manifest written,
     one generate task per shard enqueued; a rerun checks it against its plan and enqueues what is
     missing. A refusal blocks the run (shown by status) until the user starts it again
-    (eyrie.tasks.planner). Its payload carries the dataset and the target too."""
+    (eyrie.tasks.planner). It reads the dataset and the target from the run's kept config too."""
 
     stage, Request = PLAN_GENERATE, GenerateSettings
-    Payload = PlanGenerateTask
 
     def plan(self, what) -> dict:
         settings, source, request, trust = what
@@ -150,15 +140,11 @@ class PlanGenerate(PlannerTask):
                 "shards": len(manifest.generate_shards), "enqueued": enqueued}
 
     def request(self):
-        """The target's settings, the dataset, its own settings and whether to trust remote code:
-        as given where it was started alone, else from the run config."""
-        payload = self.payload
-        if payload.dataset is not None:
-            named = {"model": payload.model} if payload.model else {}
-            return self.settings.model_copy(update=named), payload.dataset, payload.request or GenerateSettings(), None
+        """The target's settings, the dataset, its own settings and whether to trust remote code, from
+        the run's kept config."""
         config = stored_config(self.store, self.run_name)
         if config is None:
-            raise EyrieError(f"run {self.run_name}: nothing to plan (no pipeline config and no dataset given).",
+            raise EyrieError(f"run {self.run_name}: nothing to plan (no run config kept).",
                              "start it with `eyrie run --config run.yaml` or `eyrie generate --dataset ...`.")
         return (self.settings.model_copy(update={"model": config.target.model}), config.dataset, config.generate,
                 config.serve.trust_remote_code)
