@@ -20,6 +20,9 @@ from eyrie.stages import VERIFY, entry  # entry: services' code by name (eyrie/ 
 def evaluate(run: str = typer.Option(..., "--run", help="Run name (trained)."),
              device: str = typer.Option("cpu", help="cpu or cuda.")):
     """Simulated acceptance length τ of every checkpoint on the held-out samples (and untrained)."""
+    # It runs here rather than enqueue a task and wait: it measures on the device named here (--device,
+    # this host's), where no trainer worker need be up; a task would run on a trainer's device. It
+    # writes the evaluation record the train task writes (eyrie_trainer.export.evaluate, the same code).
     from eyrie.data.manifest import load_run_manifest
 
     done_samples, heldout_ids = entry("eyrie_trainer.data.done_samples"), entry("eyrie_trainer.data.heldout_ids")
@@ -96,6 +99,10 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
     """Serve the target with the exported drafter in vLLM (EYRIE_VLLM_COMMAND; default: the project's
     .venv-vllm) on the held-out prompts and benchmark sets: vLLM's own acceptance length per set and
     K beside eyrie's, identical outputs, tokens/s with and without at 1 and 8 in flight."""
+    # It runs here rather than enqueue the verify task and wait: it is the fix a skipped verify names
+    # (no verify worker is up, or verify.enabled is false), so it must run where vLLM is installed and
+    # no worker is. It takes the GPU lease as the task does and records its result in the run manifest
+    # the same way (eyrie_trainer.verify.verify, the task's own code).
     from eyrie.core.run_config import VerifySection
     from eyrie.data.manifest import load_run_manifest, stored_config
     from eyrie.tasks.gpu_admission import held_gpu

@@ -16,3 +16,7 @@ class Section(BaseModel):
         if any(isinstance(x, int) and abs(x) >= 2**63 for x in (value if isinstance(value, list) else [value])):
             raise ValueError("must be below 2**63")
         return value
+
+    def given(self) -> dict:
+        """The settings asked for, by name (not the defaults)."""
+        return {name: getattr(self, name) for name in type(self).model_fields if name in self.model_fields_set}

@@ -41,10 +41,6 @@ class StageSettings(Section):
     def _given_only(self, handler):
         return {name: value for name, value in handler(self).items() if name in self.model_fields_set}
 
-    def given(self) -> dict:
-        """The settings asked for, by name (not the defaults)."""
-        return {name: getattr(self, name) for name in type(self).model_fields if name in self.model_fields_set}
-
     def with_host_defaults(self, host: "StageSettings"):
         """These settings where a field not given takes the host's default: `host`, the settings a
         deployment sets (eyrie.core.config.Settings.generate_defaults: EYRIE_<FIELD>, e.g. EYRIE_MAX_RETRIES);

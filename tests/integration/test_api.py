@@ -17,6 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rq.serializers import JSONSerializer
 from schemathesis.checks import not_a_server_error
 
+from eyrie.core.config import load_settings
+from eyrie.data.manifest import stored_config
+from eyrie.data.store import open_store
 from eyrie.work import keys
 from eyrie.work.queue import EyrieJob
 
@@ -103,7 +106,7 @@ def test_the_api_reads_local_datasets_only_under_its_roots(env, api, stub_server
     closed = api(EYRIE_API_DATASET_ROOTS="")  # the default: no local dataset through the API
     refused = requests.post(f"{closed}/runs", json=run_config("in2", str(allowed / "p.jsonl")), headers=AUTH)
     assert refused.status_code == 400 and "EYRIE_API_DATASET_ROOTS (none set" in refused.json()["detail"]
-    assert not redis.Redis.from_url(env["EYRIE_REDIS_URL"]).smembers(keys.ACTIVE_PIPELINES)
+    assert redis.Redis.from_url(env["EYRIE_REDIS_URL"]).smembers(keys.ACTIVE_PIPELINES) == {b"in"}  # the one started
 
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
@@ -265,15 +268,17 @@ def test_one_stage_only(env, api, stub_server, tmp_path):
     worker = eyrie("worker", "generate", "--burst", env={**env, "EYRIE_INFERENCE_URL": stub, "EYRIE_SERVER": "vllm"})
     assert "plan-generate-single-00000" in worker.stdout + worker.stderr  # planned by the generator's worker
     status = requests.get(f"{url}/runs/single", headers=AUTH).json()
-    assert status["stages"]["generate"]["state"] == "done" and status["pipeline"] is None
-    assert "extract" not in status["stages"]  # nothing followed by itself
+    assert status["stages"]["generate"]["state"] == "done" and status["pipeline"]["stages"] == ["generate"]
+    assert "extract" not in status["stages"]  # nothing followed by itself: a run of generate alone
 
     extract = requests.post(f"{url}/runs?stage=extract", json={**body, "extract": {"layers": [2, 4, 5]}}, headers=AUTH)
     assert extract.status_code == 202 and extract.json() == {"run": "single", "stage": "extract", "enqueued": 0,
                                                              "planning": "plan-extract-single-00000"}
-    conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])  # not planned by the API: its task, with the settings sent
+    conn = redis.Redis.from_url(env["EYRIE_REDIS_URL"])  # not planned by the API: its task, from the config kept
     task = EyrieJob.fetch("plan-extract-single-00000", connection=conn, serializer=JSONSerializer)
-    assert list(task.args) == [{"run": "single", "request": {"layers": [2, 4, 5]}}] and task.origin == "eyrie-extract"
+    assert list(task.args) == [{"run": "single"}] and task.origin == "eyrie-extract"
+    kept = stored_config(open_store(load_settings()), "single")
+    assert kept.stages == ["generate", "extract"] and kept.extract.layers == [2, 4, 5]
     assert "extract" not in requests.get(f"{url}/runs/single", headers=AUTH).json()["stages"]
     worker = eyrie("worker", "extract", "--burst", env=env, timeout=600)
     assert "plan-extract-single-00000" in worker.stdout + worker.stderr  # planned by the extractor's worker
