@@ -31,19 +31,19 @@ def generate(run: str = typer.Option(..., "--run", help="Run name."),
 
     from eyrie.stages.generate import Generate
 
-    _start_alone(Generate.name, run, (GenerateSettings, asked), line, wait, dataset=(DatasetSection, prompts))
+    _one_stage(Generate.name, run, (GenerateSettings, asked), line, wait, dataset=(DatasetSection, prompts))
 
 
-def _start_alone(stage: str, run: str, asked: tuple, line, wait: bool, dataset: tuple | None = None) -> None:
+def _one_stage(stage: str, run: str, asked: tuple, line, wait: bool, dataset: tuple | None = None) -> None:
     """`eyrie generate|extract|train`: the run's name and the options given checked (by the stage's
     settings model), the stage started through control.start_stage, `line` printed, then `--wait`."""
     from eyrie.core.run_config import check_run_name
-    from eyrie.runs.control import await_started, start_stage
+    from eyrie.runs.control import await_planned, start_stage
 
     check_run_name(run)
     request, source = checked(*asked), checked(*dataset) if dataset else None
     settings, conn, store = context()
-    started = await_started(conn, store, run, start_stage(settings, conn, store, run, stage, request, source))
+    started = await_planned(conn, store, run, start_stage(settings, conn, store, run, stage, request, source))
     typer.echo(line(started.manifest, started.enqueued, store))
     if wait:
         follow(conn, store, run, stage)
@@ -67,7 +67,7 @@ def extract(run: str = typer.Option(..., "--run", help="Run name (its generate s
 
     from eyrie.stages.extract import Extract
 
-    _start_alone(Extract.name, run, (ExtractSettings, asked), line, wait)
+    _one_stage(Extract.name, run, (ExtractSettings, asked), line, wait)
 
 
 @app.command()
@@ -123,4 +123,4 @@ def train(run: str = typer.Option(..., "--run", help="Run name (its extract stag
         settings, conn, store = context()
         typer.echo(pipeline_started(train_as(settings, conn, store, run, as_run, checked(TrainSettings, asked))))
         return follow(conn, store, as_run, Train.name) if wait else None
-    _start_alone(Train.name, run, (TrainSettings, asked), line, wait)
+    _one_stage(Train.name, run, (TrainSettings, asked), line, wait)

@@ -68,7 +68,7 @@ def start_pipeline(settings, conn, store, cfg, states: RunManifest | None = None
         conn.srem(keys.ACTIVE_PIPELINES, cfg.run)  # active again once its cancel is lifted
         enqueue(conn, pending(conn, cfg.run)[0], {"run": cfg.run}, at_front=True)
     else:
-        _start_first(settings, conn, store, cfg, plans)
+        _plan_first(settings, conn, store, cfg, plans)
         for each in PIPELINE:
             each.on_pipeline_start(view)
     stage = advance_or_record(conn, store, cfg.run)
@@ -77,7 +77,7 @@ def start_pipeline(settings, conn, store, cfg, states: RunManifest | None = None
             "answers_from": planned.answers_from["where"] if planned and planned.answers_from else None}
 
 
-def _start_first(settings, conn, store, cfg, plans: bool) -> None:
+def _plan_first(settings, conn, store, cfg, plans: bool) -> None:
     """The first stage planned (again, on a rerun), where the run is to plan (not on another run's states)."""
     if not plans:
         return
@@ -96,7 +96,7 @@ def start_and_plan(settings, conn, store, cfg) -> dict:
         if kind != first:
             await_planning(conn, kind, cfg.run)
     planning = first if out["planning"] else None  # none where it trains on another run's states
-    started = await_started(conn, store, cfg.run, Started(planning=planning))
+    started = await_planned(conn, store, cfg.run, Started(planning=planning))
     manifest = started.manifest or load_run_manifest(store, cfg.run)
     return {**out, "rows": manifest.dataset.row_end - manifest.dataset.row_start, "enqueued": started.enqueued}
 
@@ -119,14 +119,14 @@ def train_as(settings, conn, store, source_run: str, run: str, request) -> dict:
         if not store.exists(Layout(run).manifest):
             train_on_states(store, source, run)
             conn.sadd(keys.RUNS, run)
-        await_started(conn, store, run, start_stage(settings, conn, store, run, Train.name, request))  # planned
+        await_planned(conn, store, run, start_stage(settings, conn, store, run, Train.name, request))  # planned
         out = {"run": run, "planning": Train.planner.task_id(run), "started": Train.name,
                "states_from": owner_of(store, source).run}
     manifest = load_run_manifest(store, run)
     return {**out, "rows": manifest.dataset.row_end - manifest.dataset.row_start, "enqueued": 0}
 
 
-def await_started(conn, store, run: str, started: Started) -> Started:
+def await_planned(conn, store, run: str, started: Started) -> Started:
     """A stage whose planning task was enqueued, once planned (its refusal raised)."""
     if started.planning is None:
         return started
@@ -160,7 +160,7 @@ def start_stage(settings, conn, store, run: str, name: str, section, dataset=Non
     """One stage on its own (`eyrie generate|extract|train`, POST /runs?stage=), from its section
     of a run config (generate also reads `dataset`): the run's config kept names that stage (a
     pipeline of it alone, eyrie.runs.pipeline.stage_config), so nothing starts after it by itself.
-    Its planning task is enqueued on its queue: `await_started` waits for it."""
+    Its planning task is enqueued on its queue: `await_planned` waits for it."""
     if name not in startable():
         raise EyrieError(f"no stage {name!r} to start on its own.", f"start one of: {', '.join(startable())}.")
     chosen = stage(name)

@@ -15,7 +15,7 @@ from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import load_config
 from eyrie.core.stage_settings import TrainSettings
 from eyrie.data.manifest import Layout, config_key, load_run_manifest, stored_config
-from eyrie.runs.control import await_started, start_stage
+from eyrie.runs.control import await_planned, start_stage
 from eyrie.runs.pipeline import save_config, stage_config
 from eyrie.runs.status import run_status
 from eyrie.stages import PLAN_EXTRACT, PLAN_TRAIN, TRAIN
@@ -129,7 +129,7 @@ def test_a_start_alone_refused_by_its_planner_shows_in_status(ctx, tmp_path):
     started = start_stage(ctx.settings, ctx.conn, ctx.store, "nobase", Train.name, request)
     assert started.planning == PLAN_TRAIN and load_run_manifest(ctx.store, "nobase").train is None
     with pytest.raises(EyrieError, match="no such directory"):
-        await_started(ctx.conn, ctx.store, "nobase", started)
+        await_planned(ctx.conn, ctx.store, "nobase", started)
     train = run_status(ctx.conn, ctx.store, "nobase").stages["train"]
     assert train.state == "failed" and "plan-train-nobase-00000: " in train.errors[0]
     assert "no such directory" in train.errors[0] and job_state(ctx.conn, TRAIN.task_id("nobase")) is None

@@ -96,7 +96,7 @@ def test_a_base_that_does_not_fit_leaves_a_cancelled_run_cancelled(env, tmp_path
     cancelled run, B's hidden size not the target's. The trainer's planning refuses it while the
     cancel stays (a cancel being lifted stops none of the tasks that planning enqueues); a start that
     plans lifts it, and only then."""
-    from eyrie.runs.control import await_started
+    from eyrie.runs.control import await_planned
     from eyrie.stages import TRAIN
     from eyrie.work.cancel import CancelWatch
     from tests.support.legacy_drafter import build_legacy_drafter
@@ -112,11 +112,11 @@ def test_a_base_that_does_not_fit_leaves_a_cancelled_run_cancelled(env, tmp_path
     started = start_stage(settings, conn, store, "b", Train.name, TrainSettings(base=str(narrow)))
     assert overall_state(run_status(conn, store, "b")) == "cancelled" and not CancelWatch(conn, "b")()
     with pytest.raises(EyrieError, match=r"does not fit target .*hidden size 32 \(base\) vs 64"):
-        await_started(conn, store, "b", started)  # its planning, run here (no worker up)
+        await_planned(conn, store, "b", started)  # its planning, run here (no worker up)
     assert conn.exists(keys.cancelled("b")) and overall_state(run_status(conn, store, "b")) == "cancelled"
     assert CancelWatch(conn, "b")() and not queue(conn, TRAIN.queue).get_job_ids()
 
-    await_started(conn, store, "b", start_stage(settings, conn, store, "b", Train.name, TrainSettings()))
+    await_planned(conn, store, "b", start_stage(settings, conn, store, "b", Train.name, TrainSettings()))
     assert not conn.exists(keys.cancelled("b")) and queue(conn, TRAIN.queue).get_job_ids() == [TRAIN.task_id("b")]
 
 

@@ -94,7 +94,7 @@ def test_a_run_of_such_a_target_without_the_setting_is_refused_before_it_starts(
                                                                                redis_url, monkeypatch):
     import redis
 
-    from eyrie_generator.plan import start_generate
+    from eyrie_generator.plan import plan_generate
 
     monkeypatch.setenv("EYRIE_STORE_URL", f"file://{tmp_path / 'store'}")
     settings = load_settings(model=own_code_target)
@@ -111,10 +111,10 @@ def test_a_run_of_such_a_target_without_the_setting_is_refused_before_it_starts(
     # the generate stage records it in the manifest's target, which every later load reads
     source = DatasetSection(source=trusted.dataset.source, limit=4)
     settings = settings.model_copy(update={"inference_url": "http://127.0.0.1:9"})  # no server is asked
-    manifest, _ = start_generate(settings, conn, store, "trusted", source, GenerateSettings(),
+    manifest, _ = plan_generate(settings, conn, store, "trusted", source, GenerateSettings(),
                                  trust_remote_code=True)
     assert manifest.target.trust_remote_code
-    _refused(lambda: start_generate(settings, conn, store, "untrusted-generate", source, GenerateSettings()))
+    _refused(lambda: plan_generate(settings, conn, store, "untrusted-generate", source, GenerateSettings()))
 
 
 def test_a_target_path_this_host_lacks_is_not_taken_for_a_hub_id(tmp_path):

@@ -13,7 +13,7 @@ from eyrie.core.stage_settings import DatasetSection, GenerateSettings
 from eyrie.core.target import describe
 from eyrie.data.store import open_store
 from eyrie.work import inference
-from eyrie_generator.plan import start_generate
+from eyrie_generator.plan import plan_generate
 from eyrie_inference.server import command
 from tests.support.builders import publish_endpoint
 from tests.support.harness import ROOT, TINY, TRAIN_PROMPTS, tiny_run_config
@@ -31,7 +31,7 @@ def conn(redis_server):
 
 def _start_generate(conn, tmp_path, model: str, run: str = "r1"):
     settings = load_settings(model=model, store_url=f"file://{tmp_path / 'store'}")
-    return start_generate(settings, conn, open_store(settings), run, DatasetSection(source=str(TRAIN_PROMPTS), limit=4),
+    return plan_generate(settings, conn, open_store(settings), run, DatasetSection(source=str(TRAIN_PROMPTS), limit=4),
                           GenerateSettings())
 
 

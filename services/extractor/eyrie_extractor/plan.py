@@ -37,7 +37,7 @@ def target_shape(model: str, trust_remote_code: bool) -> tuple[int, int]:
     return config.num_hidden_layers, config.hidden_size
 
 
-def start_extract(conn, store, run: str, request: ExtractSettings) -> tuple[RunManifest, int]:
+def plan_extract(conn, store, run: str, request: ExtractSettings) -> tuple[RunManifest, int]:
     """Plan the stage from `request` (or check what it asks against the plan); enqueue what is missing."""
     manifest, layout = check_extract(store, run, request), Layout(run)
     if manifest.extract is None:
@@ -109,7 +109,7 @@ class PlanExtract(PlannerTask):
     stage, Request = PLAN_EXTRACT, ExtractSettings
 
     def plan(self, request: ExtractSettings) -> dict:
-        manifest, enqueued = start_extract(self.conn, self.store, self.run_name, request)
+        manifest, enqueued = plan_extract(self.conn, self.store, self.run_name, request)
         return {"samples": manifest.extract.samples, "enqueued": enqueued}
 
 

@@ -34,7 +34,7 @@ def sample_id(ref, row: int) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def start_generate(settings: Settings, conn, store: Store, run: str, source: DatasetSection,
+def plan_generate(settings: Settings, conn, store: Store, run: str, source: DatasetSection,
                    request: GenerateSettings, trust_remote_code: bool | None = None) -> tuple[RunManifest, int]:
     """Returns the run manifest and how many tasks were enqueued now. `trust_remote_code`: the
     run config's serve.trust_remote_code (None, without one: whether EYRIE_VLLM_ARGS has the flag)."""
@@ -135,7 +135,7 @@ class PlanGenerate(PlannerTask):
 
     def plan(self, what) -> dict:
         settings, source, request, trust = what
-        manifest, enqueued = start_generate(settings, self.conn, self.store, self.run_name, source, request, trust)
+        manifest, enqueued = plan_generate(settings, self.conn, self.store, self.run_name, source, request, trust)
         return {"rows": manifest.dataset.row_end - manifest.dataset.row_start,
                 "shards": len(manifest.generate_shards), "enqueued": enqueued}
 

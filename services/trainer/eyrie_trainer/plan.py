@@ -28,7 +28,7 @@ from eyrie_trainer.data import done_samples, heldout_ids
 
 
 
-def start_train(conn, store, run: str, request: TrainSettings, cache_dir: Path, device: str) -> tuple[RunManifest, int]:
+def plan_train(conn, store, run: str, request: TrainSettings, cache_dir: Path, device: str) -> tuple[RunManifest, int]:
     """The run's train plan made now (base drafter fetched and checked) or checked against, then
     the training task enqueued unless the drafter is exported. `device`: where training runs (the
     recipe's pack length)."""
@@ -90,7 +90,7 @@ class PlanTrain(PlannerTask):
     stage, Request = PLAN_TRAIN, TrainSettings
 
     def plan(self, request: TrainSettings) -> dict:
-        manifest, enqueued = start_train(self.conn, self.store, self.run_name, request, Path(self.settings.cache_dir),
+        manifest, enqueued = plan_train(self.conn, self.store, self.run_name, request, Path(self.settings.cache_dir),
                                          trainer_device(self.settings.device))
         return {"train_samples": manifest.train.train_samples, "enqueued": enqueued}
 
