@@ -16,7 +16,8 @@ import argparse, json, tempfile
 from pathlib import Path
 
 from eyrie.core.config import load_settings
-from eyrie.data.manifest import load_run_manifest, stored_config
+from eyrie.data.manifest import load_run_manifest
+from eyrie.stages.run_config import stored_config
 from eyrie.data.store import open_store
 from eyrie_trainer.export import download
 from eyrie_trainer.verify import (HELDOUT, Served, answer_limits, benchmark_prompts, heldout_prompts, max_model_len,

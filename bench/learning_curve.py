@@ -19,7 +19,8 @@ import torch
 
 from eyrie.core import recipe as recipes
 from eyrie.core.config import load_settings
-from eyrie.data.manifest import Layout, load_run_manifest, stored_config
+from eyrie.data.manifest import Layout, load_run_manifest
+from eyrie.stages.run_config import stored_config
 from eyrie.data.store import open_store
 from eyrie.work.gpu import pick_device
 from eyrie_trainer import checkpoints, engine

@@ -19,7 +19,7 @@ from eyrie.api.datasets import check_dataset_source
 from eyrie.api.metrics import metrics_response
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError, UnknownRun
-from eyrie.core.run_config import RUN_NAME, RunConfig
+from eyrie.core.run_config import RUN_NAME
 from eyrie.data.manifest import load_run_manifest
 from eyrie.data.store import open_store
 from eyrie.runs import control
@@ -27,6 +27,7 @@ from eyrie.runs.audit import audit as audit_run
 from eyrie.runs.failures import Reason, failures
 from eyrie.runs.family import Family, family
 from eyrie.runs.status import run_status
+from eyrie.stages.run_config import run_config_model
 from eyrie.stages import PIPELINE, queues, startable
 from eyrie.work.queue import connect, task_counts
 from eyrie.work.status_models import QueueTasks, RunStatus, RunSummary
@@ -66,6 +67,7 @@ def _invalid(exc: ValidationError) -> JSONResponse:
 
 def routes():
     r = APIRouter()
+    RunConfig = run_config_model()  # the body of POST /runs: the pipeline's sections as it stands
 
     @r.get("/healthz", tags=["health"])
     def healthz(request: Request) -> JSONResponse:

@@ -104,7 +104,8 @@ def verify(run: str = typer.Option(..., "--run", help="Run name (exported)."),
     # no worker is. It takes the GPU lease as the task does and records its result in the run manifest
     # the same way (eyrie_trainer.verify.verify, the task's own code).
     from eyrie.core.run_config import VerifySection
-    from eyrie.data.manifest import load_run_manifest, stored_config
+    from eyrie.data.manifest import load_run_manifest
+    from eyrie.stages.run_config import stored_config
     from eyrie.tasks.gpu_admission import held_gpu
 
     settings, conn, store = context()

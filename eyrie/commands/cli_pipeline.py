@@ -69,7 +69,7 @@ def run_pipeline(config: Path = typer.Option(..., "--config", help="The pipeline
     each stage starting by itself when the one before is done."""
     from eyrie.core.config import load_settings
     from eyrie.core.support import refuse_unsupported_config
-    from eyrie.core.run_config import load_config
+    from eyrie.stages.run_config import load_config
 
     cfg = load_config(config)
     if plan:

@@ -1,4 +1,6 @@
-"""The run config `eyrie run` takes (run.yaml): its schema, the run name's rule and `load_config`."""
+"""The run config `eyrie run` takes (run.yaml): the run's own sections (`RunConfigBase`), the model built
+from them and the stages' sections (`build_run_config`; eyrie.stages.run_config builds it from the
+pipeline), the run name's rule and `read_config`."""
 
 from __future__ import annotations
 
@@ -7,12 +9,13 @@ import shlex
 from pathlib import Path
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from functools import lru_cache
+
+from pydantic import Field, ValidationError, create_model, field_validator
 
 from eyrie.core.budget import parse_size
 from eyrie.core.errors import EyrieError
 from eyrie.core.section import Section as _Section
-from eyrie.core.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -141,24 +144,33 @@ class PlanSection(_Section):
         return value
 
 
-class RunConfig(_Section):
-    """What `eyrie run --config run.yaml` runs: every stage, from prompts to an exported drafter (or
-    the stages it names: `eyrie generate|extract|train` keep a config naming the stage they start)."""
+class RunConfigBase(_Section):
+    """What `eyrie run --config run.yaml` runs: the run's own sections here; every stage's section
+    (its settings class) is added by build_run_config, in pipeline order. A run runs every stage, or
+    the stages it names (`eyrie generate|extract|train` keep a config naming the stage they start)."""
 
     run: str = Field(pattern=RUN_NAME.pattern, description="1-64 letters, digits, '.', '_' or '-'.")
     stages: list[str] | None = Field(None, min_length=1, description="The stages this run runs (unset: every "
                                      "stage of the pipeline); a stage started alone is a run of that stage.")
     target: TargetSection
-    dataset: DatasetSection
     serve: ServeSection = Field(default_factory=ServeSection)
-    generate: GenerateSettings = Field(default_factory=GenerateSettings)
-    extract: ExtractSettings = Field(default_factory=ExtractSettings)
-    train: TrainSettings = Field(default_factory=TrainSettings)
-    verify: VerifySection = Field(default_factory=VerifySection)
     plan: PlanSection = Field(default_factory=PlanSection)
 
 
-def load_config(path: Path) -> RunConfig:
+@lru_cache(maxsize=None)
+def build_run_config(sections: tuple[tuple[str, type[_Section]], ...]) -> type[RunConfigBase]:
+    """The run config model: the run's own sections and `sections` (name, settings class), each a
+    field of that class, required where the class has a required field (the dataset's source)."""
+    fields = {name: (cls, Field(default_factory=cls) if _defaults_alone(cls) else ...) for name, cls in sections}
+    return create_model("RunConfig", __base__=RunConfigBase, **fields)
+
+
+def _defaults_alone(cls: type[_Section]) -> bool:
+    return all(not field.is_required() for field in cls.model_fields.values())
+
+
+def read_config(path: Path, model: type[RunConfigBase]) -> RunConfigBase:
+    """`path` (run.yaml) read into `model` (eyrie.stages.run_config.load_config: the pipeline's)."""
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
@@ -170,7 +182,7 @@ def load_config(path: Path) -> RunConfig:
         raise EyrieError(f"{path} is not valid YAML ({' '.join(str(exc).split())[:200]}).",
                          "fix the YAML syntax.") from None
     try:
-        config = RunConfig.model_validate(raw)
+        config = model.model_validate(raw)
     except ValidationError as exc:
         fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors())
         raise EyrieError(f"{path}: {fields}.", "correct these fields (README: `eyrie run`).") from None
@@ -178,7 +190,7 @@ def load_config(path: Path) -> RunConfig:
     return with_absolute_paths(config)
 
 
-def with_absolute_paths(config: RunConfig) -> RunConfig:
+def with_absolute_paths(config: RunConfigBase) -> RunConfigBase:
     """A target directory or a dataset file named relative to where `eyrie run` reads the config,
     made absolute: the stored config then names them for every service that mounts them there (the
     server, the verifier, the generator workers that plan the run), whatever their working directory."""

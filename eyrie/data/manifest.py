@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 
 import eyrie
 from eyrie.core.errors import UnknownRun
-from eyrie.core.run_config import RunConfig, check_run_name
+from eyrie.core.run_config import check_run_name
 from eyrie.core.stage_settings import TrainSettings
 
 
@@ -348,9 +348,3 @@ def load_run_manifest(store, run: str) -> RunManifest:
 
 def config_key(run: str) -> str:
     return Layout(run).pipeline_config
-
-
-def stored_config(store, run: str) -> RunConfig | None:
-    """The run config `eyrie run` kept, typed: the one reader of pipeline.json (None: none kept)."""
-    key = config_key(run)
-    return RunConfig.model_validate(store.get_json(key)) if store.exists(key) else None

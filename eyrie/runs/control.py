@@ -13,7 +13,8 @@ from rq.serializers import JSONSerializer
 from eyrie.core.errors import EyrieError, UnknownRun
 from eyrie.core.run_config import check_run_name
 from eyrie.core.support import refuse_unsupported_config
-from eyrie.data.manifest import Layout, RunManifest, config_key, load_run_manifest, now_iso, stored_config
+from eyrie.data.manifest import Layout, RunManifest, config_key, load_run_manifest, now_iso
+from eyrie.stages.run_config import stored_config
 from eyrie.runs.pipeline import advance_or_record, check_config, run_job_ids, run_view, save_config, stage_config
 from eyrie.runs.from_answers import answers_of, plan_from_answers
 from eyrie.runs.projection import refuse_before_start
@@ -114,7 +115,7 @@ def train_as(settings, conn, store, source_run: str, run: str, request) -> dict:
         train = type(request).model_validate({**section.given(), **request.given()})
         stages = None if config.stages is None else [Train.name]  # a pipeline where A was one, else train alone
         out = start_pipeline(settings, conn, store,
-                             config.model_copy(update={"run": run, Train.sections[-1]: train, "stages": stages}), source)
+                             config.model_copy(update={"run": run, Train.own_section(): train, "stages": stages}), source)
     else:
         if not store.exists(Layout(run).manifest):
             train_on_states(store, source, run)

@@ -1,4 +1,4 @@
-"""One pipeline per run: the run config (eyrie.core.run_config) kept in the store, and `advance`,
+"""One pipeline per run: the run config (eyrie.stages.run_config) kept in the store, and `advance`,
 which starts each stage by itself once the one before is done (called when any task finishes, and
 by `eyrie run` itself; every start is idempotent, so calling it twice does nothing twice)."""
 
@@ -8,8 +8,9 @@ from collections import Counter
 
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
-from eyrie.core.run_config import RunConfig, ServeSection
-from eyrie.data.manifest import Layout, config_key, load_run_manifest, stored_config
+from eyrie.core.run_config import RunConfigBase, ServeSection
+from eyrie.data.manifest import Layout, config_key, load_run_manifest
+from eyrie.stages.run_config import run_config_model, stored_config
 from eyrie.data.store import open_store
 from eyrie.runs.restart import on_planned
 from eyrie.runs.reuse import record_states
@@ -20,7 +21,7 @@ from eyrie.work.cancel import block
 from eyrie.work.queue import job_state, live_tasks
 
 
-def save_config(conn, store, config: RunConfig) -> None:
+def save_config(conn, store, config: RunConfigBase) -> None:
     """The run's config is kept; a rerun continues the run and may change only the sections of
     stages not yet planned (e.g. extract.budget after a refusal)."""
     check_config(store, config)
@@ -29,7 +30,7 @@ def save_config(conn, store, config: RunConfig) -> None:
     conn.sadd(keys.ACTIVE_PIPELINES, config.run)
 
 
-def stage_config(settings, store, run: str, stage: PipelineStage, section, dataset=None) -> RunConfig:
+def stage_config(settings, store, run: str, stage: PipelineStage, section, dataset=None) -> RunConfigBase:
     """A stage started alone (`eyrie generate|extract|train`, POST /runs?stage=) is a run whose kept
     config names it: the config the run has, with the stage's settings (and the stage added to its
     stages, where it names some), else a new one of that stage alone: the
@@ -39,9 +40,11 @@ def stage_config(settings, store, run: str, stage: PipelineStage, section, datas
     if kept is None:
         kept = _config_of_manifest(settings, store, run, stage) if store.exists(Layout(run).manifest) else None
         if kept is None:  # a new run: generate's (the stage with a dataset)
-            return RunConfig(run=run, stages=[stage.name], target={"model": settings.model}, dataset=dataset,
-                             serve=ServeSection.of_host(settings), **{stage.sections[-1]: section})
-    own, planned = stage.sections[-1], stage.sections[-1] not in _open_sections(store, run)
+            return run_config_model()(run=run, stages=[stage.name], target={"model": settings.model},
+                                      dataset=dataset, serve=ServeSection.of_host(settings),
+                                      **{stage.own_section(): section})
+    own = stage.own_section()
+    planned = own not in _open_sections(store, run)
     # a planned stage's rerun continues its plan: the settings given over the kept ones (start_checks
     # refused any that differ from the plan); before it is planned, the settings given are its settings
     update = {own: type(section).model_validate({**getattr(kept, own).given(), **section.given()}) if planned
@@ -54,7 +57,7 @@ def stage_config(settings, store, run: str, stage: PipelineStage, section, datas
     return kept.model_copy(update=update)
 
 
-def _config_of_manifest(settings, store, run: str, stage: PipelineStage) -> RunConfig:
+def _config_of_manifest(settings, store, run: str, stage: PipelineStage) -> RunConfigBase:
     """The config of a run planned before stages started alone kept one (or on another run's states
     with none): its target and dataset as its manifest recorded them; no stage of it ran under it."""
     manifest = load_run_manifest(store, run)
@@ -62,15 +65,16 @@ def _config_of_manifest(settings, store, run: str, stage: PipelineStage) -> RunC
     dataset = {"source": ref.source, "split": ref.split, "revision": ref.revision if ref.kind == "hf" else None,
                "limit": (ref.row_end - ref.row_start) or None}
     serve = ServeSection.of_host(settings).model_copy(update={"trust_remote_code": manifest.target.trust_remote_code})
-    return RunConfig(run=run, stages=[stage.name], target={"model": manifest.target.model}, dataset=dataset, serve=serve)
+    return run_config_model()(run=run, stages=[stage.name], target={"model": manifest.target.model}, dataset=dataset,
+                              serve=serve)
 
 
-def check_config(store, config: RunConfig) -> None:
+def check_config(store, config: RunConfigBase) -> None:
     """save_config's refusal, writing nothing: a kept config differs in a planned stage's section."""
     check_stage_names(config)
     kept = stored_config(store, config.run)
     if kept is not None:
-        changed = sorted(k for k in RunConfig.model_fields if getattr(kept, k) != getattr(config, k))
+        changed = sorted(k for k in run_config_model().model_fields if getattr(kept, k) != getattr(config, k))
         frozen = [k for k in changed if k not in _open_sections(store, config.run)]
         if frozen:
             raise EyrieError(f"run {config.run} was started with another config (differs in: {', '.join(frozen)}, "
@@ -80,7 +84,7 @@ def check_config(store, config: RunConfig) -> None:
 
 def _open_sections(store, run: str) -> set[str]:
     if not store.exists(Layout(run).manifest):
-        return set(RunConfig.model_fields)
+        return set(run_config_model().model_fields)
     view = RunView(None, store, run, None, load_run_manifest(store, run))
     # how the target is served changes nothing the run records (a restart with more GPUs, say); a run
     # of some stages may go on as a whole pipeline (`eyrie run` after `eyrie generate`)

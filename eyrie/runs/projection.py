@@ -14,7 +14,7 @@ from eyrie.core.budget import parse_size, projected_bytes
 from eyrie.core.errors import EyrieError
 from eyrie.core.layers import resolve_aux_layers
 from eyrie.core.recipe import pack_length, trainer_device
-from eyrie.core.run_config import RunConfig
+from eyrie.core.run_config import RunConfigBase
 from eyrie.core.support import architecture, check
 from eyrie.core.target import refuse_remote_code, text_config
 from eyrie.data.manifest import DatasetRef, Layout, ShardManifest, load_run_manifest
@@ -44,7 +44,7 @@ TRAIN_FIGURES = {
 }
 
 
-def target_shape(config: RunConfig) -> tuple[int, int, int, str, str | None]:
+def target_shape(config: RunConfigBase) -> tuple[int, int, int, str, str | None]:
     """(hidden, layers, vocab, where from, architecture): the target's config if this host can
     read it (local directory or HF cache), else the shape written in the run config."""
     refuse_remote_code(config.target.model, config.serve.trust_remote_code)
@@ -61,7 +61,7 @@ def target_shape(config: RunConfig) -> tuple[int, int, int, str, str | None]:
                 shape.architecture)
 
 
-def project(config: RunConfig, settings, measure: bool = True) -> Plan:
+def project(config: RunConfigBase, settings, measure: bool = True) -> Plan:
     """The plan; `measure` False: nothing read from the store or the disks (a run's start)."""
     device = trainer_device(settings.device)
     p = sized(config, settings, device, measure)
@@ -84,7 +84,7 @@ def project(config: RunConfig, settings, measure: bool = True) -> Plan:
     return p
 
 
-def sized(config: RunConfig, settings, device: str, measure: bool) -> Plan:
+def sized(config: RunConfigBase, settings, device: str, measure: bool) -> Plan:
     """The plan's first fields: the target's shape, the samples and their lengths, the bytes."""
     hidden, num_layers, vocab, shape_from, arch = target_shape(config)
     aux = resolve_aux_layers(config.extract.layers, num_layers)
@@ -104,7 +104,7 @@ def sized(config: RunConfig, settings, device: str, measure: bool) -> Plan:
                 dtype=config.extract.dtype, lengths=length, **sizes)
 
 
-def mean_tokens(config: RunConfig, dataset: DatasetRef | None, max_tokens: int) -> tuple[int | None, str | None]:
+def mean_tokens(config: RunConfigBase, dataset: DatasetRef | None, max_tokens: int) -> tuple[int | None, str | None]:
     """The mean sample length and where it is from: plan.mean_tokens, else the rows' own lengths
     where the dataset is here, else unknown."""
     if config.plan.mean_tokens is not None:
@@ -112,13 +112,13 @@ def mean_tokens(config: RunConfig, dataset: DatasetRef | None, max_tokens: int) 
     return (dataset and estimated_mean(config, dataset, max_tokens)) or (None, None)
 
 
-def rows_from(config: RunConfig, dataset: DatasetRef | None) -> str:
+def rows_from(config: RunConfigBase, dataset: DatasetRef | None) -> str:
     if dataset:
         return f"the rows of {dataset.source}"
     return f"dataset.limit of the hub dataset {config.dataset.source}, which --plan does not download"
 
 
-def hidden_state_bytes(config: RunConfig, n: int, tokens: int, states: int, hidden: int, stored: int | None) -> dict:
+def hidden_state_bytes(config: RunConfigBase, n: int, tokens: int, states: int, hidden: int, stored: int | None) -> dict:
     """Plan's byte fields: every state at the upper bound and per 1,000 tokens (by dtype), at the
     stored mean where known, and whether they fit extract.budget."""
     sizes = {dtype: projected_bytes(tokens, n, states, hidden, dtype) for dtype in DTYPES}
@@ -140,7 +140,7 @@ def chosen_fits(p: Plan) -> tuple[bool | None, bool | None]:
     return fits, None if p.hidden_states_bytes_expected is None else fits
 
 
-def refuse_before_start(config: RunConfig, settings) -> None:
+def refuse_before_start(config: RunConfigBase, settings) -> None:
     """`eyrie run` and POST /runs, before anything is written: whatever `eyrie run --plan` refuses,
     with the same message (the same plan, the same refusals: vLLM support, expected bytes over
     extract.budget or a budget no known mean can check, a storage mode the extract stage would
@@ -148,7 +148,7 @@ def refuse_before_start(config: RunConfig, settings) -> None:
     refuse(project(config, settings))
 
 
-def measured_generation(config: RunConfig, settings) -> tuple[float, str] | None:
+def measured_generation(config: RunConfigBase, settings) -> tuple[float, str] | None:
     """The server's output tok/s as this run measured it so far (its finished generate shards:
     completion tokens / first start to last finish), where the store has the run."""
     store, layout = open_store(settings), Layout(config.run)
@@ -167,7 +167,7 @@ def measured_generation(config: RunConfig, settings) -> tuple[float, str] | None
     return tokens / wall, f"measured: this run's {len(shards)} generated shard(s)"
 
 
-def lengths(config: RunConfig, n: int, longest: int, device: str = "cpu") -> Lengths:
+def lengths(config: RunConfigBase, n: int, longest: int, device: str = "cpu") -> Lengths:
     """Training must see what extraction stored: the tokens past train.seq_len are stored, then cut."""
     extract_len = min(config.extract.max_length or longest, longest)
     train_len = pack_length(config.train.seq_len, device)
@@ -175,7 +175,7 @@ def lengths(config: RunConfig, n: int, longest: int, device: str = "cpu") -> Len
     return Lengths(extract_max_length=extract_len, train_seq_len=train_len, unseen_tokens_upper_bound=unseen)
 
 
-def hours(config: RunConfig, p: Plan) -> dict:
+def hours(config: RunConfigBase, p: Plan) -> dict:
     """Each stage's hours: tokens / tok/s (given in plan:, else our measured figure for the shape)."""
     stages = {**stage_hours(config, p), **not_run(p)}
     stages[DOWNLOAD] = download_hours(config, p.target_download_bytes)
@@ -184,7 +184,7 @@ def hours(config: RunConfig, p: Plan) -> dict:
             "total": None if None in known else round(sum(known), 2)}
 
 
-def stage_hours(config: RunConfig, p: Plan) -> dict:
+def stage_hours(config: RunConfigBase, p: Plan) -> dict:
     """Generate's, extract's and train's tokens at their rate (generate's: the run's own once it has generated)."""
     n, shape = p.samples, (p.hidden_size, p.num_layers)
     mean = p.mean_tokens or p.prompt_tokens_estimate + p.max_tokens
@@ -216,7 +216,7 @@ def not_run(p: Plan) -> dict:
     return skipped
 
 
-def reused_from(config: RunConfig, settings) -> str | None:
+def reused_from(config: RunConfigBase, settings) -> str | None:
     """The earlier run whose answers and states this one would train on (same target, dataset,
     generate and extract settings), where the store answers; None where it does not."""
     try:
@@ -226,7 +226,7 @@ def reused_from(config: RunConfig, settings) -> str | None:
     return earlier.run if earlier else None
 
 
-def train_recipe(config: RunConfig, p: Plan, device: str) -> TrainRecipe:
+def train_recipe(config: RunConfigBase, p: Plan, device: str) -> TrainRecipe:
     """The recipe the trainer will choose (eyrie.core.recipe), from the expected training tokens
     (the mean where known, else the upper bound) where training runs (EYRIE_DEVICE, or this host's)."""
     n, mean = p.samples, p.mean_tokens or p.prompt_tokens_estimate + p.max_tokens
@@ -236,7 +236,7 @@ def train_recipe(config: RunConfig, p: Plan, device: str) -> TrainRecipe:
                        schedule=recipe.schedule, seq_len=recipe.seq_len, device=device, statement=recipe.statement())
 
 
-def download_hours(config: RunConfig, size: int) -> dict:
+def download_hours(config: RunConfigBase, size: int) -> dict:
     """The target's weights from the hub, before the server answers (none for a local directory)."""
     rate = parse_size(config.plan.download_per_s) if config.plan.download_per_s else None
     source = "given in the run config" if rate else "unknown: set plan.download_per_s"

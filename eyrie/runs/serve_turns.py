@@ -10,7 +10,8 @@ holds the server."""
 from __future__ import annotations
 
 from eyrie.core.target import same_target
-from eyrie.data.manifest import Layout, load_run_manifest, stored_config
+from eyrie.data.manifest import Layout, load_run_manifest
+from eyrie.stages.run_config import stored_config
 from eyrie.runs.pipeline import can_go_on
 from eyrie.stages import PIPELINE
 from eyrie.work import inference, keys

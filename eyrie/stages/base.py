@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from eyrie.core.run_config import RunConfig
+from eyrie.core.run_config import RunConfigBase
+from eyrie.core.section import Section
 from eyrie.data.manifest import Layout, RunManifest
 from eyrie.work.queue import enqueue, job_errors, job_state, task_result, workers_on
 from eyrie.work.status_models import StageStatus
@@ -35,7 +36,7 @@ class RunView:
     conn: Any
     store: Any
     run: str
-    config: RunConfig | None = None
+    config: RunConfigBase | None = None
     manifest: RunManifest | None = None
 
     @property
@@ -54,7 +55,9 @@ class PipelineStage:
 
     name: ClassVar[str]
     queue: ClassVar[str]
-    sections: ClassVar[tuple[str, ...]] = ()  # its sections of the run config (frozen once planned)
+    # its sections of the run config, each its settings class, the last its own (frozen once planned); the
+    # run config is built from them (eyrie.stages.run_config)
+    sections: ClassVar[dict[str, type[Section]]] = {}
     planner: ClassVar[TaskKind | None] = None
     work: ClassVar[TaskKind]
     side_tasks: ClassVar[tuple[TaskKind, ...]] = ()
@@ -98,7 +101,12 @@ class PipelineStage:
 
     def settings_in(self, config):
         """Its own settings: the last of its sections of the run config."""
-        return getattr(config, self.sections[-1]) if self.sections else None
+        return getattr(config, self.own_section()) if self.sections else None
+
+    @classmethod
+    def own_section(cls) -> str | None:
+        """The name of its own section (the last of its sections)."""
+        return next(reversed(cls.sections), None)
 
     def pipeline_start_tasks(self, view: RunView) -> tuple[TaskKind, ...]:
         """What `eyrie run` starts ahead of the stage (nothing by default), each with the run as its payload."""

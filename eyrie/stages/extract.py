@@ -4,6 +4,7 @@ which have the tokenizer and the target's config, however it is started."""
 
 from __future__ import annotations
 
+from eyrie.core.stage_settings import ExtractSettings
 from eyrie.stages.base import RunView
 from eyrie.stages.sharded import ShardedStage, sharded_status
 from eyrie.stages.start_checks import check_extract
@@ -13,7 +14,7 @@ from eyrie.work.task_kinds import TaskKind
 
 class Extract(ShardedStage):
     name = queue = "extract"
-    sections = ("extract",)
+    sections = {"extract": ExtractSettings}
     planner = TaskKind("plan-extract", "extract", "eyrie_extractor.plan.run_plan_extract_task")
     # through vLLM it reads the extraction server (where the chart renders one)
     work = TaskKind("extract", "extract", "eyrie_extractor.shard.run_extract_shard", gpu=True,

@@ -4,6 +4,7 @@ input shards) after a cheap check where it is started (the dataset reachable, a 
 
 from __future__ import annotations
 
+from eyrie.core.stage_settings import DatasetSection, GenerateSettings
 from eyrie.stages.base import RunView, state_of
 from eyrie.stages.sharded import ShardedStage
 from eyrie.stages.start_checks import check_generate
@@ -15,7 +16,7 @@ from eyrie.work.task_kinds import TaskKind
 
 class Generate(ShardedStage):
     name = queue = "generate"
-    sections = ("dataset", "generate")
+    sections = {"dataset": DatasetSection, "generate": GenerateSettings}
     planner = TaskKind("plan-generate", "generate", "eyrie_generator.plan.run_plan_generate_task")
     work = TaskKind("generate", "generate", "eyrie_generator.shard.run_generate_shard", jobs=("serve",))
     worker, starts_alone = "generator", True

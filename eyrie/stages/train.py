@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from eyrie.core.stage_settings import TrainSettings
 from eyrie.data.charts import chart_series
 from eyrie.stages.base import PipelineStage, RunView, state_of
 from eyrie.stages.start_checks import check_train
@@ -18,7 +19,7 @@ from eyrie.work.task_kinds import TaskKind
 
 class Train(PipelineStage):
     name = queue = "train"
-    sections = ("train",)
+    sections = {"train": TrainSettings}
     planner = TaskKind("plan-train", "train", "eyrie_trainer.plan.run_plan_train_task")
     work = TaskKind("train", "train", "eyrie_trainer.runner.run_train_task", gpu=True, timeout_s=7 * 24 * 3600,
                     jobs=("train",), reads_on_demand=("extract-server",))

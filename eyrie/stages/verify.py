@@ -8,6 +8,7 @@ import json
 import time
 
 from eyrie.core.config import load_settings
+from eyrie.core.run_config import VerifySection
 from eyrie.data.verify_outputs import outputs_failure
 from eyrie.stages.base import LIVE_JOB_STATES, PipelineStage, RunView, state_of
 from eyrie.stages.generate import Generate
@@ -27,7 +28,7 @@ VERIFIER_RESTART_S = 600
 
 class Verify(PipelineStage):
     name = queue = "verify"
-    sections = ("verify",)
+    sections = {"verify": VerifySection}
     # its timeout is set at enqueue from the run's plan (verify_timeout_s)
     work = TaskKind("verify", "verify", "eyrie_trainer.verify.run_verify_task", gpu=True, timeout_s=7200,
                     jobs=("verify",))

@@ -14,7 +14,7 @@ from typing import ClassVar
 from pydantic import BaseModel
 
 from eyrie.core.errors import EyrieError
-from eyrie.data.manifest import stored_config
+from eyrie.stages.run_config import stored_config
 from eyrie.stages import PIPELINE
 from eyrie.tasks.executor import StageTask
 from eyrie.work.cancel import block
@@ -36,7 +36,7 @@ class PlannerTask(StageTask):
             raise EyrieError(f"run {self.run_name}: nothing to plan {planned.name} from (no run config kept).",
                              f"start it with `eyrie run --config run.yaml` or `eyrie {planned.name} "
                              f"--run {self.run_name}`.")
-        return self.Request.model_validate(getattr(config, planned.sections[-1]))
+        return self.Request.model_validate(getattr(config, planned.own_section()))
 
     def plan(self, request) -> dict:
         """Plan the stage (or check `request` against its plan) and enqueue what is missing."""

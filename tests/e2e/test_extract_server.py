@@ -14,7 +14,7 @@ import redis
 
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
-from eyrie.core.run_config import RunConfig
+from eyrie.stages.run_config import RunConfig
 from eyrie.data.manifest import Layout, RunManifest, config_key
 from eyrie.data.store import open_store
 from eyrie.work import inference, keys

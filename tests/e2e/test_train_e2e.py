@@ -292,7 +292,7 @@ def test_a_cancelled_training_stops_with_a_checkpoint_and_a_retry_resumes_it(pip
 def test_a_run_that_differs_only_in_train_trains_on_the_earlier_runs_states(pipeline, tmp_path):
     """`eyrie run --config B.yaml`, B = p's settings with another `train:` (issue 28 item 2): no
     generate or extract task anywhere, training reads p's stored states (none copied), B's drafter."""
-    from eyrie.core.run_config import load_config
+    from eyrie.stages.run_config import load_config
     from eyrie.data.manifest import config_key
     from eyrie.data.shared_states import StatesInUse
     from eyrie.runs.pipeline import run_view

@@ -11,7 +11,7 @@ import pytest
 import redis
 import requests
 
-from eyrie.core.run_config import load_config
+from eyrie.stages.run_config import load_config
 from eyrie.stages import VERIFY, queues
 from eyrie.stages.verify import verify_skipped, verify_timeout_s
 from eyrie.work import progress

@@ -18,7 +18,7 @@ from rq.serializers import JSONSerializer
 from schemathesis.checks import not_a_server_error
 
 from eyrie.core.config import load_settings
-from eyrie.data.manifest import stored_config
+from eyrie.stages.run_config import stored_config
 from eyrie.data.store import open_store
 from eyrie.work import keys
 from eyrie.work.queue import EyrieJob

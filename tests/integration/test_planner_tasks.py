@@ -12,9 +12,10 @@ from pydantic import ValidationError
 from rq.serializers import JSONSerializer
 
 from eyrie.core.errors import EyrieError
-from eyrie.core.run_config import load_config
+from eyrie.stages.run_config import load_config
 from eyrie.core.stage_settings import TrainSettings
-from eyrie.data.manifest import Layout, config_key, load_run_manifest, stored_config
+from eyrie.data.manifest import Layout, config_key, load_run_manifest
+from eyrie.stages.run_config import stored_config
 from eyrie.runs.control import await_planned, start_stage
 from eyrie.runs.pipeline import save_config, stage_config
 from eyrie.runs.status import run_status

@@ -8,7 +8,7 @@ import redis
 
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
-from eyrie.core.run_config import load_config
+from eyrie.stages.run_config import load_config
 from eyrie.core.stage_settings import TrainSettings
 from eyrie.data.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest,
                                  SamplingParams, ShardManifest, ShardPlan, TargetRef, TrainParams, now_iso)

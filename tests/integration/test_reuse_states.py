@@ -12,11 +12,12 @@ import redis
 
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
-from eyrie.core.run_config import load_config
+from eyrie.stages.run_config import load_config
 from eyrie.core.stage_settings import TrainSettings
 from eyrie.core.target import describe
 from eyrie.data import dataset
-from eyrie.data.manifest import Layout, TargetRef, load_run_manifest, stored_config
+from eyrie.data.manifest import Layout, TargetRef, load_run_manifest
+from eyrie.stages.run_config import stored_config
 from eyrie.data.shared_states import StatesInUse, users_of
 from eyrie.data.store import open_store
 from eyrie.runs.audit import _extract

@@ -15,7 +15,7 @@ import redis
 
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
-from eyrie.core.run_config import load_config
+from eyrie.stages.run_config import load_config
 from eyrie.core.target import describe, load_tokenizer
 from eyrie.data.manifest import Layout, ShardManifest, TargetRef, load_run_manifest
 from eyrie.data.store import open_store

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from eyrie.api.app import create_app
 from eyrie.core.config import load_settings
-from eyrie.core.run_config import load_config
+from eyrie.stages.run_config import load_config
 from eyrie.data.manifest import config_key
 from eyrie.data.store import open_store
 from eyrie.work import keys

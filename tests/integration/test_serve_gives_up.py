@@ -10,7 +10,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from eyrie.core.config import load_settings
-from eyrie.core.run_config import load_config
+from eyrie.stages.run_config import load_config
 from eyrie.data.manifest import Layout, config_key
 from eyrie.data.store import open_store
 from eyrie.stages import GENERATE

@@ -1,20 +1,24 @@
-"""The pipeline is data: a stage declared here, in one class (with its two tasks) and one entry in
-eyrie.stages.PIPELINE, is planned, run, shown, cancelled and retried by eyrie's own advance,
-status, cancel and retry, with no other file touched. Real Redis, a real store, RQ workers in this
+"""The pipeline is data: a stage declared here, in one class (with its two tasks), its settings class
+and one entry in eyrie.stages.PIPELINE, is configured in run.yaml, planned from its section, run,
+shown, cancelled and retried by eyrie's own config, advance, status, cancel and retry, with no other
+file touched (no schema, doc test or README list). Real Redis, a real store, RQ workers in this
 process, the vLLM stand-in answering generate."""
 
 import pytest
 import redis
+from pydantic import Field
 from rq.serializers import JSONSerializer
 
 from eyrie import stages
 from eyrie.core.config import load_settings
-from eyrie.core.run_config import load_config
+from eyrie.core.errors import EyrieError
+from eyrie.core.stage_settings import StageSettings
 from eyrie.data.store import open_store
 from eyrie.runs.control import cancel_run, retry_run, start_pipeline
 from eyrie.runs.pipeline import advance, run_job_ids
 from eyrie.runs.status import run_status
 from eyrie.stages import PipelineStage, RunView, TaskKind
+from eyrie.stages.run_config import load_config, stored_config
 from eyrie.tasks.executor import StageTask, execute
 from eyrie.work.queue import EyrieJob, job_state, queue
 from eyrie.work.status_models import StageStatus
@@ -26,10 +30,17 @@ PLAN_NOTE = TaskKind("plan-note", "note", f"{__name__}.run_plan_note")  # the wo
 NOTE = TaskKind("note", "note", f"{__name__}.run_note")
 
 
+class NoteSettings(StageSettings):
+    """The note's section of the run config."""
+
+    greeting: str = Field("hello", min_length=1, description="The note's first word.")
+
+
 class Note(PipelineStage):
-    """After generate: plans a count of the generated shards, then writes one note per run."""
+    """After generate: plans a count of the generated shards and its greeting, then writes one note per run."""
 
     name = queue = worker = "note"
+    sections = {"note": NoteSettings}
     planner, work = PLAN_NOTE, NOTE
 
     def planned(self, view: RunView) -> bool:
@@ -44,7 +55,8 @@ class PlanNoteTask(StageTask):
 
     def run(self) -> dict:
         shards = len(self.store.get_json(f"runs/{self.run_name}/manifest.json")["generate_shards"])
-        self.store.put_json(f"runs/{self.run_name}/note/plan.json", {"shards": shards})
+        greeting = stored_config(self.store, self.run_name).note.greeting  # its section of the run's config
+        self.store.put_json(f"runs/{self.run_name}/note/plan.json", {"shards": shards, "greeting": greeting})
         return self.result("planned", shards=shards)
 
 
@@ -84,7 +96,10 @@ def test_a_stage_declared_in_one_class_and_one_list_entry_is_planned_run_shown_c
         env, stub_server, tmp_path, monkeypatch, note_stage):
     monkeypatch.setenv("EYRIE_INFERENCE_URL", stub_server(tokens=4))
     monkeypatch.setenv("EYRIE_SERVER", "vllm")
-    cfg = load_config(tiny_run_config(tmp_path, "n", dataset={"limit": 4}, generate={"shard_size": 2}))
+    with pytest.raises(EyrieError, match="note.greeting: String should have at least 1 character"):
+        load_config(tiny_run_config(tmp_path, "bad", note={"greeting": ""}))  # its settings class checks its section
+    cfg = load_config(tiny_run_config(tmp_path, "n", dataset={"limit": 4}, generate={"shard_size": 2},
+                                      note={"greeting": "hi"}))
     settings = load_settings(model=cfg.target.model)
     conn, store = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(settings)
 
@@ -95,7 +110,7 @@ def test_a_stage_declared_in_one_class_and_one_list_entry_is_planned_run_shown_c
     assert run_job_ids(store, "n")["note"] == ["plan-note-n-00000", "note-n-00000"]
 
     work(conn, "note")  # planned; its planner's success enqueued its work task, which ran too
-    assert store.get_json("runs/n/note/plan.json") == {"shards": 2}
+    assert store.get_json("runs/n/note/plan.json") == {"shards": 2, "greeting": "hi"}
     status = run_status(conn, store, "n")
     assert list(status.stages) == ["generate", "note"] and status.stages["note"].state == "done"
     assert status.pipeline.tasks["plan-note"].state == "finished"

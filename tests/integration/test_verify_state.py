@@ -21,7 +21,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from eyrie.core.config import load_settings
-from eyrie.core.run_config import load_config
+from eyrie.stages.run_config import load_config
 from eyrie.data.manifest import (DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams, TargetRef,
                                  TrainParams, load_run_manifest, now_iso)
 from eyrie.data.store import open_store

@@ -31,7 +31,7 @@ from rq.serializers import JSONSerializer
 
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
-from eyrie.core.run_config import load_config
+from eyrie.stages.run_config import load_config
 from eyrie.runs.control import start_pipeline
 from eyrie.runs.pipeline import save_config
 from eyrie.stages import EXTRACT, FETCH

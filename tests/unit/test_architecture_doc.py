@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from eyrie.core.run_config import RunConfig, VerifySection
+from eyrie.core.run_config import VerifySection
+from eyrie.stages.run_config import RunConfig
 from eyrie.core.stage_settings import StageSettings
 from eyrie.stages import PIPELINE, PipelineStage, startable, task_kinds
 from eyrie.stages.sharded import ShardedStage
@@ -265,7 +266,7 @@ def test_verify_settings_are_a_plain_section_beside_the_run_config():
     """A stage with a planner has StageSettings of eyrie/core/stage_settings.py as its section;
     verify's, which nothing plans, is VerifySection of eyrie/core/run_config.py."""
     for s in PIPELINE:
-        section = RunConfig.model_fields[s.sections[-1]].annotation
+        section = RunConfig.model_fields[s.own_section()].annotation
         if s.planner is None:
             assert section is VerifySection and section.__module__ == "eyrie.core.run_config", s.name
         else:
@@ -277,11 +278,13 @@ RUNS_OWN = ("run", "stages", "target", "serve", "plan")
 
 
 def test_the_run_configs_sections_are_the_stages_sections_and_the_runs_own():
-    """Each stage's `sections` are fields of RunConfig, in the pipeline's order, and it has no other
-    field but the run's own: a stage's settings are one field there (written by hand: eyrie/core/,
-    where RunConfig stands, imports no stage to build it from)."""
+    """RunConfig is built from the stages: each stage's `sections` are fields of it, of the stage's
+    settings classes, in the pipeline's order, and it has no other field but the run's own."""
     assert [name for name in RunConfig.model_fields if name not in RUNS_OWN] == \
         [name for s in PIPELINE for name in s.sections]
+    for s in PIPELINE:
+        for name, cls in s.sections.items():
+            assert RunConfig.model_fields[name].annotation is cls, (s.name, name)
 
 
 def test_the_executor_command_takes_a_task_kind_name(monkeypatch, capsys):

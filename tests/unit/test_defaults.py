@@ -20,7 +20,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 from eyrie.core.config import Settings
-from eyrie.core.run_config import RunConfig
+from eyrie.stages.run_config import RunConfig
 from eyrie.core.stage_settings import GenerateSettings
 from tests.support.harness import ROOT
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from eyrie.core.budget import parse_size
-from eyrie.core.run_config import load_config
+from eyrie.stages.run_config import load_config
 from eyrie.core.stage_settings import ExtractSettings
 from eyrie.core.storage import resolve_mode
 from eyrie.runs.projection import project

@@ -13,7 +13,7 @@ import pytest
 
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
-from eyrie.core.run_config import load_config
+from eyrie.stages.run_config import load_config
 from eyrie.core.stage_settings import DatasetSection, GenerateSettings
 from eyrie.core.target import load_tokenizer, text_config
 from eyrie.data.manifest import Layout, config_key

@@ -10,7 +10,7 @@ import copy
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from eyrie.core.run_config import RunConfig
+from eyrie.stages.run_config import RunConfig
 from eyrie.core.stage_settings import pacing_fields
 from eyrie.runs.reuse import settings_fingerprint, states_sections
 

@@ -8,7 +8,7 @@ import redis
 
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
-from eyrie.core.run_config import load_config
+from eyrie.stages.run_config import load_config
 from eyrie.core.stage_settings import DatasetSection, GenerateSettings
 from eyrie.core.target import describe
 from eyrie.data.store import open_store
@@ -184,7 +184,7 @@ def test_without_a_run_config_serve_and_verify_read_the_hosts_settings_one_way(t
 def test_relative_target_and_dataset_paths_are_stored_absolute(tmp_path, monkeypatch):
     """The generator workers plan the run (its dataset read) and the servers load its target,
     each in its own working directory: the stored config names both absolutely."""
-    from eyrie.core.run_config import load_config
+    from eyrie.stages.run_config import load_config
 
     monkeypatch.chdir(ROOT)
     config = load_config(ROOT / "examples" / "run.tiny.yaml")

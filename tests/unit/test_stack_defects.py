@@ -154,7 +154,7 @@ def test_the_stacks_inference_serves_run_after_run(redis_url, tmp_path):
     given back, its server saying meanwhile that it waits for them. tests/fake_vllm stands in for
     `vllm` (the supervision is under test, not vLLM)."""
     from eyrie.core.config import load_settings
-    from eyrie.core.run_config import load_config
+    from eyrie.stages.run_config import load_config
     from eyrie.data.manifest import Layout, config_key
     from eyrie.data.store import open_store
     from eyrie.stages import PIPELINE

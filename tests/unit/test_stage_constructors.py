@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from eyrie.core.errors import EyrieError
-from eyrie.core.run_config import RunConfig
+from eyrie.stages.run_config import RunConfig
 from eyrie.data.manifest import (Counts, DatasetRef, ExtractParams, GenerateParams, Layout, RunManifest, SamplingParams,
                                  ShardManifest, ShardPlan, TargetRef, code_version, config_key, load_run_manifest,
                                  now_iso)

@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from eyrie.commands.cli_options import flag
-from eyrie.core.run_config import RunConfig
+from eyrie.stages.run_config import RunConfig
 from eyrie.core.stage_settings import DatasetSection, ExtractSettings, GenerateSettings, TrainSettings
 from tests.support.harness import TINY
 

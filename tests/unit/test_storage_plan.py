@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from eyrie.core.errors import EyrieError
-from eyrie.core.run_config import RunConfig, load_config
+from eyrie.stages.run_config import load_config, RunConfig
 from eyrie.core.storage import resolve_mode, shard_allowance
 from eyrie.data.manifest import ExtractParams
 from eyrie.runs.plan_checks import over_budget, refuse

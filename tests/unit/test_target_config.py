@@ -6,7 +6,7 @@ import shutil
 import sys
 
 from eyrie.core.config import load_settings
-from eyrie.core.run_config import load_config
+from eyrie.stages.run_config import load_config
 from eyrie.core.target import text_config
 from eyrie.runs.projection import project
 from tests.support.harness import TINY, tiny_run_config

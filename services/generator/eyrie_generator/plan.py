@@ -19,9 +19,10 @@ from eyrie.core.stage_settings import DatasetSection, GenerateSettings
 from eyrie.core.target import check_served, describe, refuse_remote_code
 from eyrie.data import dataset
 from eyrie.data.manifest import (GenerateParams, Layout, RunManifest, SamplingParams, ShardPlan, TargetRef,
-                                 code_version, now_iso, stored_config)
+                                 code_version, now_iso)
 from eyrie.data.store import Store
 from eyrie.stages import GENERATE, PLAN_GENERATE
+from eyrie.stages.run_config import stored_config
 from eyrie.stages.start_checks import same_generate, usable_row
 from eyrie.tasks.executor import execute
 from eyrie.tasks.planner import PlannerTask

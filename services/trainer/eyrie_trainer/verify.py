@@ -35,7 +35,8 @@ from eyrie_trainer.benchmarks import load_benchmark
 from eyrie.core.errors import EyrieError
 from eyrie.core.target import load_tokenizer
 from eyrie.core.vllm import eagle3_flags, on_cpu, serve_argv, serve_env, start_server, stop_server
-from eyrie.data.manifest import Layout, load_run_manifest, now_iso, stored_config
+from eyrie.data.manifest import Layout, load_run_manifest, now_iso
+from eyrie.stages.run_config import stored_config
 from eyrie.data.verify_outputs import (FAILED, IDENTICAL, MATCH_FLOOR, MATCH_MARGIN, MIN_COMPARED, TOO_FEW, WITHIN,
                                        worst)
 from eyrie.stages import VERIFY
