@@ -67,7 +67,6 @@ def _invalid(exc: ValidationError) -> JSONResponse:
 
 def routes():
     r = APIRouter()
-    RunConfig = run_config_model()  # the body of POST /runs: the pipeline's sections as it stands
 
     @r.get("/healthz", tags=["health"])
     def healthz(request: Request) -> JSONResponse:
@@ -83,8 +82,7 @@ def routes():
         """Every known run: state, and each stage's state and counts."""
         return control.list_runs(request.app.state.conn, request.app.state.store)
 
-    @r.post("/runs", status_code=202, dependencies=[Depends(need_token)], responses=BAD, tags=["runs"])
-    def start_run(config: RunConfig, request: Request, stage: Stage | None = None) -> dict:
+    def start_run(config, request: Request, stage: Stage | None = None) -> dict:
         """Start (or continue) a pipeline: the body is the config `eyrie run --config` takes.
         With `?stage=generate|extract|train`, that stage only (nothing follows by itself)."""
         state = request.app.state
@@ -97,6 +95,9 @@ def routes():
             planning = started.planning.task_id(config.run) if started.planning else None
             return {"run": config.run, "stage": stage, "enqueued": started.enqueued, "planning": planning}
         return control.start_pipeline(settings, state.conn, state.store, config)  # planned by its own task
+
+    start_run.__annotations__["config"] = run_config_model()  # the pipeline's sections as it stands (not a name)
+    r.post("/runs", status_code=202, dependencies=[Depends(need_token)], responses=BAD, tags=["runs"])(start_run)
 
     @r.get("/runs/{name}", dependencies=[Depends(can_read)], responses=UNKNOWN, tags=["runs"])
     def status(name: RunName, request: Request) -> RunStatus:
