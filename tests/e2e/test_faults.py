@@ -207,7 +207,10 @@ def test_redis_killed_and_restarted_mid_run(env, tiny_server, aof_redis, tmp_pat
     env = {**env, "EYRIE_REDIS_URL": aof_redis["url"], "EYRIE_INFERENCE_URL": tiny_server.url}
     workers.env = env
     workers.start("generate", "extract", "train")
-    eyrie("run", "--config", run_config(tmp_path, "redis", generate={"shard_size": 4}), env=env)
+    # one request in flight: a worker's lanes take on the next queued shard only once the current one has
+    # no row left to ask (eyrie_generator.chain), so shards stay queued for seconds, not the instant 8 lanes
+    # would drain them in (on a loaded host `eyrie run` returned after the queue had emptied)
+    eyrie("run", "--config", run_config(tmp_path, "redis", generate={"shard_size": 4, "concurrency": 1}), env=env)
     generate = queue(redis.Redis.from_url(aof_redis["url"]), "generate")  # read directly: the CLI is slower
     # than a stub shard, so a check through `eyrie status` can find every shard started (nothing left to lose)
     queued = wait_for(lambda: generate.started_job_registry.count and generate.count,
