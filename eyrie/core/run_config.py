@@ -55,10 +55,13 @@ class ServeSection(_Section):
     def of_host(cls, settings) -> "ServeSection":
         """Where no run config says how to serve (`eyrie serve` alone, `eyrie verify` of a run started
         without one): the host's EYRIE_* vLLM settings, read the one way for every server eyrie starts."""
-        args = shlex.split(settings.vllm_args)
         return cls(tensor_parallel_size=settings.tensor_parallel_size, reasoning_parser=settings.reasoning_parser,
-                   max_model_len=settings.max_model_len, trust_remote_code="--trust-remote-code" in args,
-                   extra_args=[arg for arg in args if arg != "--trust-remote-code"])
+                   max_model_len=settings.max_model_len, extra_args=shlex.split(settings.vllm_args))
+
+    def trusts_remote_code(self) -> bool:
+        """The target's own code runs: trust_remote_code, or the flag among extra_args (a config of a
+        stage started alone takes the host's EYRIE_VLLM_ARGS, where the flag may stand)."""
+        return self.trust_remote_code or "--trust-remote-code" in self.extra_args
 
     def vllm_flags(self) -> list[str]:
         flags = ["--tensor-parallel-size", str(self.tensor_parallel_size)]

@@ -147,14 +147,18 @@ def test_the_charts_reach_the_step_training_is_at_past_its_last_checkpoint(env, 
     shows, the step just trained, where the store's copy of the curve ends at the checkpoint."""
     import time
 
+    from eyrie.core.stage_settings import TrainSettings
+    from eyrie.runs.pipeline import save_config, stage_config
+    from eyrie.stages.train import Train
     from eyrie_trainer.plan import PlanTrain
 
     run, layout = "charts", Layout("charts")
     extracted_run(env, stub_server, tmp_path, monkeypatch, run)
     settings = load_settings()
     ctx = Context(settings, redis.Redis.from_url(settings.redis_url), open_store(settings))
-    request = {"epochs": 2, "seq_len": 128, "draft_vocab": 300}
-    assert execute(PlanTrain, {"run": run, "request": request}, ctx)["status"] == "planned"
+    given = TrainSettings(epochs=2, seq_len=128, draft_vocab=300)  # kept as `eyrie train --run charts` keeps them
+    save_config(ctx.conn, ctx.store, stage_config(settings, ctx.store, run, Train(), given))
+    assert execute(PlanTrain, {"run": run}, ctx)["status"] == "planned"
 
     seen: list[dict] = []
     own_step, checkpoint = TrainRunner._on_step, TrainRunner._on_checkpoint

@@ -103,6 +103,7 @@ def test_a_blocked_or_cancelled_run_does_not_keep_the_server_down(env, stub_serv
     """A generated run whose later stages wait would stop the inference server ("drained"): a
     blocked or cancelled run waits for a person, not for the GPUs."""
     from eyrie.core.config import load_settings
+    from eyrie.data.manifest import config_key
     from eyrie.data.store import open_store
     from eyrie.runs.pipeline import drained_run
     from eyrie.stages import task_id
@@ -112,9 +113,11 @@ def test_a_blocked_or_cancelled_run_does_not_keep_the_server_down(env, stub_serv
     env = workers.env = {**env, "EYRIE_INFERENCE_URL": stub_server()}
     eyrie("generate", "--dataset", str(TRAIN_PROMPTS), "--run", "stalled", "--limit", "8", "--max-tokens", "8",
           env=env)
-    workers.start("generate")
     conn, store = redis.Redis.from_url(env["EYRIE_REDIS_URL"]), open_store(load_settings())
-    conn.sadd(keys.ACTIVE_PIPELINES, "stalled")
+    kept = store.get_json(config_key("stalled"))
+    del kept["stages"]  # a run of generate alone made a whole pipeline: its later stages wait (no worker of theirs)
+    store.put_json(config_key("stalled"), kept)
+    workers.start("generate")
     assert wait_for(lambda: drained_run(conn, store), "generation drained", timeout=120) == "stalled"
     conn.set(keys.blocked("stalled"), "over its storage budget")
     assert drained_run(conn, store) is None

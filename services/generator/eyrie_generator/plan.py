@@ -148,7 +148,7 @@ class PlanGenerate(PlannerTask):
             raise EyrieError(f"run {self.run_name}: nothing to plan (no run config kept).",
                              "start it with `eyrie run --config run.yaml` or `eyrie generate --dataset ...`.")
         return (self.settings.model_copy(update={"model": config.target.model}), config.dataset, config.generate,
-                config.serve.trust_remote_code)
+                config.serve.trusts_remote_code())
 
 
 def run_plan_generate_task(payload: dict) -> dict:
