@@ -4,7 +4,7 @@ the share the loss mask covers, and the tokens after a sample's last supervised 
 supervised position: every earlier token is context for a later answer). Reads the run's generated records
 (finished shards and the parts of unfinished ones) and its dataset's `category` field; no server, no training.
 
-  .venv/bin/python bench/supervised_share.py --run smollm2-general-2k --store file:///work/eyrie-home/store
+  .venv/bin/python bench/supervised_share.py --run smollm2-general-2k --store file://$EYRIE_HOME/store
 """
 
 from __future__ import annotations

@@ -79,7 +79,10 @@ def store_env(request, tmp_path) -> dict:
 @pytest.fixture
 def env(redis_url, store_env, monkeypatch) -> dict:
     """The full environment of the services under test, also applied to this process."""
-    values = {**OFFLINE, "EYRIE_REDIS_URL": redis_url, **store_env, "EYRIE_RETRY_BACKOFF_S": "0.05"}
+    # the target named, as a user of a server eyrie does not manage (EYRIE_INFERENCE_URL) names it:
+    # eyrie takes no default path for a target (tests/integration/test_run_identity.py)
+    values = {**OFFLINE, "EYRIE_REDIS_URL": redis_url, **store_env, "EYRIE_RETRY_BACKOFF_S": "0.05",
+              "EYRIE_MODEL": str(TINY)}
     for key, value in values.items():
         monkeypatch.setenv(key, value)
     return {**os.environ, **values}

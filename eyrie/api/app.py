@@ -91,7 +91,8 @@ def routes():
         settings = state.settings.model_copy(update={"model": config.target.model})
         if stage:
             section = stages.stage(stage).settings_in(config)
-            started = control.start_stage(settings, state.conn, state.store, config.run, stage, section, config.dataset)
+            started = control.start_stage(settings, state.conn, state.store, config.run, stage, section, config.dataset,
+                                          body=config)
             planning = started.planning.task_id(config.run) if started.planning else None
             return {"run": config.run, "stage": stage, "enqueued": started.enqueued, "planning": planning}
         return control.start_pipeline(settings, state.conn, state.store, config)  # planned by its own task

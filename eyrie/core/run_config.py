@@ -38,6 +38,8 @@ class TargetShape(_Section):
 
 class TargetSection(_Section):
     model: str = Field(min_length=1, description="Local directory or HF id of the target.")
+    hub_id: str | None = Field(None, min_length=1, description="The hub id a local directory is a copy of: what "
+                                                               "exported configs and cards name (never the path).")
     shape: TargetShape | None = None
 
 

@@ -1,4 +1,4 @@
-"""The target model's identity for the manifest: revision and chat template hash."""
+"""The target model's identity for the manifest: revision (its content) and chat template hash."""
 
 from __future__ import annotations
 
@@ -10,50 +10,71 @@ from types import SimpleNamespace
 from pydantic import BaseModel
 
 from eyrie.core.errors import EyrieError
+from eyrie.core.file_hashes import tree_sha256
+from eyrie.core.gguf_target import PROVENANCE
 
 
 class TargetInfo(BaseModel):
     model: str
-    revision: str
+    revision: str  # a local directory's "sha256:<its files' digests>", a hub id's commit, or "unresolved"
     chat_template_sha256: str | None
     max_model_len: int | None
     conversion: dict | None = None  # eyrie-conversion.json of a directory eyrie converted (gguf_target)
+    files: dict[str, str] | None = None  # relative path -> sha256 (a hub file not in LFS: "git:<blob id>")
+    hub_id: str | None = None  # a hub target's id, or the one a local directory was given as a copy of
 
 
-def describe(model: str) -> TargetInfo:
-    """Local directory: hash of its config, tokenizer files and weight names/sizes (hashing
-    hundreds of GB of weights would take longer than the run). Hub id: the commit sha."""
+def describe(model: str, hub_id: str | None = None) -> TargetInfo:
+    """Local directory: the sha256 of every file of its tree, each read once per host
+    (eyrie.core.file_hashes keeps them by inode, size and mtime). Hub id: the commit sha and the
+    hub's own digests of its files. `hub_id`: the hub id a local directory is a copy of."""
     path = Path(model)
     if path.is_dir():
-        return _describe_local(path)
+        return _describe_local(path, hub_id)
     return _describe_hub(model)
 
 
-def _describe_local(path: Path) -> TargetInfo:
-    digest = hashlib.sha256()
-    for file in sorted(path.iterdir()):
-        if file.suffix in (".json", ".jinja", ".txt", ".model") and file.is_file():
-            digest.update(file.name.encode() + file.read_bytes())
-        elif file.is_file():
-            digest.update(f"{file.name}:{file.stat().st_size}".encode())
-    conversion = path / "eyrie-conversion.json"
-    return TargetInfo(model=str(path.resolve()), revision=f"sha256:{digest.hexdigest()}",
+def _describe_local(path: Path, hub_id: str | None = None) -> TargetInfo:
+    # eyrie-conversion.json says how the directory was made (tools, versions), not what it holds: kept
+    # as `conversion`, out of the content hash
+    files = tree_sha256(path, skip=frozenset({PROVENANCE}))
+    conversion = path / PROVENANCE
+    return TargetInfo(model=str(path.resolve()), revision=tree_revision(files), files=files, hub_id=hub_id,
                       chat_template_sha256=_template_hash(path), max_model_len=_context(path),
                       conversion=json.loads(conversion.read_text()) if conversion.is_file() else None)
+
+
+def tree_revision(files: dict[str, str]) -> str:
+    """"sha256:" + the sha256 of `sha256sum`'s lines for the files, sorted by path (what
+    `find . -type f -not -path '*/.*' | LC_ALL=C sort | xargs sha256sum | sha256sum` prints, less
+    eyrie-conversion.json, for paths without backslashes or newlines)."""
+    lines = "".join(f"{digest}  ./{rel}\n" for rel, digest in sorted(files.items()))
+    return "sha256:" + hashlib.sha256(lines.encode()).hexdigest()
 
 
 def _describe_hub(model: str) -> TargetInfo:
     from huggingface_hub import HfApi, hf_hub_download
 
     try:
-        sha = HfApi().model_info(model).sha
-        config_dir = Path(hf_hub_download(model, "tokenizer_config.json", revision=sha)).parent
-        hf_hub_download(model, "config.json", revision=sha)
+        info = HfApi().model_info(model, files_metadata=True)
+        config_dir = Path(hf_hub_download(model, "tokenizer_config.json", revision=info.sha)).parent
+        hf_hub_download(model, "config.json", revision=info.sha)
     except Exception:  # offline or gated: the run still records the name
         return TargetInfo(model=model, revision="unresolved", chat_template_sha256=None,
                           max_model_len=None)
-    return TargetInfo(model=model, revision=sha, chat_template_sha256=_template_hash(config_dir),
-                      max_model_len=_context(config_dir))
+    return TargetInfo(model=model, revision=info.sha, chat_template_sha256=_template_hash(config_dir),
+                      max_model_len=_context(config_dir), files=hub_files(info.siblings), hub_id=model)
+
+
+def hub_files(siblings) -> dict[str, str] | None:
+    """The hub's digests of a commit's files (model_info's siblings, with files_metadata): the LFS
+    sha256 of a file in LFS (a local copy's own sha256), else "git:" and its git blob id."""
+    files = {}
+    for s in siblings or []:
+        digest = s.lfs.sha256 if s.lfs else f"git:{s.blob_id}" if s.blob_id else None
+        if digest and not any(part.startswith(".") for part in s.rfilename.split("/")):
+            files[s.rfilename] = digest
+    return dict(sorted(files.items())) or None
 
 
 def _template_hash(path: Path) -> str | None:

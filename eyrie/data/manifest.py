@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 import eyrie
 from eyrie.core.errors import UnknownRun
+from eyrie.core.gguf_target import conversion_hub_id
 from eyrie.core.run_config import check_run_name
 from eyrie.core.stage_settings import TrainSettings
 
@@ -164,13 +165,35 @@ class DatasetRef(BaseModel):
     row_end: int
 
 
+HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # a hub repository id: NAME or OWNER/NAME
+
+
 class TargetRef(BaseModel):
-    model: str
+    model: str  # where the target lies on the host that planned the run (for reading, never compared)
+    hub_id: str | None = None  # the hub id it is (a hub target's own id, or target.hub_id of a local copy)
     revision: str
     chat_template_sha256: str | None
     server: str
     conversion: dict | None = None  # how eyrie made the target's directory (eyrie/core/gguf_target.py)
     trust_remote_code: bool = False  # the target's own code runs in every load of it (serve.trust_remote_code)
+
+    def public_name(self) -> str:
+        """What a user on another host names this target by (an exported config, a card): its hub id where
+        known, else its directory's name; never a path of the host that planned the run."""
+        return self.public_hub_id() or Path(self.model).name
+
+    def public_hub_id(self) -> str | None:
+        """target.hub_id, else a hub target's own name, else the hub id of what eyrie converted its directory
+        from (eyrie.core.gguf_target); None where none is known."""
+        if self.hub_id:
+            return self.hub_id
+        return conversion_hub_id(self.conversion) if self._is_local() else self.model
+
+    def _is_local(self) -> bool:
+        # describe() records a local directory by its resolved path and a sha256: revision; the check holds on
+        # a host where that path does not exist
+        return (self.revision.startswith("sha256:") or self.model.startswith(("/", ".", "~"))
+                or not HUB_ID.fullmatch(self.model) or Path(self.model).exists())
 
 
 class SamplingParams(BaseModel):
@@ -277,6 +300,9 @@ class RunManifest(BaseModel):
                                                        "revision, the run that generated them, samples, the "
                                                        "prompts' license.")
     train: TrainParams | None = None
+    settings: dict[str, dict[str, dict]] = Field(
+        default_factory=dict, description="Each stage's settings as used, by section: {field: {value, source}} "
+                                          "(eyrie.core.provenance), recorded by the stage's planner.")
     drafter: dict | None = Field(None, description="The exported drafter: objects, sha256, τ, path taken.")
     verify: dict | None = Field(None, description="The drafter served by vLLM: its acceptance, identical outputs.")
 

@@ -19,12 +19,12 @@ from eyrie.runs.pipeline import advance_or_record, check_config, run_job_ids, ru
 from eyrie.runs.from_answers import answers_of, plan_from_answers
 from eyrie.runs.projection import refuse_before_start
 from eyrie.runs.restart import hold_cancel, pending
-from eyrie.runs.reuse import check_train_as, owner_of, states_to_reuse, train_on_states
+from eyrie.runs.reuse import check_train_as, owner_of, train_on_states
 from eyrie.runs.status import overall_state, run_status
-from eyrie.stages import PIPELINE, queues, stage, startable
+from eyrie.stages import PIPELINE, queues, run_stages, stage, startable
 from eyrie.stages.base import Started
 from eyrie.stages.train import Train
-from eyrie.work import keys
+from eyrie.work import inference, keys
 from eyrie.work.planning import await_planning
 from eyrie.work.queue import EyrieJob, enqueue, enqueue_task, job_errors, job_state, queue
 from eyrie.work.status_models import RunSummary, StageSummary
@@ -50,7 +50,9 @@ def start_pipeline(settings, conn, store, cfg, states: RunManifest | None = None
     check_config(store, cfg)
     planned = load_run_manifest(store, cfg.run) if store.exists(Layout(cfg.run).manifest) else None
     answers = None if planned or states else answers_of(cfg)  # a published answers set: its target checked
-    reuse = None if planned or answers else states or states_to_reuse(store, cfg)
+    # an earlier run's states with the same settings as used are found by generate's planner, where
+    # the generator host's defaults resolve them (eyrie_generator.plan); here only `eyrie train --as`'s
+    reuse = None if planned or answers else states
     plans = reuse is None and answers is None and not (planned and (planned.states_from or planned.answers_from))
     if plans:
         first.check_start(store, cfg.run, first.settings_in(cfg), cfg.dataset)
@@ -99,7 +101,14 @@ def start_and_plan(settings, conn, store, cfg) -> dict:
     planning = first if out["planning"] else None  # none where it trains on another run's states
     started = await_planned(conn, store, cfg.run, Started(planning=planning))
     manifest = started.manifest or load_run_manifest(store, cfg.run)
-    return {**out, "rows": manifest.dataset.row_end - manifest.dataset.row_start, "enqueued": started.enqueued}
+    if manifest.states_from and not out["states_from"]:  # generate's planner found an earlier run's states
+        out["started"] = _first_not_done(run_view(conn, store, cfg.run))
+    return {**out, "rows": manifest.dataset.row_end - manifest.dataset.row_start, "enqueued": started.enqueued,
+            "states_from": manifest.states_from}
+
+
+def _first_not_done(view) -> str | None:
+    return next((each.name for each in run_stages(view.config) if not each.done(view)), None)
 
 
 def train_as(settings, conn, store, source_run: str, run: str, request) -> dict:
@@ -157,16 +166,18 @@ def _forget_unstarted(conn, store, run: str) -> None:
         store.delete(config_key(run))
 
 
-def start_stage(settings, conn, store, run: str, name: str, section, dataset=None) -> Started:
+def start_stage(settings, conn, store, run: str, name: str, section, dataset=None, body=None) -> Started:
     """One stage on its own (`eyrie generate|extract|train`, POST /runs?stage=), from its section
-    of a run config (generate also reads `dataset`): the run's config kept names that stage (a
-    pipeline of it alone, eyrie.runs.pipeline.stage_config), so nothing starts after it by itself.
-    Its planning task is enqueued on its queue: `await_planned` waits for it."""
+    of a run config (generate also reads `dataset`; POST /runs gives its whole config, `body`): the
+    run's config kept names that stage (a pipeline of it alone, eyrie.runs.pipeline.stage_config), so
+    nothing starts after it by itself. Its planning task is enqueued on its queue: `await_planned`
+    waits for it."""
     if name not in startable():
         raise EyrieError(f"no stage {name!r} to start on its own.", f"start one of: {', '.join(startable())}.")
     chosen = stage(name)
     chosen.check_start(store, run, section, dataset)  # its refusals known at once, before anything is written
-    save_config(conn, store, stage_config(settings, store, run, chosen, section, dataset))
+    served = inference.read(conn) if body is None and "model" not in settings.model_fields_set else None
+    save_config(conn, store, stage_config(settings, store, run, chosen, section, dataset, body, served))
     conn.delete(keys.blocked(run))  # the user's start retries a refusal
     # what only planning knows (the budget, a base drafter) its planning task refuses: the run blocked,
     # and a cancelled one still cancelled (its cancel is lifted once it has planned: eyrie.runs.restart)

@@ -28,9 +28,10 @@ def answers_of(config) -> AnswersSet | None:
     return answers
 
 
-def check_target(answers: AnswersSet, model: str) -> TargetRef:
+def check_target(answers: AnswersSet, model: str, hub_id: str | None = None) -> TargetRef:
     """The run's target as the answers' own: refused where it is another model, another revision or another chat
-    template (the answers' token ids are that target's, and so would be the drafter's training data)."""
+    template (the answers' token ids are that target's, and so would be the drafter's training data). `hub_id`: the
+    run config's target.hub_id, else the one the answers' target recorded."""
     theirs, mine = TargetRef.model_validate(answers.provenance["target"]), describe(model)
     if target_identity(mine) is None or target_identity(mine) != target_identity(theirs):
         raise EyrieError(f"the answers in {answers.where} were given by {theirs.model} (revision {theirs.revision}, "
@@ -38,7 +39,8 @@ def check_target(answers: AnswersSet, model: str) -> TargetRef:
                          f"revision {mine.revision}, chat template sha256 {mine.chat_template_sha256}. Nothing was "
                          "started.", "name that target at that revision (target.model: a directory holding it, or "
                          "its hub id), or give this target's prompts as the dataset: its own answers are generated.")
-    return TargetRef(model=mine.model, revision=mine.revision, chat_template_sha256=mine.chat_template_sha256,
+    return TargetRef(model=mine.model, hub_id=hub_id or theirs.hub_id, revision=mine.revision,
+                     chat_template_sha256=mine.chat_template_sha256,
                      server=theirs.server, conversion=mine.conversion, trust_remote_code=theirs.trust_remote_code)
 
 
@@ -55,10 +57,10 @@ def check_generate(answers: AnswersSet, request) -> None:
                          "prompts as the dataset to generate answers with them.")
 
 
-def plan_from_answers(store, run: str, answers: AnswersSet, model: str) -> RunManifest:
+def plan_from_answers(store, run: str, answers: AnswersSet, model: str, hub_id: str | None = None) -> RunManifest:
     """The run's generate stage planned and done from the set: its shards' inputs, records and manifests, then its
     run manifest (written last: the run is then planned up to extract)."""
-    target, layout, plans, samples = check_target(answers, model), Layout(run), [], 0
+    target, layout, plans, samples = check_target(answers, model, hub_id), Layout(run), [], 0
     for _, records in answers.shards():
         if records:
             plans.append(_shard(store, layout, len(plans), records, answers.where))

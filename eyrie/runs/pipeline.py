@@ -8,10 +8,11 @@ from collections import Counter
 
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
-from eyrie.core.run_config import RunConfigBase, ServeSection
+from eyrie.core.run_config import RunConfigBase, ServeSection, with_absolute_paths
 from eyrie.data.manifest import Layout, config_key, load_run_manifest
 from eyrie.stages.run_config import run_config_model, stored_config
 from eyrie.data.store import open_store
+from eyrie.runs.identity import differing_inputs, refuse_other_target, relocate
 from eyrie.runs.restart import on_planned
 from eyrie.runs.reuse import record_states
 from eyrie.stages import PIPELINE, RunView, check_stage_names, run_stages
@@ -23,27 +24,38 @@ from eyrie.work.queue import job_state, live_tasks
 
 def save_config(conn, store, config: RunConfigBase) -> None:
     """The run's config is kept; a rerun continues the run and may change only the sections of
-    stages not yet planned (e.g. extract.budget after a refusal)."""
+    stages not yet planned (e.g. extract.budget after a refusal). Its relative paths are made
+    absolute where they lie here (with_absolute_paths), the one way for every stored config; a
+    planned run given its target and dataset at another path (the same content) reads them there."""
+    config = with_absolute_paths(config)
     check_config(store, config)
+    if store.exists(Layout(config.run).manifest):
+        relocate(store, load_run_manifest(store, config.run), config)
     # the settings as given: a field not given stays so (generate's take the planning worker's EYRIE_<FIELD>)
     store.put_json(config_key(config.run), config.model_dump(exclude_unset=True))
     conn.sadd(keys.ACTIVE_PIPELINES, config.run)
 
 
-def stage_config(settings, store, run: str, stage: PipelineStage, section, dataset=None) -> RunConfigBase:
+def stage_config(settings, store, run: str, stage: PipelineStage, section, dataset=None, body=None,
+                 served=None) -> RunConfigBase:
     """A stage started alone (`eyrie generate|extract|train`, POST /runs?stage=) is a run whose kept
     config names it: the config the run has, with the stage's settings (and the stage added to its
-    stages, where it names some), else a new one of that stage alone: the
-    target and how it is served from the host's settings (EYRIE_MODEL, EYRIE_VLLM_ARGS) or, for a
-    run planned without a config, from its manifest."""
+    stages, where it names some) and every other section `body` (POST /runs' config) gives, else a
+    new one of that stage alone: `body`, or the target named on this host (EYRIE_MODEL, --model) or
+    else the one `served` (the inference server's endpoint) and how it is served from the host's
+    settings (EYRIE_VLLM_ARGS); for a run planned without a config, from its manifest."""
     kept = stored_config(store, run)
     if kept is None:
         kept = _config_of_manifest(settings, store, run, stage) if store.exists(Layout(run).manifest) else None
         if kept is None:  # a new run: generate's (the stage with a dataset)
-            return run_config_model()(run=run, stages=[stage.name], target={"model": settings.model},
-                                      dataset=dataset, serve=ServeSection.of_host(settings),
-                                      **{stage.own_section(): section})
+            new = body or run_config_model()(run=run, target={"model": _named_target(settings, served)},
+                                              dataset=dataset, serve=ServeSection.of_host(settings))
+            return new.model_copy(update={"stages": [stage.name], stage.own_section(): section,
+                                          **({"dataset": dataset} if dataset is not None else {})})
     own = stage.own_section()
+    if body is not None:  # what the body gives is kept (or refused by check_config), never dropped
+        kept = kept.model_copy(update={name: getattr(body, name) for name in body.model_fields_set
+                                       if name not in ("run", "stages", own, "dataset")})
     planned = own not in _open_sections(store, run)
     # a planned stage's rerun continues its plan: the settings given over the kept ones (start_checks
     # refused any that differ from the plan); before it is planned, the settings given are its settings
@@ -55,6 +67,19 @@ def stage_config(settings, store, run: str, stage: PipelineStage, section, datas
     if kept.stages is not None:
         update["stages"] = [s.name for s in PIPELINE if s.name in kept.stages or s is stage]
     return kept.model_copy(update=update)
+
+
+def _named_target(settings, served) -> str:
+    """A new stage-alone run's target: the one named on this host, else the one the inference server
+    serves; never the code's default path."""
+    if "model" in settings.model_fields_set:
+        return settings.model
+    if served is not None:
+        return served.model
+    raise EyrieError("no target named, and no inference server eyrie runs serves one to take as the target (a "
+                     "server at EYRIE_INFERENCE_URL does not say which model it is).",
+                     "name the target (EYRIE_MODEL, or the run config's target.model), or start its server first "
+                     "(`eyrie serve --model M`; in the stack the inference service).")
 
 
 def _config_of_manifest(settings, store, run: str, stage: PipelineStage) -> RunConfigBase:
@@ -70,16 +95,26 @@ def _config_of_manifest(settings, store, run: str, stage: PipelineStage) -> RunC
 
 
 def check_config(store, config: RunConfigBase) -> None:
-    """save_config's refusal, writing nothing: a kept config differs in a planned stage's section."""
+    """save_config's refusal, writing nothing: a kept config differs in a planned stage's section
+    (its target and dataset compared by content: the same at another path is the same run), or the
+    planned run's target no longer has the content it was made with."""
     check_stage_names(config)
     kept = stored_config(store, config.run)
-    if kept is not None:
-        changed = sorted(k for k in run_config_model().model_fields if getattr(kept, k) != getattr(config, k))
-        frozen = [k for k in changed if k not in _open_sections(store, config.run)]
-        if frozen:
-            raise EyrieError(f"run {config.run} was started with another config (differs in: {', '.join(frozen)}, "
-                             "of stages already planned).",
-                             "rerun with the original config to continue it, or give the new one another run name.")
+    if kept is None:
+        return
+    config = with_absolute_paths(config)
+    open_sections = _open_sections(store, config.run)
+    changed = sorted(k for k in run_config_model().model_fields if getattr(kept, k) != getattr(config, k))
+    frozen = [k for k in changed if k not in open_sections]
+    manifest = load_run_manifest(store, config.run) if store.exists(Layout(config.run).manifest) else None
+    if manifest is not None:
+        frozen = differing_inputs(kept, config, manifest, frozen)
+    if frozen:
+        raise EyrieError(f"run {config.run} was started with another config (differs in: {', '.join(frozen)}, "
+                         "of stages already planned).",
+                         "rerun with the original config to continue it, or give the new one another run name.")
+    if manifest is not None and "target" not in open_sections:
+        refuse_other_target(manifest, config.target.model)
 
 
 def _open_sections(store, run: str) -> set[str]:

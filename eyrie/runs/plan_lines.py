@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from eyrie.core.budget import human
+from eyrie.core.file_hashes import HASH_BYTES_PER_S, uncached_bytes
 from eyrie.runs.plan_checks import budget_verdict, gpu_lines
 from eyrie.runs.plan_result import DOWNLOAD, Lengths, Plan, Space
 from eyrie.runs.storage_plan import sharing_lines, storage_lines
@@ -14,7 +16,8 @@ from eyrie.stages.train import Train
 
 
 def render(p: Plan) -> list[str]:
-    return (_head_lines(p) + _weights_lines(p) + _space_lines(p.space) + _length_lines(p.lengths) + _hour_lines(p)
+    return (_head_lines(p) + _weights_lines(p) + _identity_lines(p) + _space_lines(p.space) + _length_lines(p.lengths)
+            + _hour_lines(p)
             + [f"  train recipe (on {p.train_recipe.device}): {p.train_recipe.statement}"]
             + storage_lines(p)
             + _support_lines(p) + gpu_lines(p) + sharing_lines(p)
@@ -39,6 +42,10 @@ def _head_lines(p: Plan) -> list[str]:
              f"  generated records: at most {human(p.records_bytes)}"]
     if p.budget_bytes is not None:
         lines.append(f"  budget {human(p.budget_bytes)}, {p.dtype}: {budget_verdict(p)}")
+    if p.decided_elsewhere:
+        here = ", ".join(f"{name} {entry['value']} ({entry['source']})" for name, entry in p.decided_elsewhere.items())
+        lines.append(f"  decided on the generator host when it plans (its EYRIE_<FIELD>, else the default), "
+                     f"not given in the run config: {here} here")
     return lines
 
 
@@ -112,6 +119,25 @@ def _weights_lines(p: Plan) -> list[str]:
         return [f"  {weights} ({p.target_weights_from}): a local directory, nothing to download"]
     return [f"  {weights}, downloaded from the hub into the HF cache of the hosts that serve it (HF_HOME; "
             f"{p.target_weights_from}) before the server answers: not in the bucket"]
+
+
+def _identity_lines(p: Plan) -> list[str]:
+    """What naming the target costs (eyrie.core.target.describe): a hub id's commit and its files'
+    digests are the hub's; a local directory's files are hashed once per host, here from this
+    host's cache (the generate and serve hosts keep their own)."""
+    if p.target_download_bytes:
+        return ["  target identity: the hub's commit and its files' sha256 (the hub's metadata): nothing hashed"]
+    pending = uncached_bytes(Path(p.target))
+    if not pending:
+        return ["  target identity: every file's sha256 is in this host's hash cache: a stat per file"]
+    return [f"  target identity: first hash of {human(pending)} ≈ {_duration(pending / HASH_BYTES_PER_S)} at "
+            f"{human(HASH_BYTES_PER_S)}/s (measured, bench/RESULTS.md); later looks: a stat per file"]
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{max(1, round(seconds))} s"
+    return f"{seconds / 60:,.0f} min" if seconds < 5400 else f"{seconds / 3600:,.1f} h"
 
 
 def _support_lines(p: Plan) -> list[str]:

@@ -176,6 +176,8 @@ class Plan:
     target_download_bytes: int | None = None
     generate_measured: tuple[float, str] | None = None  # (tok/s, where from), once the run has generated
     states_from: str | None = None  # the earlier run whose states this one reuses (eyrie.runs.reuse)
+    # generate settings the run config leaves to the generator host ({field: this host's value and source})
+    decided_elsewhere: dict = field(default_factory=dict)
     answers_from: str | None = None  # the published answers it trains on (eyrie.runs.from_answers)
     lengths: Lengths
     train_recipe: TrainRecipe | None = None

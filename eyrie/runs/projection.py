@@ -13,8 +13,10 @@ from pathlib import Path
 from eyrie.core.budget import parse_size, projected_bytes
 from eyrie.core.errors import EyrieError
 from eyrie.core.layers import resolve_aux_layers
+from eyrie.core.provenance import RUN_CONFIG, as_used
 from eyrie.core.recipe import pack_length, trainer_device
 from eyrie.core.run_config import RunConfigBase
+from eyrie.core.stage_settings import pacing_fields
 from eyrie.core.support import architecture, check
 from eyrie.core.target import refuse_remote_code, text_config
 from eyrie.data.manifest import DatasetRef, Layout, ShardManifest, load_run_manifest
@@ -33,7 +35,7 @@ RECORD_BYTES_PER_TOKEN = 4  # a generated JSONL record: text + token ids, about 
 DTYPES = ("bf16", "fp8")
 
 # Measured throughputs, keyed by the target's (hidden size, layers): used where the run config
-# gives none. Sources: /work/shared/FIELD-NOTES.md (one H200) and the seed (8 GPUs over PCIe).
+# gives none. Sources: the field notes (one H200) and the seed (8 GPUs over PCIe).
 EXTRACT_FIGURES = {
     (4096, 32): (15_800, "HF forward + safetensors write, Llama-3-8B shape, one H200 (bench/extract_throughput.py)"),
     (2048, 16): (41_600, "HF forward + safetensors write, Llama-1B shape, one H200 (bench/extract_throughput.py)"),
@@ -72,6 +74,7 @@ def project(config: RunConfigBase, settings, measure: bool = True) -> Plan:
         p.generate_measured = measured_generation(config, settings)
         p.states_from = reused_from(config, settings)
         p.answers_from = published_answers(config)
+    p.decided_elsewhere = decided_on_generator(config, settings)
     p.train_recipe = train_recipe(config, p, device)
     p.hours = hours(config, p)
     p.support = check(p.architecture, config.extract.backend)
@@ -220,10 +223,19 @@ def reused_from(config: RunConfigBase, settings) -> str | None:
     """The earlier run whose answers and states this one would train on (same target, dataset,
     generate and extract settings), where the store answers; None where it does not."""
     try:
-        earlier = states_to_reuse(open_store(settings), config)
+        used = as_used(config.generate, RUN_CONFIG, settings.generate_defaults())  # as this host would resolve them
+        earlier = states_to_reuse(open_store(settings), config, used)
     except Exception:  # noqa: BLE001 -- --plan runs without a store too; the run's start decides for real
         return None
     return earlier.run if earlier else None
+
+
+def decided_on_generator(config: RunConfigBase, settings) -> dict:
+    """The generate settings the run config does not give: the generator host's planner decides them
+    (its EYRIE_<FIELD>, else the default); --plan shows what this host would use."""
+    used = as_used(config.generate, RUN_CONFIG, settings.generate_defaults())
+    pacing = pacing_fields(type(config.generate))
+    return {name: entry for name, entry in used.items() if entry["source"] != RUN_CONFIG and name not in pacing}
 
 
 def train_recipe(config: RunConfigBase, p: Plan, device: str) -> TrainRecipe:

@@ -19,27 +19,43 @@ import hashlib
 import orjson
 
 from eyrie.core.errors import EyrieError, UnknownRun
+from eyrie.core.provenance import RUN_CONFIG, as_used, values
 from eyrie.core.stage_settings import pacing_fields
 from eyrie.core.target import describe
 from eyrie.data import dataset
 from eyrie.data.manifest import Layout, RunManifest, code_version, load_run_manifest, now_iso, states_index
 from eyrie.data.shared_states import add_user
 from eyrie.stages import PIPELINE
+from eyrie.stages.generate import Generate
 
 # how the target is served that changes its answers (--dtype, --quantization, ... in extra_args)
 SERVE_ANSWERS = ("reasoning_parser", "max_model_len", "extra_args")
 
 
-def settings_fingerprint(config) -> str:
-    """The settings that make a run's answers and states (defaults resolved: a default written out
-    is the same run), from its run config, less the fields marked PACING (how fast the answers were
-    fetched, not what they are). The target's content is keyed apart (target_identity)."""
-    what = {"target": config.target.model, "serve": {field: getattr(config.serve, field) for field in SERVE_ANSWERS}}
+def settings_fingerprint(config, generate_used: dict) -> str:
+    """The settings that make a run's answers and states, as used (`generate_used`: the generate
+    settings as the generator's planner resolved them, its host's EYRIE_<FIELD> defaults included;
+    eyrie.core.provenance), less the fields marked PACING (how fast the answers were fetched, not
+    what they are). Paths are no part of it: the target's and the dataset's contents are keyed
+    apart (target_identity, the dataset's revision and rows)."""
+    what = {"serve": {field: getattr(config.serve, field) for field in SERVE_ANSWERS}}
     for name in states_sections():  # the dataset, generate and extract sections
         section = getattr(config, name)
-        pacing = pacing_fields(type(section))
-        what[name] = {field: getattr(section, field) for field in type(section).model_fields if field not in pacing}
+        keep = set(type(section).model_fields) - pacing_fields(type(section)) - {"source"}
+        used = values(generate_used) if name == Generate.own_section() else {field: getattr(section, field) for field in keep}
+        what[name] = {field: used[field] for field in sorted(keep)}
     return hashlib.sha256(orjson.dumps(what, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+
+
+def generate_used(manifest: RunManifest) -> dict:
+    """A planned run's generate settings as used: as its planner recorded them, or (a manifest
+    from before that record) as its plan holds them."""
+    if Generate.own_section() in manifest.settings:
+        return manifest.settings[Generate.own_section()]
+    params = manifest.generate
+    return {name: {"value": value, "source": "plan"} for name, value in
+            {**params.model_dump(exclude={"sampling"}), **params.sampling.model_dump(),
+             "prompt_tokens_estimate": None}.items()}
 
 
 def target_identity(target) -> str | None:
@@ -52,20 +68,21 @@ def target_identity(target) -> str | None:
     return hashlib.sha256(orjson.dumps(what, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
 
 
-def index_key(config, target, dataset_revision: str) -> str | None:
+def index_key(config, used: dict, target, dataset_revision: str) -> str | None:
     identity = target_identity(target)
-    return None if identity is None else states_index(f"{settings_fingerprint(config)}/{identity}", dataset_revision)
+    return None if identity is None else states_index(f"{settings_fingerprint(config, used)}/{identity}",
+                                                      dataset_revision)
 
 
 def record_states(view) -> None:
     """A pipeline whose states are complete (advance, once the stage that makes them is done):
-    findable by its fingerprint and its target as its manifest recorded it (nothing hashed again).
-    A run on another's states records nothing: that one is found; nor does one whose config did not
-    run every stage that made them (its config may not say how the earlier ones ran)."""
+    findable by its settings as used and its target as its manifest recorded it (nothing hashed
+    again). A run on another's states records nothing: that one is found; nor does one whose config
+    did not run every stage that made them (its config may not say how the earlier ones ran)."""
     manifest = view.manifest
     if view.config is None or manifest is None or manifest.states_from or not _made_here(view.config):
         return
-    key = index_key(view.config, manifest.target, manifest.dataset.revision)
+    key = index_key(view.config, generate_used(manifest), manifest.target, manifest.dataset.revision)
     if key is not None and not view.store.exists(key):
         view.store.put_json(key, {"run": view.run, "dataset": manifest.dataset.model_dump(), "recorded_at": now_iso()})
 
@@ -75,28 +92,37 @@ def _made_here(config) -> bool:
     return config.stages is None or {stage.name for stage in PIPELINE[:last + 1]} <= set(config.stages)
 
 
-def states_to_reuse(store, config) -> RunManifest | None:
+def goes_on_to_train(config) -> bool:
+    """A run that would make its states and go on past them: one that may train on an earlier run's."""
+    last = next(i for i, stage in enumerate(PIPELINE) if stage.makes_states)
+    return _made_here(config) and (config.stages is None or bool(set(config.stages) - {s.name for s in PIPELINE[:last + 1]}))
+
+
+def states_to_reuse(store, config, used: dict | None = None) -> RunManifest | None:
     """For a run not planned yet: the manifest of the earlier run whose answers and states it can
-    train on (same settings, same target content and template, same dataset content and rows, every
-    shard extracted), else None. The target is described and the dataset read (hashed) only where
-    some run has these settings; a target changed since (a directory updated in place, a hub id at
-    a new commit) or not identifiable here shares nothing: the new run generates."""
+    train on (the same settings as used, the same target content and template, the same dataset
+    content and rows, every shard extracted), else None. `used`: its generate settings as resolved
+    where they apply (the generator's planner; eyrie.core.provenance.as_used), else as the config
+    gives them over the code's defaults. The target is described and the dataset read (hashed) only
+    where some run has these settings; a target changed since (a directory updated in place, a hub
+    id at a new commit) or not identifiable here shares nothing: the new run generates."""
     if store.exists(Layout(config.run).manifest):
         return None
-    fingerprint = settings_fingerprint(config)
+    used = used if used is not None else as_used(config.generate, RUN_CONFIG)
+    fingerprint = settings_fingerprint(config, used)
     if not store.list(states_index(fingerprint)):
         return None
     source = config.dataset
     ref = dataset.resolve(source.source, source.split, source.revision, source.limit)
-    key = index_key(config, describe(config.target.model), ref.revision)
+    key = index_key(config, used, describe(config.target.model), ref.revision)
     if key is None or not store.exists(key):
         return None
     try:
         found = load_run_manifest(store, store.get_json(key)["run"])
     except UnknownRun:
         return None
-    same_rows = (found.dataset.source, found.dataset.row_start, found.dataset.row_end) == (
-        ref.source, ref.row_start, ref.row_end)
+    same_rows = (found.dataset.revision, found.dataset.row_start, found.dataset.row_end) == (
+        ref.revision, ref.row_start, ref.row_end)
     return found if same_rows and extracted(store, found) else None
 
 

@@ -14,6 +14,7 @@ from typing import ClassVar
 from pydantic import BaseModel
 
 from eyrie.core.errors import EyrieError
+from eyrie.core.provenance import given_by
 from eyrie.stages.run_config import stored_config
 from eyrie.stages import PIPELINE
 from eyrie.tasks.executor import StageTask
@@ -37,6 +38,11 @@ class PlannerTask(StageTask):
                              f"start it with `eyrie run --config run.yaml` or `eyrie {planned.name} "
                              f"--run {self.run_name}`.")
         return self.Request.model_validate(getattr(config, planned.own_section()))
+
+    def given_by(self) -> str:
+        """Who gave the settings planned: a stage command's flags or the run config (eyrie.core.provenance)."""
+        planned = next(s for s in PIPELINE if s.planner == self.stage)
+        return given_by(stored_config(self.store, self.run_name), planned.name)
 
     def plan(self, request) -> dict:
         """Plan the stage (or check `request` against its plan) and enqueue what is missing."""

@@ -193,6 +193,19 @@ def check_metrics(url: str) -> None:
     assert samples[("eyrie_bytes_stored", (("run", "live"), ("stage", "generate")))] > 0
 
 
+@pytest.mark.parametrize("store_env", ["file"], indirect=True)
+def test_a_stage_started_through_the_api_keeps_how_its_body_serves_the_target(env, api, tmp_path):
+    """POST /runs?stage=generate keeps the body's `serve` (at 40c2bde it was dropped for the API
+    host's defaults: TP 1, no parser, no flags, which then became the reuse fingerprint)."""
+    url = api()
+    serve = {"tensor_parallel_size": 8, "reasoning_parser": "qwen3", "max_model_len": 4096,
+             "extra_args": ["--dtype", "float32"]}
+    body = {**run_config("served", prompts(tmp_path / "p.jsonl", 3)), "serve": serve}
+    assert requests.post(f"{url}/runs?stage=generate", json=body, headers=AUTH).status_code == 202
+    kept = stored_config(open_store(load_settings()), "served")
+    assert kept.stages == ["generate"] and kept.serve.model_dump(include=set(serve)) == serve
+
+
 # ---------------------------------------------------------------------------------------------
 # schemathesis
 

@@ -12,6 +12,7 @@ import redis
 
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
+from eyrie.core.provenance import RUN_CONFIG, as_used
 from eyrie.stages.run_config import load_config
 from eyrie.core.stage_settings import TrainSettings
 from eyrie.core.target import describe
@@ -25,7 +26,8 @@ from eyrie.runs.control import pipeline_started, start_and_plan, start_pipeline,
 from eyrie.runs.pipeline import advance, run_job_ids, save_config
 from eyrie.runs.projection import project
 from eyrie.runs.reuse import states_to_reuse
-from eyrie.stages import PIPELINE, PLAN_TRAIN
+from eyrie.stages import PIPELINE, PLAN_GENERATE, PLAN_TRAIN
+from eyrie.stages.generate import Generate
 from eyrie.stages.train import Train
 from eyrie.work.queue import job_state
 from tests.integration.test_refused_start import planned_run
@@ -46,7 +48,8 @@ def states_of(env, tmp_path, *overrides: dict):
     planned_run(store, "a", dataset.resolve(source.source, source.split, source.revision, source.limit), None)
     info = describe(cfg.target.model)
     manifest = load_run_manifest(store, "a").model_copy(update={"target": TargetRef(
-        model=info.model, revision=info.revision, chat_template_sha256=info.chat_template_sha256, server="vllm")})
+        model=info.model, revision=info.revision, chat_template_sha256=info.chat_template_sha256, server="vllm"),
+        "settings": {Generate.own_section(): as_used(cfg.generate, RUN_CONFIG)}})  # as generate's planner records them
     store.put_json(Layout("a").manifest, manifest.model_dump())
     save_config(conn, store, cfg)
     assert advance(conn, store, "a") == Train.name
@@ -72,7 +75,9 @@ def test_a_run_that_differs_only_in_train_starts_at_train_on_the_earlier_runs_st
     assert out["states_from"] == "a" and out["started"] == Train.name and out["enqueued"] == 0
     assert "trains on run a's generated answers and hidden states (4 rows" in pipeline_started(out)
     tasks = tasks_before_train(conn, store, "b")
-    assert tasks and set(tasks.values()) == {None}, tasks  # none enqueued, none run
+    # generate's planner found a's states (where the generator host's defaults resolve b's settings)
+    assert tasks.pop(PLAN_GENERATE.task_id("b")) == "finished"
+    assert tasks and set(tasks.values()) == {None}, tasks  # nothing else enqueued, none run
     assert job_state(conn, PLAN_TRAIN.task_id("b")) == "queued"  # train planned by a trainer's worker
     manifest = load_run_manifest(store, "b")
     assert manifest.states_from == "a" and manifest.train is None and manifest.extract.aux_layers == [2, 4, 5]
@@ -81,7 +86,9 @@ def test_a_run_that_differs_only_in_train_starts_at_train_on_the_earlier_runs_st
     assert all(key.endswith(".json") for key in store.list("runs/b/"))  # its manifests and config: no object copied
 
     again = start_and_plan(settings, conn, store, b)  # a rerun continues, still on a's states
-    assert again["states_from"] == "a" and set(tasks_before_train(conn, store, "b").values()) == {None}
+    rest = tasks_before_train(conn, store, "b")
+    assert again["states_from"] == "a" and rest.pop(PLAN_GENERATE.task_id("b")) == "finished"
+    assert set(rest.values()) == {None}
 
     with pytest.raises(StatesInUse, match="run a's generated answers or hidden states, which run.s. b train on"):
         store.delete(Layout("a").extract_sample(0, "s0"))

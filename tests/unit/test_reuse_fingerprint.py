@@ -1,7 +1,8 @@
 """The fingerprint a run's states are found by (eyrie.runs.reuse.settings_fingerprint), read from
 the fields' markers: a field of the sections that make the states (dataset, generate, extract)
-marked PACING (eyrie.core.stage_settings) changes nothing, every other one changes it. No process,
-no store: the end-to-end reuse is tests/integration/test_reuse_states.py."""
+marked PACING (eyrie.core.stage_settings) changes nothing, every other one changes it, but the
+dataset's path (its content is keyed apart); the generate settings count as used, a host's default
+included. No process, no store: the end-to-end reuse is tests/integration/test_reuse_states.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from eyrie.stages.run_config import RunConfig
-from eyrie.core.stage_settings import pacing_fields
+from eyrie.core.provenance import RUN_CONFIG, as_used
+from eyrie.core.stage_settings import GenerateSettings, pacing_fields
 from eyrie.runs.reuse import settings_fingerprint, states_sections
 
 BASE = {"run": "a", "target": {"model": "m"}, "dataset": {"source": "prompts.jsonl"}}
@@ -24,6 +26,10 @@ def config(section: str | None = None, field: str | None = None, value=None) -> 
     if section:
         raw.setdefault(section, {})[field] = value
     return RunConfig.model_validate(raw)
+
+
+def fingerprint(config: RunConfig, host: GenerateSettings | None = None) -> str:
+    return settings_fingerprint(config, as_used(config.generate, RUN_CONFIG, host))
 
 
 def choices(schema: dict) -> list:
@@ -54,11 +60,20 @@ def states_fields() -> list[tuple[str, type[BaseModel], str]]:
 
 @pytest.mark.parametrize("section, model, field", states_fields(), ids=[f"{s}.{f}" for s, _, f in states_fields()])
 def test_a_pacing_field_leaves_the_fingerprint_and_any_other_changes_it(section, model, field):
-    changed = settings_fingerprint(config(section, field, another_value(section, model, field)))
-    if field in pacing_fields(model):
-        assert changed == settings_fingerprint(config()), f"{section}.{field} is marked PACING"
+    changed = fingerprint(config(section, field, another_value(section, model, field)))
+    if field in pacing_fields(model) or (section, field) == ("dataset", "source"):
+        assert changed == fingerprint(config()), f"{section}.{field} is marked PACING (or a path)"
     else:
-        assert changed != settings_fingerprint(config()), f"{section}.{field} is not marked PACING"
+        assert changed != fingerprint(config()), f"{section}.{field} is not marked PACING"
+
+
+def test_a_host_default_reaches_the_fingerprint():
+    """Run A leaves max_tokens out on a generator host with EYRIE_MAX_TOKENS=512; run B asks 8192, the
+    code's default: not the same answers (at 40c2bde both fingerprinted the code's 8192)."""
+    a = fingerprint(config(), host=GenerateSettings(max_tokens=512))
+    b = fingerprint(config("generate", "max_tokens", 8192))
+    assert a != b and b == fingerprint(config())
+    assert a == fingerprint(config("generate", "max_tokens", 512))  # the same value used: the same answers
 
 
 def test_some_field_is_marked_pacing():

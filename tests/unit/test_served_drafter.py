@@ -163,7 +163,7 @@ def test_vllm_reads_the_method_from_the_exported_config_whatever_its_folder_is_n
                           capture_output=True, text=True, timeout=240)
     assert read.returncode == 0, read.stderr[-3000:]
     seen = json.loads(read.stdout.strip().splitlines()[-1])
-    assert seen["target"] == str(TINY)
+    assert seen["target"] == TINY.name  # the export's public name of its target (TargetRef.public_name)
     assert seen["spec"] == {"method": "eagle3", "num_speculative_tokens": K, "model": str(folder)}
     assert eagle3_spec("d", K, 0.7)["draft_sample_method"] in seen["draft_sample_methods"]
 

@@ -10,12 +10,14 @@ import orjson
 
 from eyrie.core.budget import check_fits, human, parse_size, projected_bytes
 from eyrie.core.errors import EyrieError
+from eyrie.core.provenance import RUN_CONFIG, as_used
 from eyrie.core.layers import resolve_aux_layers
 from eyrie.core.stage_settings import ExtractSettings
 from eyrie.core.storage import resolve_mode, shard_allowance
 from eyrie.core.target import load_tokenizer, text_config
 from eyrie.data.manifest import ExtractParams, Layout, RunManifest, ShardManifest
 from eyrie.stages import EXTRACT, PLAN_EXTRACT
+from eyrie.stages.extract import Extract
 from eyrie.stages.start_checks import check_extract
 from eyrie.tasks.executor import execute
 from eyrie.tasks.planner import PlannerTask
@@ -37,19 +39,20 @@ def target_shape(model: str, trust_remote_code: bool) -> tuple[int, int]:
     return config.num_hidden_layers, config.hidden_size
 
 
-def plan_extract(conn, store, run: str, request: ExtractSettings) -> tuple[RunManifest, int]:
-    """Plan the stage from `request` (or check what it asks against the plan); enqueue what is missing."""
+def plan_extract(conn, store, run: str, request: ExtractSettings,
+                 given_by: str = RUN_CONFIG) -> tuple[RunManifest, int]:
+    """Plan the stage from `request` (or check what it asks against the plan); enqueue what is missing.
+    `given_by`: who gave `request` (recorded with each setting, eyrie.core.provenance)."""
     manifest, layout = check_extract(store, run, request), Layout(run)
     if manifest.extract is None:
         manifest.extract = _plan(store, manifest, request)
+        manifest.settings[Extract.own_section()] = as_used(request, given_by)
         store.put_json(layout.manifest, manifest.model_dump())
         progress.reset(conn, run, EXTRACT.name)
     enqueued = sum(
         enqueue(conn, EXTRACT, {"run": run, "shard": p.index}, p.index)
         for p in manifest.generate_shards if not store.exists(layout.extract_shard_manifest(p.index)))
     return manifest, enqueued
-
-
 
 
 def _plan(store, manifest, request: ExtractSettings) -> ExtractParams:
@@ -99,8 +102,6 @@ def check_storage_mode(mode: str, request: ExtractSettings, aux: list[int], num_
                          f"e.g. {sorted(set(aux) - {num_layers})}.")
 
 
-
-
 class PlanExtract(PlannerTask):
     """The extract stage planned (storage checked first) from the settings given where it was
     started alone, else from the run config; its missing shards enqueued. A refusal (the storage
@@ -109,7 +110,7 @@ class PlanExtract(PlannerTask):
     stage, Request = PLAN_EXTRACT, ExtractSettings
 
     def plan(self, request: ExtractSettings) -> dict:
-        manifest, enqueued = plan_extract(self.conn, self.store, self.run_name, request)
+        manifest, enqueued = plan_extract(self.conn, self.store, self.run_name, request, self.given_by())
         return {"samples": manifest.extract.samples, "enqueued": enqueued}
 
 

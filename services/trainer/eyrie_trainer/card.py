@@ -13,6 +13,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+import eyrie
 from eyrie.core.recipe import short
 from eyrie.data.manifest import DatasetRef, Layout, RunManifest, ShardManifest, TargetRef
 from eyrie.data.verify_outputs import outputs_summary, set_blocks
@@ -24,6 +25,8 @@ LIBRARY = "speculators"  # the format its config is in; vLLM reads it
 TASK = "text-generation"
 UNKNOWN = "unknown"  # the hub's license id for a license not known
 ND_ID = re.compile(r"(^|-)nd(-|$)", re.I)  # Creative Commons NoDerivatives ids: cc-by-nd-4.0, cc-by-nc-nd-4.0
+CHECKOUT = Path(eyrie.__file__).resolve().parents[1]  # a local dataset under it is named relative to it
+DRAFTER_DIR = "<drafter-dir>"  # the serve command's drafter where it was published to a directory, not the hub
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ def target_license(target: TargetRef) -> License:
     revision)."""
     local = Path(target.model) / "README.md"
     if local.is_file():
-        return _license_of(local, f"the target's {local}")
+        return _license_of(local, "the target directory's README.md")
     card = _hub_card(target.model, "model", target.revision) if is_hub_id(target.model) else None
     if card is None:
         return License(UNKNOWN, "the target has no model card where this host can read it")
@@ -124,6 +127,15 @@ def redact(text: str) -> str:
     return re.sub(r"([a-z][a-z0-9+.-]*://)[^/\s@]+@", r"\1", re.sub(r"(://[^\s?]+)\?\S*", r"\1", text))
 
 
+def public_source(dataset: DatasetRef) -> str:
+    """The dataset as a user elsewhere finds it: a hub id or URL as given (no credentials), a local file relative
+    to the checkout it lies in, else by its name."""
+    path = Path(dataset.source)
+    if dataset.kind == "hf" or not path.is_absolute():
+        return redact(dataset.source)
+    return str(path.relative_to(CHECKOUT)) if path.is_relative_to(CHECKOUT) else path.name
+
+
 def skip_reasons(store, manifest: RunManifest) -> dict[str, int]:
     """Why generate skipped prompts, summed over its finished shards."""
     layout, reasons = Layout(manifest.run), {}
@@ -158,10 +170,10 @@ def _result(label: str, metric: str, name: str, config: str, value) -> EvalResul
 
 
 def card_data(manifest: RunManifest, license: License, model_name: str, answers: str | None) -> ModelCardData:
-    target, dataset = manifest.target.model, manifest.dataset
+    dataset = manifest.dataset
     datasets = [dataset.source] * (dataset.kind == "hf") + [answers] * bool(answers)
     return ModelCardData(
-        base_model=target if is_hub_id(target) else None, datasets=datasets or None,
+        base_model=manifest.target.public_hub_id(), datasets=datasets or None,
         license=license.id, license_name=license.name, license_link=license.link, library_name=LIBRARY,
         tags=TAGS, model_name=model_name, eval_results=eval_results(manifest))
 
@@ -170,8 +182,9 @@ def model_card(store, manifest: RunManifest, served_as: str, forced: list[str], 
                answers: str | None = None) -> ModelCard:
     """The card of the run's exported drafter, served from `served_as` (a hub id or a directory), under the
     target's `license`; `forced`: the refusals `--force` overrode, said at the top; `answers`: the hub dataset its
-    answers were published to."""
-    name = f"EAGLE-3 drafter for {Path(manifest.target.model).name}"
+    answers were published to. It names no path of this host: the target by TargetRef.public_name, a directory
+    it was published to by a placeholder, a local dataset relative to the checkout."""
+    name = f"EAGLE-3 drafter for {Path(manifest.target.public_name()).name}"
     data = card_data(manifest, license, name, answers)
     sections = [_head(manifest, name, forced), _serve(manifest, served_as), _target(manifest, license),
                 _data(store, manifest, prompts_license(manifest), answers), _recipe(manifest),
@@ -181,7 +194,7 @@ def model_card(store, manifest: RunManifest, served_as: str, forced: list[str], 
 
 def _head(manifest: RunManifest, name: str, forced: list[str]) -> str:
     lines = [f"# {name}", "",
-             f"An EAGLE-3 speculative-decoding drafter for `{manifest.target.model}`, trained by eyrie (run "
+             f"An EAGLE-3 speculative-decoding drafter for `{manifest.target.public_name()}`, trained by eyrie (run "
              f"`{manifest.run}`, eyrie {manifest.code_version}). Everything below comes from the run's manifest: "
              "`eyrie publish` wrote this card."]
     if forced:
@@ -190,7 +203,8 @@ def _head(manifest: RunManifest, name: str, forced: list[str]) -> str:
 
 
 def _serve(manifest: RunManifest, served_as: str) -> str:
-    command = vllm_command(manifest.target.model, served_as, manifest.drafter["k"])
+    drafter = served_as if is_hub_id(served_as) else DRAFTER_DIR
+    command = vllm_command(manifest.target.public_name(), drafter, manifest.drafter["k"])
     return ("## Serve it\n\n```bash\n" + command + "\n```\n\n"
             f"{manifest.drafter['k']} draft tokens (the K it was trained for), greedy drafts: for sampled answers "
             "(temperature > 0) add `\"draft_sample_method\": \"probabilistic\"` to the speculative config.")
@@ -203,7 +217,7 @@ def _where(license: License) -> str:
 
 def _target(manifest: RunManifest, license: License) -> str:
     t = manifest.target
-    rows = [("model", f"`{t.model}`"), ("revision", f"`{t.revision}`"),
+    rows = [("model", f"`{t.public_name()}`"), ("revision", f"`{t.revision}`"),
             ("chat template sha256", f"`{t.chat_template_sha256}`" if t.chat_template_sha256 else "none recorded"),
             ("license", f"{license.id}" + (f" ({license.name})" if license.name else "") + f" ({_where(license)})")]
     if t.conversion:
@@ -217,7 +231,7 @@ def _data(store, manifest: RunManifest, license: License, answers: str | None) -
     d, figures = manifest.dataset, audit(store, manifest.run)
     lines = ["## Training data", "",
              _table(("source", "kind", "revision", "split", "rows", "license"),
-                    [(f"`{redact(d.source)}`", d.kind, f"`{d.revision}`", d.split, f"{d.row_start}-{d.row_end}",
+                    [(f"`{public_source(d)}`", d.kind, f"`{d.revision}`", d.split, f"{d.row_start}-{d.row_end}",
                       f"{license.id} ({_where(license)})")]), "",
              "Samples per stage (eyrie audit's figures, from the store):", "",
              _table(("stage", "in", "done", "skipped", "failed", "lost", "pending"),

@@ -102,7 +102,7 @@ def export(store, run: str, evaluation: dict, path: dict, samples: dict | None =
               "per_position_acceptance": best["per_position_acceptance"],
               "tau_every_position": best["every_position"]["tau"],
               "k": evaluation["k"], "training_path": path, "exported_at": now_iso(),
-              "vllm": vllm_command(manifest.target.model, "DIR", evaluation["k"])}
+              "vllm": vllm_command(manifest.target.public_name(), "DIR", evaluation["k"])}
     if samples is not None:  # what the trainer read (eyrie_trainer.ledger): trained, left out with why, cut
         record["samples"] = samples
     manifest.drafter = record
@@ -113,14 +113,15 @@ def export(store, run: str, evaluation: dict, path: dict, samples: dict | None =
 
 def served_config(config: dict, manifest) -> bytes:
     """The checkpoint's config as vLLM reads it: its method named (EAGLE-3, whatever folder it is served from),
-    the target named as the run recorded it, K proposal tokens (the TTT steps it was trained for)."""
+    the target by its public name (TargetRef.public_name: a hub id, never a path of this host), K proposal tokens
+    (the TTT steps it was trained for)."""
     named = {config.get("speculators_model_type"), config["speculators_config"].get("algorithm")} - {None}
     if named - {EAGLE3}:
         raise EyrieError(f"run {manifest.run}'s best checkpoint is a {'/'.join(sorted(named))} speculator, "
                          "not EAGLE-3: eyrie exports and serves EAGLE-3 drafters only.",
                          "train the run again (`eyrie train`): eyrie's trainer writes EAGLE-3 checkpoints.")
     config["speculators_model_type"] = config["speculators_config"]["algorithm"] = EAGLE3
-    config["speculators_config"]["verifier"]["name_or_path"] = manifest.target.model
+    config["speculators_config"]["verifier"]["name_or_path"] = manifest.target.public_name()
     config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = manifest.train.ttt_steps
     return json.dumps(config, indent=2).encode()
 

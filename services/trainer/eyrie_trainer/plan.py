@@ -11,12 +11,14 @@ from pathlib import Path
 
 from eyrie.core.errors import EyrieError
 from eyrie.core.layers import resolve_aux_layers
+from eyrie.core.provenance import RUN_CONFIG, as_used
 from eyrie.core.recipe import pack_length, trainer_device
 from eyrie.core.stage_settings import TrainSettings
 from eyrie.core.target import text_config
 from eyrie.data.manifest import BaseDrafter, Layout, RunManifest, TrainParams
 from eyrie.stages.run_config import stored_config
 from eyrie.stages import FETCH, PLAN_TRAIN, TRAIN
+from eyrie.stages.train import Train
 from eyrie.stages.start_checks import check_train
 from eyrie.tasks.executor import StageTask, execute
 from eyrie.tasks.planner import PlannerTask
@@ -27,22 +29,20 @@ from eyrie_trainer.base import prepare_base
 from eyrie_trainer.data import done_samples, heldout_ids
 
 
-
-
-def plan_train(conn, store, run: str, request: TrainSettings, cache_dir: Path, device: str) -> tuple[RunManifest, int]:
+def plan_train(conn, store, run: str, request: TrainSettings, cache_dir: Path, device: str,
+               given_by: str = RUN_CONFIG) -> tuple[RunManifest, int]:
     """The run's train plan made now (base drafter fetched and checked) or checked against, then
     the training task enqueued unless the drafter is exported. `device`: where training runs (the
-    recipe's pack length)."""
+    recipe's pack length); `given_by`: who gave `request` (eyrie.core.provenance)."""
     manifest, layout = check_train(store, run, request), Layout(run)
     if manifest.train is None:
         manifest.train = plan(store, manifest, request, cache_dir, device)
+        manifest.settings[Train.own_section()] = as_used(request, given_by)
         store.put_json(layout.manifest, manifest.model_dump())
         progress.reset(conn, run, TRAIN.name)
     if store.exists(layout.drafter_manifest):
         return manifest, 0
     return manifest, int(enqueue(conn, TRAIN, {"run": run}))
-
-
 
 
 def plan(store, manifest: RunManifest, request: TrainSettings, cache_dir: Path, device: str = "cpu") -> TrainParams:
@@ -80,8 +80,6 @@ def check_base_drafter(manifest: RunManifest, request: TrainSettings, cache_dir:
     return BaseDrafter(**info.model_dump(exclude={"path"}))
 
 
-
-
 class PlanTrain(PlannerTask):
     """The train stage planned from the settings given where it was started alone, else from the
     run config, on a trainer's worker (its cache holds the base drafter); the training task
@@ -92,7 +90,7 @@ class PlanTrain(PlannerTask):
 
     def plan(self, request: TrainSettings) -> dict:
         manifest, enqueued = plan_train(self.conn, self.store, self.run_name, request, Path(self.settings.cache_dir),
-                                         trainer_device(self.settings.device))
+                                         trainer_device(self.settings.device), self.given_by())
         return {"train_samples": manifest.train.train_samples, "enqueued": enqueued}
 
 
