@@ -13,12 +13,19 @@ Hidden states, checkpoints and verify figures are not carried (gigabytes; remade
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 from pathlib import Path
 
 from eyrie.data.manifest import Layout
 
 CARRIED = ("manifest.json", "pipeline.json", "generate/")
+ROOT = Path(__file__).resolve().parents[1]
+# where the run config and the run manifest name a path of the saving machine: carried relative to the
+# repository (or by name), since the restoring machine's paths are its own and its inputs are matched by
+# content (eyrie.runs.identity)
+PATHS = {"pipeline.json": (("target", "model"), ("dataset", "source")),
+         "manifest.json": (("target", "model"), ("dataset", "source"))}
 
 
 def carried_keys(store, run: str) -> list[str]:
@@ -32,7 +39,7 @@ def save_answers(store, run: str, out: Path) -> int:
     shard that finishes between the listing and the reads removes its parts: listed and read again."""
     for _ in range(5):
         try:
-            objects = [(key, store.get_bytes(key)) for key in carried_keys(store, run)]
+            objects = [(key, portable(key, store.get_bytes(key))) for key in carried_keys(store, run)]
             break
         except KeyError:
             continue
@@ -47,6 +54,21 @@ def save_answers(store, run: str, out: Path) -> int:
             info.size = len(data)  # mtime 0: the same answers make the same archive
             tar.addfile(info, io.BytesIO(data))
     return len(objects)
+
+
+def portable(key: str, data: bytes) -> bytes:
+    """The object as carried: a run config's or manifest's paths of this machine made relative to the
+    repository (a path elsewhere: its name alone)."""
+    fields = PATHS.get(key.rsplit("/", 1)[-1]) if key.count("/") == 2 else None
+    if not fields:
+        return data
+    doc = json.loads(data)
+    for section, name in fields:
+        value = (doc.get(section) or {}).get(name)
+        if value and Path(value).is_absolute():
+            path = Path(value)
+            doc[section][name] = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+    return json.dumps(doc, indent=2, sort_keys=False).encode()
 
 
 def restore_answers(store, run: str, archive: Path) -> int:

@@ -136,7 +136,7 @@ def _identity_lines(p: Plan) -> list[str]:
 
 def _duration(seconds: float) -> str:
     if seconds < 60:
-        return f"{max(1, round(seconds))} s"
+        return f"{seconds:.2g} s"
     return f"{seconds / 60:,.0f} min" if seconds < 5400 else f"{seconds / 3600:,.1f} h"
 
 

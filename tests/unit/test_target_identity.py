@@ -21,7 +21,7 @@ from huggingface_hub.hf_api import BlobLfsInfo, RepoSibling
 from eyrie.core import file_hashes
 from eyrie.core.file_hashes import HashCache, default_cache_path, file_sha256, uncached_bytes
 from eyrie.core.target import describe, same_target
-from eyrie.runs.plan_lines import _identity_lines
+from eyrie.runs.plan_lines import _duration, _identity_lines
 
 HOUR_NS = 3600 * 10**9
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -149,6 +149,7 @@ def test_the_plan_says_what_the_first_look_costs_and_a_stat_after(tmp_path):
     describe(str(root))
     assert _identity_lines(plan) == ["  target identity: every file's sha256 is in this host's hash cache: "
                                      "a stat per file"]
+    assert [_duration(s) for s in (0.0016, 45, 540e9 / 1.3e9, 6000)] == ["0.0016 s", "45 s", "7 min", "1.7 h"]
     assert "nothing hashed" in _identity_lines(SimpleNamespace(target="org/model", target_download_bytes=10))[0]
 
 

@@ -35,8 +35,9 @@ from eyrie.work.queue import enqueue
 
 
 def sample_id(ref, row: int) -> str:
-    """Deterministic from (dataset, revision, split, row): the same row is the same sample."""
-    key = f"{ref.source}|{ref.revision}|{ref.split}|{row}"
+    """Deterministic from (the dataset's content or hub commit, split, row): the same row is the same
+    sample, wherever the dataset lies."""
+    key = f"{ref.revision}|{ref.split}|{row}"
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
