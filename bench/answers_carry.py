@@ -63,12 +63,13 @@ def portable(key: str, data: bytes) -> bytes:
     if not fields:
         return data
     doc = json.loads(data)
+    moved = False
     for section, name in fields:
         value = (doc.get(section) or {}).get(name)
         if value and Path(value).is_absolute():
-            path = Path(value)
+            path, moved = Path(value), True
             doc[section][name] = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
-    return json.dumps(doc, indent=2, sort_keys=False).encode()
+    return json.dumps(doc, indent=2).encode() if moved else data
 
 
 def restore_answers(store, run: str, archive: Path) -> int:

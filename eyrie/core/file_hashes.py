@@ -1,7 +1,7 @@
 """Local files' sha256, each read once per host: a digest is kept in a small sqlite file keyed by the
-file's (device, inode, size, mtime), so a later look at an unchanged file costs a stat. A file written
-in place gets a new mtime, so it is read again; one whose mtime was put back by hand (touch -d,
-os.utime) at the same size keeps its cached digest. The cache only saves time: a corrupt, locked or
+file's (device, inode, size, mtime, ctime), so a later look at an unchanged file costs a stat. A file
+written in place gets a new mtime and ctime, so it is read again, even where its mtime was put back by
+hand (touch -d, os.utime: the ctime cannot be; a chmod costs a read again). The cache only saves time: a corrupt, locked or
 unwritable one means the file is read again, never a failed hash."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ CHUNK_BYTES = 4 << 20
 # A file modified this recently may be modified again within the same mtime tick (the kernel's coarse
 # clock; FAT's 2 s): its digest is not kept, as git treats a "racily clean" index entry.
 RACY_NS = 2_000_000_000
-SCHEMA = "CREATE TABLE IF NOT EXISTS hashes (file TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, sha256 TEXT)"
+SCHEMA = ("CREATE TABLE IF NOT EXISTS digests (file TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, "
+          "ctime_ns INTEGER, sha256 TEXT)")
 
 counts: Counter = Counter()  # hashed_files, hashed_bytes, cache_hits: what a look cost (tests, benches)
 log = logging.getLogger(__name__)
@@ -60,8 +61,9 @@ class HashCache:
     def get(self, stat: os.stat_result) -> str | None:
         db = self._connection()
         try:
-            row = db and db.execute("SELECT sha256 FROM hashes WHERE file = ? AND size = ? AND mtime_ns = ?",
-                                    (_file_key(stat), stat.st_size, stat.st_mtime_ns)).fetchone()
+            row = db and db.execute("SELECT sha256 FROM digests WHERE file = ? AND size = ? AND mtime_ns = ? "
+                                    "AND ctime_ns = ?", (_file_key(stat), stat.st_size, stat.st_mtime_ns,
+                                                          stat.st_ctime_ns)).fetchone()
         except (sqlite3.Error, OverflowError):
             return None
         return row[0] if row else None
@@ -71,8 +73,8 @@ class HashCache:
         try:
             if db is not None:
                 with db:  # one commit a file: hours of hashing interrupted keep what was done
-                    db.execute("INSERT OR REPLACE INTO hashes VALUES (?, ?, ?, ?)",
-                               (_file_key(stat), stat.st_size, stat.st_mtime_ns, digest))
+                    db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?, ?)",
+                               (_file_key(stat), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, digest))
         except (sqlite3.Error, OverflowError) as exc:
             log.debug("hash cache %s not written: %s", self.path, exc)
 
@@ -130,7 +132,7 @@ def stream_sha256(path: Path) -> str:
 
 
 def file_sha256(path: Path, cache: HashCache | None = None) -> str:
-    """The file's sha256 (hex): from the cache where the file's (device, inode, size, mtime) is there,
+    """The file's sha256 (hex): from the cache where the file's (device, inode, size, mtime, ctime) is there,
     else read and kept (unless it changed while read, or so recently it may change unseen)."""
     if cache is None:
         with HashCache() as own:
@@ -142,7 +144,8 @@ def file_sha256(path: Path, cache: HashCache | None = None) -> str:
     started = time.time_ns()
     digest = stream_sha256(path)
     after = os.stat(path)
-    unchanged = (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+    unchanged = (after.st_size, after.st_mtime_ns, after.st_ctime_ns, after.st_ino) == (
+        before.st_size, before.st_mtime_ns, before.st_ctime_ns, before.st_ino)
     if unchanged and started - before.st_mtime_ns > RACY_NS:
         cache.put(before, digest)
     return digest

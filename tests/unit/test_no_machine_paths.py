@@ -113,9 +113,6 @@ def test_no_shipped_file_names_a_machine_path():
     assert not found, report(found, "files the repository ships")
 
 
-@pytest.mark.xfail(strict=True, reason="bench/answers/smollm2-general-2k.tar.xz's runs/smollm2-general-2k/"
-                                       "pipeline.json and manifest.json name /work/main/assets/...: the archive is "
-                                       "to be rewritten (issue 49 item 5); drop this mark then")
 def test_no_answers_archive_member_names_a_machine_path():
     found = []
     for archive in sorted((ROOT / "bench" / "answers").glob("*.tar.xz")):

@@ -82,6 +82,17 @@ def test_weights_changed_in_place_at_the_same_size_change_the_revision(tmp_path)
         assert describe(str(root)).revision == (first if turn == 1 else second).revision
 
 
+def test_weights_changed_in_place_with_their_mtime_put_back_by_hand_change_the_revision(tmp_path):
+    """Same size, same mtime as when the digest was kept: the ctime (which no user can set) tells."""
+    root = target(tmp_path / "t")
+    weights = root / "model.safetensors"
+    first, kept = describe(str(root)), weights.stat()
+    flip_4k(weights)
+    os.utime(weights, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (kept.st_size, kept.st_mtime_ns)
+    assert describe(str(root)).revision != first.revision
+
+
 def test_a_nested_file_counts_and_hidden_files_and_the_conversion_record_do_not(tmp_path):
     root = target(tmp_path / "t")
     write(root / "subdir" / "x.safetensors", b"one")
@@ -135,7 +146,7 @@ def test_a_corrupt_or_unusable_cache_never_fails_the_hash(tmp_path, cache_home):
     default_cache_path().write_bytes(b"not a database" * 100)
     assert describe(str(root)).revision == expected  # replaced by a new cache
     with sqlite3.connect(default_cache_path()) as db:
-        assert db.execute("SELECT count(*) FROM hashes").fetchone()[0] == 3
+        assert db.execute("SELECT count(*) FROM digests").fetchone()[0] == 3
     shutil.rmtree(cache_home)
     cache_home.write_text("a file where the cache's folder would be")
     assert describe(str(root)).revision == expected
