@@ -257,7 +257,8 @@ def render_settings(used: dict) -> None:
         console.print("[bold]settings as used[/] (value, where from)")
     for section, fields in used.items():
         for name, entry in fields.items():
-            console.print(f"  {section + '.' + name:<34} {entry['value']!s:<14} {entry['source']}", markup=False)
+            console.print(f"  {section + '.' + name:<34} {entry['value']!s:<14} {entry['source']}", markup=False,
+                          soft_wrap=True)
 
 
 def _flat(d: dict, prefix: str = ""):

@@ -11,6 +11,7 @@ Redis, a file store, the tiny target copied where each test wants it. Generation
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from eyrie.stages.extract import Extract
 from eyrie.stages.generate import Generate
 from eyrie.stages.run_config import load_config, stored_config
 from eyrie.work import inference
-from tests.support.harness import ROOT, TINY, TRAIN_PROMPTS, own_db, rel, tiny_run_config
+from tests.support.harness import ROOT, TINY, TRAIN_PROMPTS, eyrie_in_process, own_db, rel, tiny_run_config
 
 pytestmark = pytest.mark.parametrize("store_env", ["file"], indirect=True)
 ROWS = {"dataset": {"limit": 8}}
@@ -164,4 +165,6 @@ def test_the_generate_settings_are_recorded_as_used_with_their_source(env, conn,
     assert used["max_tokens"] == {"value": 512, "source": "host environment (EYRIE_MAX_TOKENS)"}
     assert used["concurrency"] == {"value": 8, "source": "run config"}
     assert used["top_p"] == {"value": None, "source": "default"}
-    assert os.environ["EYRIE_MAX_TOKENS"] == "512"
+    shown = eyrie_in_process("show", "used", env=dict(os.environ)).stdout  # every setting, value and source
+    assert re.search(r"generate\.max_tokens +512 +host environment \(EYRIE_MAX_TOKENS\)", shown), shown
+    assert all(re.search(rf"generate\.{name} ", shown) for name in GenerateSettings.model_fields)
