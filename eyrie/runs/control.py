@@ -61,7 +61,7 @@ def start_pipeline(settings, conn, store, cfg, states: RunManifest | None = None
     if reuse is not None:
         planned = train_on_states(store, reuse, cfg.run)
     if answers is not None:
-        planned = plan_from_answers(store, cfg.run, answers, cfg.target.model)
+        planned = plan_from_answers(store, cfg.run, answers, cfg.target.model, cfg.target.hub_id)
     if reuse is not None or answers is not None:
         conn.sadd(keys.RUNS, cfg.run)
     view = run_view(conn, store, cfg.run)

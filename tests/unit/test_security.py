@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.harness import ROOT
+from tests.support.harness import ROOT, TINY
 
 CODE = [p for d in ("eyrie", "services") for p in sorted((ROOT / d).rglob("*.py"))]
 
@@ -150,7 +150,7 @@ def secrets_env(stub_server, tmp_path):
     env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": url, "EYRIE_STORE_URL": f"s3://sec-{port}/pre",
            "EYRIE_S3_ENDPOINT": s3_server, "EYRIE_S3_ACCESS_KEY": values["access"],
            "EYRIE_S3_SECRET_KEY": values["secret"], "EYRIE_INFERENCE_URL": stub_server(tokens=4),
-           "EYRIE_SERVER": "vllm", "EYRIE_RETRY_BACKOFF_S": "0.05"}
+           "EYRIE_SERVER": "vllm", "EYRIE_RETRY_BACKOFF_S": "0.05", "EYRIE_MODEL": str(TINY)}
     yield env, values
     stop(proc)
     stop(s3)
