@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
                                        measured_at)
     for point in drafted:
         point.update(verified[point["label"]])
-    result = {"run": a.run, "target": manifest.target.model, "target_name": Path(manifest.target.model).name,
+    result = {"run": a.run, "target": manifest.target.public_name(), "target_name": Path(manifest.target.model).name,
               "command": a.command, **machine(), "device": device, "heldout_samples": len(held), "pool": len(pool),
               "sizes": list(chosen), "epochs": "each slice's recipe" if a.epochs is None else a.epochs, "k": a.k,
               "max_tokens": a.max_tokens, "sets": sets, "target_tokens_per_s": alone,
