@@ -475,6 +475,7 @@ def main(argv=None) -> int:
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     pct = 100 * total
     (out / "README.md").write_text(
+        "---\nlicense: apache-2.0\n---\n\n"  # eyrie's own test target: what `eyrie publish` reads
         "# tiny-target\n\n"
         "A ~0.5M-parameter `LlamaForCausalLM` (8 layers, hidden 64) with a byte-level BPE tokenizer, trained on a "
         "synthetic chat corpus (colours of made-up creatures, single-digit addition, word repetition, greetings, "

@@ -9,6 +9,7 @@ import orjson
 import typer
 
 from eyrie.commands.cli_app import app, command, context
+from eyrie.core.errors import EyrieError
 
 
 def _print_json(obj) -> None:
@@ -162,8 +163,13 @@ def publish(run: str = typer.Option(..., "--run", help="Run name (its drafter ex
                                                "(HF_TOKEN, HF_ENDPOINT as huggingface_hub reads them)."),
             to: Optional[Path] = typer.Option(None, "--to", help="Write the same files into this directory "
                                               "(offline or air-gapped hosts)."),
-            force: bool = typer.Option(False, "--force", help="Publish a drafter vLLM did not verify, or whose "
-                                       "verify failed or changed answers; its card says so."),
+            allow: list[str] = typer.Option([], "--allow", metavar="REFUSAL", help="Publish over this one "
+                                            "refusal (repeat for each): unverified, other-checkpoint, outputs-differ, "
+                                            "no-drafts; the card names each."),
+            license: Optional[str] = typer.Option(None, "--license", metavar="SPDX", help="The target's license, "
+                                                  "where this host cannot read its card (e.g. apache-2.0); the card "
+                                                  "says the publisher stated it."),
+            force: bool = typer.Option(False, "--force", hidden=True),
             public: bool = typer.Option(False, "--public", help="Create the repository public (default: private)."),
             with_answers: bool = typer.Option(False, "--with-answers", help="The run's generated answers too, as a "
                                               "dataset (parquet, token ids, provenance): DIR/answers, and the "
@@ -174,8 +180,12 @@ def publish(run: str = typer.Option(..., "--run", help="Run name (its drafter ex
     from eyrie.data.store import open_store
     from eyrie.stages import entry
 
-    result = entry("eyrie_trainer.publish.publish")(open_store(load_settings()), run, repo, to, force, public,
-                                                     with_answers)
+    if force:
+        raise EyrieError("--force is gone: each refusal is overridden by its own name.",
+                         "pass --allow NAME for each refusal to publish over (unverified, other-checkpoint, "
+                         "outputs-differ, no-drafts), and --license SPDX where the target's license is not known here.")
+    result = entry("eyrie_trainer.publish.publish")(open_store(load_settings()), run, repo, to, tuple(allow), public,
+                                                     with_answers, license)
     if "to" in result:
         changed = result["to"]["changed"]
         typer.echo(f"run {run}: {result['to']['path']}: " + (f"wrote {', '.join(changed)}" if changed

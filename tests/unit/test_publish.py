@@ -24,7 +24,7 @@ from eyrie.data.store import FileStore
 from eyrie.data.verify_outputs import set_blocks, worst
 from eyrie_trainer import verify
 from eyrie_trainer.card import DRAFTER_DIR, redact
-from eyrie_trainer.publish import files, publish, same_content
+from eyrie_trainer.publish import ALLOWS, files, publish, same_content
 from eyrie_trainer.verify_figures import benchmark_result, k_figures
 from tests.support.harness import OFFLINE, ROOT, TINY, eyrie
 from tests.support.hub_stub import metadata_errors, running
@@ -157,7 +157,7 @@ def test_to_dir_writes_the_exported_drafter_and_a_card_made_from_the_manifest(tm
     assert metadata_errors(card.content) == []  # what the hub checks (hub_stub.py), and that check is no formality:
     assert metadata_errors(card.content.replace("type: speedup", "kind: speedup", 1)) != []
     data = card.data.to_dict()
-    assert data["license"] == "unknown" and "base_model" not in data and "datasets" not in data  # a local target
+    assert data["license"] == "apache-2.0" and "base_model" not in data and "datasets" not in data  # a local target
     assert {"eagle3", "speculative-decoding"} <= set(data["tags"]) and data["library_name"] == "speculators"
     text = card.text
     spec = json.loads(re.search(r"--speculative-config '(\{.*\})'", text)[1])
@@ -170,7 +170,7 @@ def test_to_dir_writes_the_exported_drafter_and_a_card_made_from_the_manifest(tm
                  f"**{manifest.verify['outputs_verdict']}**", "| generate | 4 | 3 | 1 | 0 | 0 | 0 |",
                  "train: counted from the plan"):  # no train/samples.json in this store: audit says so
         assert said in text, said
-    assert "--force" not in text
+    assert "--allow" not in text and "refusals" not in text
 
 
 def test_same_content_compares_lfs_files_by_sha256_and_others_by_git_blob_id(tmp_path):
@@ -199,31 +199,58 @@ def test_verify_records_the_hardware_and_the_vllm_version_the_card_states(tmp_pa
 
 # --- refusals -------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case, said", [
-    ("unverified", "vLLM has not verified its drafter"),
-    ("skipped", "its verify was skipped: no worker of the verify queue is up"),
-    ("other checkpoint", "vLLM verified checkpoint 7, and checkpoint 0 is exported now"),
-    ("answers changed", "served with it, vLLM's answers were judged"),
+@pytest.mark.parametrize("case, said, allow", [
+    ("unverified", "vLLM has not verified its drafter", "unverified"),
+    ("skipped", "its verify was skipped: no worker of the verify queue is up", "unverified"),
+    ("other checkpoint", "vLLM verified checkpoint 7, and checkpoint 0 is exported now", "other-checkpoint"),
+    ("answers changed", "served with it, vLLM's answers were judged", "outputs-differ"),
+    ("no drafts", "vLLM counted no drafts on the held-out prompts", "no-drafts"),
 ])
-def test_a_drafter_not_verified_or_failing_verify_is_refused_and_force_says_so_in_the_card(tmp_path, case, said):
+def test_each_refusal_is_overridden_by_its_own_name_alone_and_the_card_names_it(tmp_path, case, said, allow):
     store = finished_run(tmp_path)
     drafter = load_run_manifest(store, RUN).drafter
     record = {"unverified": None, "skipped": {"skipped": "no worker of the verify queue is up"},
               "other checkpoint": {**verify_record(drafter), "checkpoint": "7"},
-              "answers changed": verify_record(drafter, changed=True)}[case]
+              "answers changed": verify_record(drafter, changed=True),
+              "no drafts": {**verify_record(drafter), "vllm_acceptance_length": None}}[case]
     set_manifest(store, verify=record)
     out = tmp_path / "published"
     with pytest.raises(EyrieError) as refused:
         publish(store, RUN, to=out)
-    assert said in str(refused.value) and "--force" in refused.value.fix and not out.exists()
-    publish(store, RUN, to=out, force=True)
+    assert said in str(refused.value) and f"--allow {allow} " in refused.value.fix and not out.exists()
+    others = tuple(name for name in ALLOWS if name != allow)
+    with pytest.raises(EyrieError, match=f"--allow {allow} "):  # every other refusal allowed: still refused
+        publish(store, RUN, to=out, allow=others)
+    with pytest.raises(EyrieError, match="no refusal named outputs-same to allow"):
+        publish(store, RUN, to=out, allow=(allow, "outputs-same"))
+    publish(store, RUN, to=out, allow=(allow,))
     text = (out / "README.md").read_text()
-    assert "Published with `--force`" in text and said in text
+    assert "Published over these refusals" in text and f"`--allow {allow}`" in text and said in text
+
+
+def test_a_license_not_known_here_is_refused_unless_stated_and_the_card_says_who_stated_it(tmp_path):
+    target = tmp_path / "target"
+    shutil.copytree(TINY, target)
+    (target / "README.md").write_text("# a target with no license in its card\n")
+    store = finished_run(tmp_path)
+    set_manifest(store, target=load_run_manifest(store, RUN).target.model_copy(update={"model": str(target)}))
+    out = tmp_path / "published"
+    with pytest.raises(EyrieError, match="target license is not known here") as refused:
+        publish(store, RUN, to=out)
+    assert "--license SPDX" in refused.value.fix and not out.exists()
+    with pytest.raises(EyrieError, match="forbids redistributing derivatives: its license is cc-by-nd-4.0"):
+        publish(store, RUN, to=out, license="cc-by-nd-4.0")
+    publish(store, RUN, to=out, license="apache-2.0")
+    text = (out / "README.md").read_text()
+    assert "license: apache-2.0" in text and "stated by the publisher (`eyrie publish --license`)" in text
+    (target / "README.md").write_text("---\nlicense: mit\n---\n")
+    with pytest.raises(EyrieError, match="--license apache-2.0 is not the target's license: mit"):
+        publish(store, RUN, to=out, license="apache-2.0")
 
 
 @pytest.mark.parametrize("license, refused", [("cc-by-nc-nd-4.0", True), ("cc-by-nd-4.0", True),
                                               ("apache-2.0", False), ("llama3", False)])
-def test_a_target_whose_card_forbids_derivatives_is_refused_whatever_is_forced(tmp_path, license, refused):
+def test_a_target_whose_card_forbids_derivatives_is_refused_whatever_is_allowed(tmp_path, license, refused):
     target = tmp_path / "target"
     shutil.copytree(TINY, target)
     (target / "README.md").write_text(f"---\nlicense: {license}\n---\n\n# a target\n")
@@ -232,9 +259,9 @@ def test_a_target_whose_card_forbids_derivatives_is_refused_whatever_is_forced(t
     set_manifest(store, target=manifest.target.model_copy(update={"model": str(target)}))
     out = tmp_path / "published"
     if refused:
-        for force in (False, True):
+        for allow in ((), tuple(ALLOWS)):
             with pytest.raises(EyrieError, match=f"forbids redistributing derivatives: its license is {license}"):
-                publish(store, RUN, to=out, force=force)
+                publish(store, RUN, to=out, allow=allow)
         assert not out.exists()
     else:
         publish(store, RUN, to=out)
@@ -322,16 +349,19 @@ def test_refusals_and_hub_errors_name_their_fix_and_commit_nothing(tmp_path):
         env = hub_env(tmp_path, url)
         refused = eyrie("publish", "--run", RUN, "--repo", REPO, env=env, check=False)
         assert refused.returncode == 1 and "vLLM has not verified its drafter" in refused.stderr
-        assert "--force" in refused.stderr and not hub.repos
-        bad = eyrie("publish", "--run", RUN, "--repo", REPO, "--force", env={**env, "HF_TOKEN": "hf_wrong"},
-                    check=False)
+        assert "--allow unverified" in refused.stderr and not hub.repos
+        gone = eyrie("publish", "--run", RUN, "--repo", REPO, "--force", env=env, check=False)
+        assert gone.returncode == 1 and "--force is gone" in gone.stderr and "--allow NAME" in gone.stderr
+        bad = eyrie("publish", "--run", RUN, "--repo", REPO, "--allow", "unverified",
+                    env={**env, "HF_TOKEN": "hf_wrong"}, check=False)
         assert bad.returncode == 1 and "refused publishing to alice/tiny-drafter (401" in bad.stderr
         assert "HF_TOKEN" in bad.stderr and "hf_wrong" not in bad.stderr + bad.stdout
-        offline = eyrie("publish", "--run", RUN, "--repo", REPO, "--force", env={**env, **OFFLINE}, check=False)
+        offline = eyrie("publish", "--run", RUN, "--repo", REPO, "--allow", "unverified", env={**env, **OFFLINE},
+                        check=False)
         assert offline.returncode == 1 and "HF_HUB_OFFLINE is set" in offline.stderr
         assert not hub.repos
-        eyrie("publish", "--run", RUN, "--repo", REPO, "--force", env=env)
-        assert "Published with `--force`" in hub.files(REPO)["README.md"].decode()
+        eyrie("publish", "--run", RUN, "--repo", REPO, "--allow", "unverified", env=env)
+        assert "`--allow unverified`" in hub.files(REPO)["README.md"].decode()
 
 
 @pytest.mark.integration

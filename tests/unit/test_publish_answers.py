@@ -36,7 +36,9 @@ def test_with_answers_the_runs_answers_are_a_dataset_with_token_ids_provenance_a
         assert json.loads(row["messages"]) == record["messages"] and row["shard"] == 0
         assert (json.loads(row["turns"]) if row["turns"] else None) == record.get("turns")
     provenance = json.loads((answers / "eyrie-answers.json").read_text())
-    assert provenance["target"] == manifest.target.model_dump() and provenance["samples"] == 3
+    # the target as a user elsewhere names it (its public name), its identity as recorded
+    assert provenance["target"] == {**manifest.target.model_dump(), "model": manifest.target.public_name(),
+                                    "hub_id": manifest.target.public_hub_id()} and provenance["samples"] == 3
     assert provenance["dataset"]["revision"] == manifest.dataset.revision
     assert provenance["generate"] == manifest.generate.model_dump()
     card = DatasetCard.load(answers / "README.md")

@@ -181,7 +181,7 @@ def card_data(manifest: RunManifest, license: License, model_name: str, answers:
 def model_card(store, manifest: RunManifest, served_as: str, forced: list[str], license: License,
                answers: str | None = None) -> ModelCard:
     """The card of the run's exported drafter, served from `served_as` (a hub id or a directory), under the
-    target's `license`; `forced`: the refusals `--force` overrode, said at the top; `answers`: the hub dataset its
+    target's `license`; `forced`: the refusals `--allow` overrode ("--allow NAME: why"), said at the top; `answers`: the hub dataset its
     answers were published to. It names no path of this host: the target by TargetRef.public_name, a directory
     it was published to by a placeholder, a local dataset relative to the checkout."""
     name = f"EAGLE-3 drafter for {Path(manifest.target.public_name()).name}"
@@ -198,7 +198,9 @@ def _head(manifest: RunManifest, name: str, forced: list[str]) -> str:
              f"`{manifest.run}`, eyrie {manifest.code_version}). Everything below comes from the run's manifest: "
              "`eyrie publish` wrote this card."]
     if forced:
-        lines += ["", "> **Published with `--force`**, over these refusals:"] + [f"> - {why}" for why in forced]
+        allowed = [why.split(": ", 1) for why in forced]
+        lines += ["", "> **Published over these refusals**, each allowed by name:"]
+        lines += [f"> - `{flag}`: {why}" for flag, why in allowed]
     return "\n".join(lines)
 
 

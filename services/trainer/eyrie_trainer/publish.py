@@ -5,10 +5,12 @@ unless asked otherwise; one commit per publish, its message naming the run). Bot
 `--with-answers`, the run's generated answers too, as a dataset (eyrie_trainer.answers): DIR/answers, and the
 dataset repository of the same name.
 
-Refused: a drafter that vLLM did not verify, whose verify was skipped, measured another checkpoint or saw answers
-change beyond the target's own batch variance (`--force` publishes it, and the card says what it overrode); a
-target whose card forbids redistributing derivatives (no option overrides that); any file that holds a token or a
-URL with credentials. Publishing again is a no-op where nothing changed (content hashes against what the
+Refused, each refusal by its name (ALLOWS; `--allow NAME` overrides that one alone, and the card names each
+override): a drafter that vLLM did not verify or whose verify was skipped (`unverified`), that measured another
+checkpoint (`other-checkpoint`), saw answers change beyond the target's own batch variance (`outputs-differ`) or
+counted no drafts (`no-drafts`). A target whose license this host cannot read, unless the publisher states it
+(`--license SPDX`, which the card says); one whose license forbids redistributing derivatives (no option overrides
+that); any file that holds a token or a URL with credentials. Publishing again is a no-op where nothing changed (content hashes against what the
 directory or the repository holds), and new figures change the card alone."""
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from eyrie.data.answers_set import ANSWERS
 from eyrie.data.manifest import RunManifest, load_run_manifest
 from eyrie.data.verify_outputs import BEYOND, VERDICTS
 from eyrie_trainer.answers import write_answers
-from eyrie_trainer.card import model_card, redact, target_license
+from eyrie_trainer.card import ND_ID, UNKNOWN, License, model_card, redact, target_license
 from eyrie_trainer.export import download
 
 CARD = "README.md"
@@ -35,14 +37,21 @@ CREDENTIALS = re.compile(rb"[a-z][a-z0-9+.-]*://[^/\s@\"'`<>]+@|hf_[A-Za-z0-9]{3
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY", re.I)
 
 
-def publish(store, run: str, repo: str | None = None, to: Path | None = None, force: bool = False,
-            public: bool = False, with_answers: bool = False) -> dict:
+# the refusals `--allow NAME` overrides, one by one, by the names a user passes
+ALLOWS = {"unverified": "vLLM did not verify the drafter, or its verify was skipped",
+          "other-checkpoint": "vLLM verified another checkpoint than the exported one",
+          "outputs-differ": "served with the drafter, vLLM's answers changed beyond the target's own batch variance",
+          "no-drafts": "vLLM counted no drafts"}
+
+
+def publish(store, run: str, repo: str | None = None, to: Path | None = None, allow: tuple[str, ...] = (),
+            public: bool = False, with_answers: bool = False, license: str | None = None) -> dict:
     """The run's drafter and card (`with_answers`: and its answers, a dataset) into `to` and/or the hub repository
     `repo` (the answers: the dataset repository of that name): what each of them got."""
     if repo is None and to is None:
         raise EyrieError("nowhere to publish to.", "pass --repo OWNER/NAME, --to DIR, or both.")
     manifest = load_run_manifest(store, run)
-    overridden, license = refuse_unshareable(manifest, force)
+    overridden, license = refuse_unshareable(manifest, allow, license)
     result = {"run": run}
     with tempfile.TemporaryDirectory(prefix="eyrie-publish-") as tmp:
         folder, held = Path(tmp), secrets()
@@ -67,14 +76,21 @@ def publish(store, run: str, repo: str | None = None, to: Path | None = None, fo
     return result
 
 
-def refuse_unshareable(manifest: RunManifest, force: bool):
-    """What `--force` overrode, and the target's license; refused: what should not be shared."""
-    run, overridden = manifest.run, refusals(manifest)
-    if overridden and not force:
-        raise EyrieError(f"run {run}'s drafter is not published: {'; '.join(overridden)}.",
-                         f"verify it (`eyrie verify --run {run}`, or `eyrie retry {run}`), or pass --force to publish "
-                         "it anyway: its card then says what was overridden.")
-    license = target_license(manifest.target)
+def refuse_unshareable(manifest: RunManifest, allow=(), stated: str | None = None):
+    """The refusals `allow` overrode ("--allow NAME: why" each), and the target's license; refused: what should not
+    be shared, and a license not known here that the publisher did not state."""
+    unknown = sorted(set(allow) - set(ALLOWS))
+    if unknown:
+        raise EyrieError(f"no refusal named {', '.join(unknown)} to allow.", f"name one of: {', '.join(ALLOWS)}.")
+    run, found = manifest.run, refusals(manifest)
+    refused = [(name, why) for name, why in found if name not in allow]
+    if refused:
+        flags = " ".join(f"--allow {name}" for name in dict(refused))
+        raise EyrieError(f"run {run}'s drafter is not published: {'; '.join(why for _, why in refused)}.",
+                         f"verify it (`eyrie verify --run {run}`, or `eyrie retry {run}`), or pass {flags} to "
+                         "publish it anyway: its card then names each refusal it overrode.")
+    overridden = [f"--allow {name}: {why}" for name, why in found if name in allow]
+    license = stated_license(manifest, stated)
     if license.no_derivatives:
         raise EyrieError(f"run {run}'s target {manifest.target.model} forbids redistributing derivatives: "
                          f"{license.no_derivatives} (read from {license.where}). Nothing was published.",
@@ -88,25 +104,43 @@ def files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
-def refusals(manifest: RunManifest) -> list[str]:
-    """Why the run's drafter should not be shared (`--force` overrides them); none: it may be."""
+def stated_license(manifest: RunManifest, stated: str | None) -> License:
+    """The target's license as its card states it, else as the publisher states it (`--license`); refused where
+    neither says it, or where the two differ."""
+    read = target_license(manifest.target)
+    if read.id == UNKNOWN and stated is None:
+        raise EyrieError(f"run {manifest.run}'s target license is not known here ({read.where}). Nothing was "
+                         "published.", "state it as the target's own card does: --license SPDX (e.g. "
+                         "--license apache-2.0); the card then says the publisher stated it.")
+    if read.id == UNKNOWN:
+        forbidding = f"its license is {stated} (no derivatives)" if ND_ID.search(stated) else None
+        return License(stated, "stated by the publisher (`eyrie publish --license`)", no_derivatives=forbidding)
+    if stated is not None and stated.lower() not in read.id.lower().split(", "):
+        raise EyrieError(f"--license {stated} is not the target's license: {read.id} ({read.where}).",
+                         f"drop --license (the card states {read.id}), or publish a target whose license it is.")
+    return read
+
+
+def refusals(manifest: RunManifest) -> list[tuple[str, str]]:
+    """Why the run's drafter should not be shared, each by its name in ALLOWS (`--allow NAME` overrides it);
+    none: it may be."""
     drafter, verify = manifest.drafter, manifest.verify
     if not drafter:
         raise EyrieError(f"run {manifest.run} has no exported drafter.",
                          f"train it first: `eyrie train --run {manifest.run} --wait` exports the best checkpoint.")
     if not verify:
-        return ["vLLM has not verified its drafter (its verify has not run, or its task failed)"]
+        return [("unverified", "vLLM has not verified its drafter (its verify has not run, or its task failed)")]
     if verify.get("skipped"):
-        return [f"its verify was skipped: {verify['skipped']}"]
+        return [("unverified", f"its verify was skipped: {verify['skipped']}")]
     found = []
     if verify.get("checkpoint") != drafter["checkpoint"]:
-        found.append(f"vLLM verified checkpoint {verify.get('checkpoint')}, and checkpoint {drafter['checkpoint']} "
-                     "is exported now")
+        found.append(("other-checkpoint", f"vLLM verified checkpoint {verify.get('checkpoint')}, and checkpoint "
+                                          f"{drafter['checkpoint']} is exported now"))
     verdict = verify.get("outputs_verdict")
     if verdict in VERDICTS and VERDICTS.index(verdict) >= VERDICTS.index(BEYOND):  # BEYOND, and what is worse
-        found.append(f"served with it, vLLM's answers were judged: {verdict}")
+        found.append(("outputs-differ", f"served with it, vLLM's answers were judged: {verdict}"))
     if verify.get("vllm_acceptance_length") is None:
-        found.append("vLLM counted no drafts on the held-out prompts")
+        found.append(("no-drafts", "vLLM counted no drafts on the held-out prompts"))
     return found
 
 
