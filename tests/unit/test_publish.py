@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -32,6 +33,9 @@ from tests.support.processes import free_port
 from tests.unit.test_served_drafter import K, exported
 
 RUN, REPO = "r", "alice/tiny-drafter"
+# how verify served the target (a verify record's serve_flags): what the card's command must carry, and what vLLM's
+# CPU build serves the tiny target with in the test of that command
+SERVED_WITH = ["--tensor-parallel-size", "1", "--max-model-len", "256", "--enforce-eager"]
 TOKEN = "hf_" + "Zq7" * 12  # a token's shape: the check finds it by value and by shape
 DATA = ROOT / "assets" / "prompts" / "train-mix-1k.jsonl"  # its README.md's table names its license
 RECIPE = "lr 1e-3, warmup 3%, linear decay, 256-token packs, 1 epochs = 3 steps, because the test says so"
@@ -63,7 +67,7 @@ def verify_record(drafter: dict, accepted: float = 130.0, changed: bool = False)
     verdicts = {f["outputs_verdict"] for b in benchmarks.values() for f in k_figures(b)}
     result.update(benchmarks=benchmarks, ks=[K], verified_at="2026-01-02T03:04:05+00:00", definitions=verify.DEFINITIONS,
                   identical_outputs=verdicts == {"identical"}, outputs_verdict=worst(verdicts),
-                  hardware="CPU: test host, 2 cores", vllm_version="0.32.0")
+                  hardware="CPU: test host, 2 cores", vllm_version="0.32.0", serve_flags=SERVED_WITH)
     return result
 
 
@@ -161,7 +165,8 @@ def test_to_dir_writes_the_exported_drafter_and_a_card_made_from_the_manifest(tm
     assert {"eagle3", "speculative-decoding"} <= set(data["tags"]) and data["library_name"] == "speculators"
     text = card.text
     spec = json.loads(re.search(r"--speculative-config '(\{.*\})'", text)[1])
-    assert text.count(f"vllm serve {TINY.name} --speculative-config") == 1  # no path of the publishing host
+    # no path of the publishing host; the flags verify served the target with
+    assert text.count(f"vllm serve {TINY.name} {' '.join(SERVED_WITH)} --speculative-config") == 1
     assert spec == {"method": "eagle3", "model": DRAFTER_DIR, "num_speculative_tokens": K}
     heldout = manifest.verify["benchmarks"]["heldout"]["k"][str(K)]
     assert " / ".join(f"{p:.3f}" for p in heldout["vllm_per_position_acceptance"]) in text
@@ -390,16 +395,17 @@ def test_vllm_serves_the_drafter_from_the_published_directory_with_the_cards_com
     from eyrie.core.vllm import serve_argv
     from eyrie_trainer.verify_turns import chat_prompt_ids
     from tests.unit.test_served_drafter import FIRST_MAPPED
-    from tests.support.vllm_real import SMALL, VLLM_PYTHON, start_vllm, stop_vllm, vllm_env
+    from tests.support.vllm_real import VLLM_PYTHON, start_vllm, stop_vllm, vllm_env
 
     store = finished_run(tmp_path, zero_head=True)
     out = tmp_path / "published"
     publish(store, RUN, to=out)
-    spec = re.search(r"--speculative-config '(\{.*\})'", (out / "README.md").read_text())[1]
-    spec = spec.replace(DRAFTER_DIR, str(out.resolve()))  # the card's placeholder for where it was published to
+    words = shlex.split(re.search(r"```bash\n(vllm serve .*)\n```", (out / "README.md").read_text())[1])
+    assert words[:3] == ["vllm", "serve", TINY.name] and words[3:-2] == SERVED_WITH
+    # the card's placeholders: the target by the path it lies at here, the drafter by where it was published to
+    flags = [word.replace(DRAFTER_DIR, str(out.resolve())) for word in words[3:]]
     port, log = free_port(), tmp_path / "vllm.log"
-    cmd = [*serve_argv(str(VLLM_PYTHON), str(TINY)), "--host", "127.0.0.1", "--port", str(port), *SMALL,
-           "--speculative-config", spec]
+    cmd = [*serve_argv(str(VLLM_PYTHON), str(TINY)), "--host", "127.0.0.1", "--port", str(port), *flags]
     proc = start_vllm(cmd, log, vllm_env(tmp_path / "vllm-cache"), port)
     try:
         client = verify.Client(f"http://127.0.0.1:{port}", str(TINY), log)

@@ -206,8 +206,11 @@ def _head(manifest: RunManifest, name: str, forced: list[str]) -> str:
 
 def _serve(manifest: RunManifest, served_as: str) -> str:
     drafter = served_as if is_hub_id(served_as) else DRAFTER_DIR
-    command = vllm_command(manifest.target.public_name(), drafter, manifest.drafter["k"])
-    return ("## Serve it\n\n```bash\n" + command + "\n```\n\n"
+    flags = (manifest.verify or {}).get("serve_flags")
+    command = vllm_command(manifest.target.public_name(), drafter, manifest.drafter["k"], flags or [])
+    how = ("the flags vLLM served the target with when it verified this drafter" if flags is not None
+           else "the target's own serve flags not recorded (a verify from before they were)")
+    return ("## Serve it\n\n```bash\n" + command + "\n```\n\n" + f"With {how}; "
             f"{manifest.drafter['k']} draft tokens (the K it was trained for), greedy drafts: for sampled answers "
             "(temperature > 0) add `\"draft_sample_method\": \"probabilistic\"` to the speculative config.")
 

@@ -8,6 +8,7 @@ itself is served), and a reduced draft vocabulary goes only with its mapping (`d
 from __future__ import annotations
 
 import json
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -162,8 +163,11 @@ def _mapping_problem(tensors: dict, draft: int, target: int) -> str | None:
     return None
 
 
-def vllm_command(target: str, folder: str, k: int) -> str:
-    return f"vllm serve {target} --speculative-config '{json.dumps(eagle3_spec(folder, k))}'"
+def vllm_command(target: str, folder: str, k: int, flags: list[str] = ()) -> str:
+    """The command that serves `target` with the drafter in `folder` at K = k, with the target's own serve
+    `flags` (verify's, where it recorded them)."""
+    served = " ".join(shlex.quote(flag) for flag in ["vllm", "serve", target, *flags])
+    return f"{served} --speculative-config '{json.dumps(eagle3_spec(folder, k))}'"
 
 
 def evaluate_and_export(store, run: str, eval_dir: Path, device: str, path: dict, log,

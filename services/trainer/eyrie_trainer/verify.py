@@ -216,7 +216,7 @@ def verify(settings, store, run: str, request: VerifySection | None = None, log=
     verdicts = {f["outputs_verdict"] for b in benchmarks.values() for f in k_figures(b)}
     result.update(benchmarks=benchmarks, ks=ks, verified_at=now_iso(), definitions=DEFINITIONS,
                   identical_outputs=verdicts == {IDENTICAL}, outputs_verdict=worst(verdicts),
-                  hardware=hardware(), vllm_version=served_version(logs / "target.log"))
+                  hardware=hardware(), vllm_version=served_version(logs / "target.log"), serve_flags=flags)
     manifest.verify = result
     store.put_json(Layout(run).manifest, manifest.model_dump())
     return result
