@@ -1,15 +1,23 @@
 """A dataset row to the chat requests the target answers, or the reason it can't be one: the prompt
-row contract, read where a run is started (a usable row) and by the generator (every row)."""
+row contract, one for every reader (generate's planner and its shards, `--plan`, verify's benchmark
+files). Every accepted shape (SHAPES) reads into one canonical row: a conversation of role/content
+messages, and the later user turns a `turns` row asks after the target's own answers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROLES = {
     "human": "user", "user": "user",
     "gpt": "assistant", "assistant": "assistant", "bot": "assistant", "model": "assistant",
     "system": "system",
 }
+# what every refusal of a row's shape says it could be (one text: generate, --plan and verify alike)
+ROW_SHAPES = ("`conversations` or `messages` (a list of turns: {from, value} or {role, content}) with a human/user "
+              "turn, or a `prompt`, `question`, `instruction` (with an optional `input`) text, or `turns` (a list of "
+              "user texts, each asked after the answer to the one before)")
+ROW_FIX = (f"give rows with {ROW_SHAPES}, one JSON object per line for .jsonl (convert a JSON array or CSV to "
+           "JSON Lines).")
 
 
 @dataclass(frozen=True)
@@ -17,18 +25,28 @@ class Skip:
     reason: str
 
 
-def to_prompt(row) -> list[dict] | Skip:
-    """Messages up to and including the last human turn, system turns kept.
+@dataclass(frozen=True)
+class Row:
+    """A row read: its conversation (role/content), and user turns asked after the target's own answers."""
 
-    Accepts `conversations` or `messages`, with turns as `from`/`value` (ShareGPT, as in
-    mlabonne/open-perfectblend) or `role`/`content` (OpenAI, UltraChat). A null field counts as
-    absent: parquet and HF datasets give every row every column (and every turn every key).
-    """
+    conversation: list[dict]
+    later_turns: list[str] = field(default_factory=list)
+
+
+def to_row(row) -> Row | Skip:
+    """The row in its canonical shape, by the first of SHAPES' fields it sets (a null field counts as
+    absent: parquet and HF datasets give every row every column, and every turn every key)."""
     if not isinstance(row, dict):
         return Skip("row_not_an_object")
-    turns = _first_set(row, "conversations", "messages")
-    if turns is None:
-        return Skip("no_conversation_field")
+    for name, read in SHAPES:
+        if row.get(name) is not None:
+            return read(row, name)
+    return Skip("no_conversation_field")
+
+
+def _turn_list(row: dict, name: str) -> Row | Skip:
+    """`conversations`/`messages`: ShareGPT's from/value (mlabonne/open-perfectblend) or OpenAI's role/content."""
+    turns = row[name]
     if not isinstance(turns, list):
         return Skip("conversation_not_a_list")
     if not turns:
@@ -39,6 +57,46 @@ def to_prompt(row) -> list[dict] | Skip:
         if isinstance(message, Skip):
             return message
         messages.append(message)
+    return Row(messages)
+
+
+def _text(row: dict, name: str) -> Row | Skip:
+    """`prompt`, `question`: one user turn (GSM8K's, HumanEval's)."""
+    text = row[name]
+    return Row([{"role": "user", "content": text}]) if isinstance(text, str) else Skip("text_not_a_string")
+
+
+def _instruction(row: dict, name: str) -> Row | Skip:
+    """`instruction` and an optional `input` (Alpaca's, self-instruct's): one user turn, the input below."""
+    instruction, extra = row[name], row.get("input")
+    if not isinstance(instruction, str) or not isinstance(extra, (str, type(None))):
+        return Skip("text_not_a_string")
+    return Row([{"role": "user", "content": instruction + (f"\n\n{extra}" if extra and extra.strip() else "")}])
+
+
+def _user_turns(row: dict, name: str) -> Row | Skip:
+    """`turns`: user texts (MT-Bench's), the first the prompt, each later one asked after the answer before it."""
+    turns = row[name]
+    if not isinstance(turns, list):
+        return Skip("conversation_not_a_list")
+    if not turns:
+        return Skip("empty_conversation")
+    if not all(isinstance(turn, str) for turn in turns):
+        return Skip("text_not_a_string")
+    return Row([{"role": "user", "content": turns[0]}], list(turns[1:]))
+
+
+# the accepted shapes, in the order a row's fields are looked at: a shape is added here alone
+SHAPES = (("conversations", _turn_list), ("messages", _turn_list), ("prompt", _text), ("question", _text),
+          ("instruction", _instruction), ("turns", _user_turns))
+
+
+def to_prompt(row) -> list[dict] | Skip:
+    """Messages up to and including the last human turn, system turns kept."""
+    read = to_row(row)
+    if isinstance(read, Skip):
+        return read
+    messages = read.conversation
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
     if last_user is None:
         return Skip("no_human_turn")
@@ -59,6 +117,16 @@ def to_turns(row, turns: str = "all") -> list[list[dict]] | Skip:
     prompt = to_prompt(row)
     if isinstance(prompt, Skip) or turns == "last":
         return prompt if isinstance(prompt, Skip) else [prompt]
+    later = to_row(row).later_turns
+    if any(not turn.strip() for turn in later):
+        return Skip("empty_prompt")
+    asked = _requests(prompt)
+    return asked if isinstance(asked, Skip) else asked + [[{"role": "user", "content": turn}] for turn in later]
+
+
+def _requests(prompt: list[dict]) -> list[list[dict]] | Skip:
+    """One request per user turn the conversation has an answer to (or that ends it), carrying the system
+    and user messages since the last one."""
     requests, pending = [], []
     for i, message in enumerate(prompt):
         if message["role"] == "assistant":

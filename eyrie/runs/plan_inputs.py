@@ -14,12 +14,12 @@ from eyrie.core.target import load_tokenizer
 from eyrie.data import answers_set
 from eyrie.data.dataset import iter_rows, looks_like_path, resolve
 from eyrie.data.manifest import DatasetRef
-from eyrie.data.prompts import Skip, to_turns
+from eyrie.data.prompts import Skip, to_prompt, to_row, to_turns
+from eyrie.stages.start_checks import usable_row
 
 SAMPLE_ROWS = 1000  # the mean is estimated from the dataset's first rows, at most this many
 CHARS_PER_TOKEN = 4  # where the target's tokenizer is not on this host (English text: about 4)
 ASSUMED_GPU_MEMORY = "141GB"  # an H200's, where neither the config nor a GPU of this host says
-USER_ROLES, ANSWER_ROLES = {"human", "user"}, {"gpt", "assistant", "bot", "model"}
 
 
 def dataset_rows(config, missing_ok: bool = False) -> tuple[int, DatasetRef | None]:
@@ -27,12 +27,15 @@ def dataset_rows(config, missing_ok: bool = False) -> tuple[int, DatasetRef | No
     is a missing file where it looks like a path (`./x`, `x.jsonl`, `a/b/c`: resolve says where it
     looked), else a hub id, which --plan does not download: its rows are dataset.limit.
     `missing_ok`: a started run's plan on another host (the file is where the run started).
-    A published answers set on the hub is downloaded (a few megabytes): its rows are its answers."""
+    A published answers set on the hub is downloaded (a few megabytes): its rows are its answers. A
+    dataset here without one usable prompt row is refused as generate refuses it (the one row contract)."""
     d = config.dataset
     published = None if Path(d.source).exists() or looks_like_path(d.source) else answers_set.find(d.source, d.revision)
     source = str(published.path) if published else d.source
     if Path(source).exists() or (looks_like_path(source) and not missing_ok):
         ref = resolve(source, d.split, d.revision if published is None else None, d.limit)
+        if published is None:
+            usable_row(ref)
         return ref.row_end, ref
     if d.limit is None:
         raise EyrieError(f"dataset {d.source} is not a file or directory in {Path.cwd()}, so it is taken as a "
@@ -85,17 +88,14 @@ def requests(rows: int, ref: DatasetRef | None, turns: str) -> dict:
 
 
 def _prompt_and_answer(row) -> tuple[str, str] | None:
-    """The text up to the last human turn, and the answer turns after it (ShareGPT or OpenAI shape)."""
-    turns = (row.get("conversations") or row.get("messages")) if isinstance(row, dict) else None
-    if not isinstance(turns, list):
+    """The text up to the last human turn, and the answer turns after it (the row read as generate reads it:
+    eyrie.data.prompts); None for a row generate skips."""
+    read, prompt = to_row(row), to_prompt(row)
+    if isinstance(prompt, Skip):
         return None
-    texts = [(str(t.get("from") or t.get("role") or "").lower(), str(t.get("value") or t.get("content") or ""))
-             for t in turns if isinstance(t, dict)]
-    last = max((i for i, (role, _) in enumerate(texts) if role in USER_ROLES), default=None)
-    if last is None:
-        return None
-    return ("\n".join(text for _, text in texts[:last + 1]),
-            "\n".join(text for role, text in texts[last + 1:] if role in ANSWER_ROLES))
+    answers = read.conversation[len(prompt):]
+    return ("\n".join(m["content"] for m in prompt),
+            "\n".join(m["content"] for m in answers if m["role"] == "assistant"))
 
 
 def _counter(config):

@@ -11,7 +11,7 @@ from eyrie.core.stage_settings import DatasetSection, ExtractSettings, GenerateS
 from eyrie.core.storage import resolve_mode
 from eyrie.data import dataset
 from eyrie.data.manifest import ExtractParams, Layout, RunManifest, SamplingParams, TrainParams, load_run_manifest
-from eyrie.data.prompts import Skip, to_prompt
+from eyrie.data.prompts import ROW_FIX, Skip, to_prompt
 
 
 def check_generate(store, run: str, request: GenerateSettings | None, source: DatasetSection) -> None:
@@ -34,9 +34,7 @@ def usable_row(ref) -> None:
         reasons[problem or prompt.reason] += 1
     top = ", ".join(f"{reason} x{n}" for reason, n in reasons.most_common(3))
     raise EyrieError(f"dataset {ref.source}: none of the {reasons.total()} rows read is a usable prompt ({top}).",
-                     "give rows with `conversations` or `messages`: a list of turns ({from, value} or "
-                     "{role, content}) with a human/user turn, one JSON object per line for .jsonl "
-                     "(convert a JSON array or CSV to JSON Lines).")
+                     ROW_FIX)
 
 
 def same_generate(manifest: RunManifest, source: DatasetSection, request: GenerateSettings) -> None:

@@ -83,7 +83,7 @@ def test_unknown_name_says_what_is_accepted():
 
 @pytest.mark.parametrize("text,problem", [
     ("", "has no rows"), ("\n \n", "has no rows"), ('{"prompt": "a"}\n{oops\n', "line 2: not JSON"),
-    ('{"answer": "a"}\n', "line 1: no prompt"), ('["a"]\n', "line 1: no prompt"),
+    ('{"answer": "a"}\n', "line 1: not a usable prompt"), ('["a"]\n', "line 1: not a usable prompt"),
 ])
 def test_an_empty_or_unreadable_file_is_refused_with_a_fix(tmp_path, text, problem):
     path = tmp_path / "bad.jsonl"

@@ -10,14 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyrie.core.errors import EyrieError
+from eyrie.data.prompts import ROW_FIX, Skip, to_prompt, to_row
 
 BENCHMARKS = ("mt-bench", "gsm8k", "humaneval")
 DATA = Path(__file__).parent / "data"
 FILES = {"mt-bench": "mt-bench/question.jsonl", "gsm8k": "gsm8k/test.jsonl", "humaneval": "humaneval/HumanEval.jsonl.gz"}
 HUMANEVAL = "Complete the following Python function.\n\n```python\n{prompt}```"
-ROLES = {"human": "user", "user": "user", "system": "system",
-         "gpt": "assistant", "assistant": "assistant", "bot": "assistant", "model": "assistant"}
-ROW_SHAPES = "`messages`/`conversations` (role/content or from/value turns), or a `prompt`, `question` or `turns` field"
 
 
 @dataclass
@@ -64,7 +62,7 @@ def _rows(path: Path, limit: int | None) -> list[tuple[int, object]]:
                          "give a UTF-8 .jsonl file with one JSON object per line.") from None
     if not rows:
         raise EyrieError(f"benchmark file {path} has no rows.",
-                         f"give a .jsonl file with one prompt per line: {ROW_SHAPES}.")
+                         ROW_FIX)
     return rows
 
 
@@ -91,38 +89,18 @@ def _user_message(name: str, row: dict) -> dict:
 def _file_prompt(path: Path, line: int, row) -> list[dict]:
     if prompt := _row_prompt(row):
         return prompt
-    raise EyrieError(f"benchmark file {path}, line {line}: no prompt in the row.", f"give each row {ROW_SHAPES}.")
+    reason = to_prompt(row).reason
+    raise EyrieError(f"benchmark file {path}, line {line}: not a usable prompt ({reason}).", ROW_FIX)
 
 
 def _row_prompt(row) -> list[dict] | None:
-    """Messages up to the last user turn (system turns kept), or one user message."""
-    if not isinstance(row, dict):
-        return None
-    conversation = row.get("messages") or row.get("conversations")
-    if isinstance(conversation, list):
-        messages = [_message(turn) for turn in conversation]
-        users = [i for i, m in enumerate(messages) if m and m["role"] == "user"]
-        if None in messages or not users or not messages[users[-1]]["content"].strip():
-            return None
-        return messages[: users[-1] + 1]
-    turns = row.get("turns")
-    text = row.get("prompt") or row.get("question") or (turns[0] if isinstance(turns, list) and turns else None)
-    return [{"role": "user", "content": text}] if isinstance(text, str) and text.strip() else None
+    """Messages up to the last user turn (system turns kept), as generate reads a row (eyrie.data.prompts)."""
+    prompt = to_prompt(row)
+    return None if isinstance(prompt, Skip) else prompt
 
 
 def _second_turn(row) -> str | None:
-    """A row's second user turn: the second of its `turns` where those are its prompt (MT-Bench's shape)."""
-    if not isinstance(row, dict) or row.get("messages") or row.get("conversations") or row.get("prompt") \
-            or row.get("question"):
-        return None
-    turns = row.get("turns")
-    second = turns[1] if isinstance(turns, list) and len(turns) >= 2 else None
-    return second if isinstance(second, str) and second.strip() else None
-
-
-def _message(turn) -> dict | None:
-    if not isinstance(turn, dict):
-        return None
-    role = ROLES.get(str(turn.get("role") or turn.get("from")).lower())
-    text = next((turn[key] for key in ("content", "value") if turn.get(key) is not None), None)
-    return {"role": role, "content": text} if role and isinstance(text, str) else None
+    """A row's second user turn, asked after the answer to its first (a `turns` row's: MT-Bench's shape)."""
+    read = to_row(row)
+    second = read.later_turns[0] if not isinstance(read, Skip) and read.later_turns else None
+    return second if second and second.strip() else None
