@@ -291,7 +291,5 @@ def report(a, res, argv, load0, load1, total) -> list[str]:
     return out
 
 
-
-
 if __name__ == "__main__":
     main()

@@ -153,8 +153,6 @@ def stub_server(request):
         stop(proc)
 
 
-
-
 @pytest.fixture
 def ctx(env, tmp_path, monkeypatch):
     """What a task gets (settings, Redis, store) on the test's environment, with a cache of its own."""

@@ -27,8 +27,8 @@ from eyrie.runs.audit import audit as audit_run
 from eyrie.runs.failures import Reason, failures
 from eyrie.runs.family import Family, family
 from eyrie.runs.status import run_status
-from eyrie.stages.run_config import run_config_model
 from eyrie.stages import PIPELINE, queues, startable
+from eyrie.stages.run_config import run_config_model
 from eyrie.work.queue import connect, task_counts
 from eyrie.work.status_models import QueueTasks, RunStatus, RunSummary
 

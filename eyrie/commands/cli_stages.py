@@ -49,7 +49,6 @@ def _one_stage(stage: str, run: str, asked: tuple, line, wait: bool, dataset: tu
         follow(conn, store, run, stage)
 
 
-
 @app.command()
 @command
 @model_options(ExtractSettings, into="asked")

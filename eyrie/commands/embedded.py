@@ -15,12 +15,12 @@ import orjson
 from eyrie.commands.display import console, follow_stage, verify_lines
 from eyrie.core.config import load_settings, safe_url
 from eyrie.core.run_config import check_run_name
-from eyrie.stages.run_config import load_config
 from eyrie.core.vllm import available
 from eyrie.data.manifest import Layout, load_run_manifest
 from eyrie.data.store import open_store
 from eyrie.runs.control import pipeline_started, start_and_plan
 from eyrie.stages import PIPELINE
+from eyrie.stages.run_config import load_config
 from eyrie.stages.verify import Verify
 from eyrie.work import inference, keys
 from eyrie.work.queue import connect, job_errors, job_state

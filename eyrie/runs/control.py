@@ -14,15 +14,15 @@ from eyrie.core.errors import EyrieError, UnknownRun
 from eyrie.core.run_config import check_run_name
 from eyrie.core.support import refuse_unsupported_config
 from eyrie.data.manifest import Layout, RunManifest, config_key, load_run_manifest, now_iso
-from eyrie.stages.run_config import stored_config
-from eyrie.runs.pipeline import advance_or_record, check_config, run_job_ids, run_view, save_config, stage_config
 from eyrie.runs.from_answers import answers_of, plan_from_answers
+from eyrie.runs.pipeline import advance_or_record, check_config, run_job_ids, run_view, save_config, stage_config
 from eyrie.runs.projection import refuse_before_start
 from eyrie.runs.restart import hold_cancel, pending
 from eyrie.runs.reuse import check_train_as, owner_of, train_on_states
 from eyrie.runs.status import overall_state, run_status
 from eyrie.stages import PIPELINE, queues, run_stages, stage, startable
 from eyrie.stages.base import Started
+from eyrie.stages.run_config import stored_config
 from eyrie.stages.train import Train
 from eyrie.work import inference, keys
 from eyrie.work.planning import await_planning

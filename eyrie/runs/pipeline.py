@@ -10,13 +10,13 @@ from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import RunConfigBase, ServeSection, with_absolute_paths
 from eyrie.data.manifest import Layout, config_key, load_run_manifest
-from eyrie.stages.run_config import run_config_model, stored_config
 from eyrie.data.store import open_store
 from eyrie.runs.identity import differing_inputs, refuse_other_target, relocate
 from eyrie.runs.restart import on_planned
 from eyrie.runs.reuse import record_states
 from eyrie.stages import PIPELINE, RunView, check_stage_names, run_stages
 from eyrie.stages.base import PipelineStage, state_of
+from eyrie.stages.run_config import run_config_model, stored_config
 from eyrie.work import keys
 from eyrie.work.cancel import block
 from eyrie.work.queue import job_state, live_tasks

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from eyrie.core.target import same_target
 from eyrie.data.manifest import Layout, load_run_manifest
-from eyrie.stages.run_config import stored_config
 from eyrie.runs.pipeline import can_go_on
 from eyrie.stages import PIPELINE
+from eyrie.stages.run_config import stored_config
 from eyrie.work import inference, keys
 
 UP = ("waiting", "starting", "ready")  # an endpoint in one of these states holds the server for its run

@@ -127,7 +127,6 @@ def _sooner(chosen: str, modes: dict[str, ModeCosts]) -> str:
             f"GPU-h held and {m.gpus_at_once} GPUs at once: extract.storage: {later[0]} to take it")
 
 
-
 # --- hybrid and online: the extraction service and the trainer hold GPUs at the same time ---
 
 VLLM_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization: the share of each GPU it takes at start

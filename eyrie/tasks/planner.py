@@ -15,8 +15,8 @@ from pydantic import BaseModel
 
 from eyrie.core.errors import EyrieError
 from eyrie.core.provenance import given_by
-from eyrie.stages.run_config import stored_config
 from eyrie.stages import PIPELINE
+from eyrie.stages.run_config import stored_config
 from eyrie.tasks.executor import StageTask
 from eyrie.work.cancel import block
 

@@ -14,8 +14,8 @@ from rq.serializers import JSONSerializer
 from eyrie.core.config import load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.work.queue import EyrieJob, job_errors, job_state, queue, task_result, workers_on
-from eyrie.work.worker_loop import InProcessWorker
 from eyrie.work.task_kinds import TaskKind
+from eyrie.work.worker_loop import InProcessWorker
 
 PICKUP_S = 10.0
 ENDED = {"finished", "failed", "canceled", "stopped", "scheduled", None}  # scheduled: failed once, retried later

@@ -48,7 +48,6 @@ return { ticks: chart.axes.map((a) => (a._values || []).filter((v) => v !== null
 """
 
 
-
 @pytest.fixture
 def browser():
     from selenium import webdriver

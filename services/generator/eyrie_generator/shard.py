@@ -15,6 +15,7 @@ import orjson
 from eyrie.core.config import parse_endpoints
 from eyrie.core.target import same_target
 from eyrie.data.manifest import Counts, ShardPlan
+from eyrie.data.prompts import Skip, to_turns
 from eyrie.runs import serve_turns
 from eyrie.stages import GENERATE
 from eyrie.tasks.executor import Context, execute
@@ -24,7 +25,6 @@ from eyrie_generator.chain import Chain, recover_claims
 from eyrie_generator.client import ChatClient, Completion
 from eyrie_generator.conversation import answer_turns
 from eyrie_generator.prompt_budget import PromptBudget
-from eyrie.data.prompts import Skip, to_turns
 from eyrie_generator.tasks import GenerateTask
 
 FLUSH_EVERY = 64

@@ -22,11 +22,11 @@ from eyrie.core.errors import EyrieError
 from eyrie.core.storage import trains_on_demand
 from eyrie.core.vllm import on_cpu, serve_env
 from eyrie.data.manifest import Layout, load_run_manifest
-from eyrie.stages.run_config import stored_config
 from eyrie.runs.pipeline import can_go_on
 from eyrie.runs.projection import project
 from eyrie.runs.storage_plan import vllm_utilization
 from eyrie.stages import EXTRACT, PIPELINE, TRAIN, PipelineStage
+from eyrie.stages.run_config import stored_config
 from eyrie.work import inference, keys
 from eyrie_extractor.vllm_backend import clear_orphans, connector_env, extract_command
 from eyrie_inference.server import Server

@@ -18,14 +18,14 @@ import requests
 from eyrie.core.config import Settings, load_settings
 from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import ServeSection
-from eyrie.stages.run_config import load_config
 from eyrie.core.target import describe
 from eyrie.core.vllm import serve_argv, serve_env, start_server, stop_server, with_cpu_dtype
-from eyrie.stages.run_config import stored_config
 from eyrie.data.store import open_store
 from eyrie.runs import serve_turns
 from eyrie.runs.pipeline import can_go_on, drained_run, run_view
 from eyrie.stages import PIPELINE
+from eyrie.stages.run_config import load_config
+from eyrie.stages.run_config import stored_config
 from eyrie.tasks.gpu_admission import gpu_lease
 from eyrie.work import inference
 from eyrie.work.cancel import STOP_REQUESTED, stop_requested

@@ -16,10 +16,10 @@ from eyrie.core.recipe import pack_length, trainer_device
 from eyrie.core.stage_settings import TrainSettings
 from eyrie.core.target import text_config
 from eyrie.data.manifest import BaseDrafter, Layout, RunManifest, TrainParams
-from eyrie.stages.run_config import stored_config
 from eyrie.stages import FETCH, PLAN_TRAIN, TRAIN
-from eyrie.stages.train import Train
+from eyrie.stages.run_config import stored_config
 from eyrie.stages.start_checks import check_train
+from eyrie.stages.train import Train
 from eyrie.tasks.executor import StageTask, execute
 from eyrie.tasks.planner import PlannerTask
 from eyrie.work import progress

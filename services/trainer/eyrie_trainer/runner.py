@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 from eyrie.core.errors import EyrieError
+from eyrie.core.storage import trains_on_demand
 from eyrie.data.charts import Curve, per_position
 from eyrie.data.manifest import Layout, load_run_manifest
 from eyrie.data.store import CorruptObject
-from eyrie.core.storage import trains_on_demand
 from eyrie.stages import EXTRACT, TRAIN
 from eyrie.tasks.executor import Context, RunTask, StageTask, execute
 from eyrie.work.cancel import Stopping

@@ -30,18 +30,18 @@ from pathlib import Path
 
 import requests
 
-from eyrie.core.run_config import ServeSection, VerifySection
-from eyrie_trainer.benchmarks import load_benchmark
 from eyrie.core.errors import EyrieError
+from eyrie.core.run_config import ServeSection, VerifySection
 from eyrie.core.target import load_tokenizer
 from eyrie.core.vllm import eagle3_flags, on_cpu, serve_argv, serve_env, start_server, stop_server
 from eyrie.data.manifest import Layout, load_run_manifest, now_iso
-from eyrie.stages.run_config import stored_config
 from eyrie.data.verify_outputs import (FAILED, IDENTICAL, MATCH_FLOOR, MATCH_MARGIN, MIN_COMPARED, TOO_FEW, WITHIN,
                                        worst)
 from eyrie.stages import VERIFY
+from eyrie.stages.run_config import stored_config
 from eyrie.stages.verify import record_verify_rates
 from eyrie.tasks.executor import StageTask, execute
+from eyrie_trainer.benchmarks import load_benchmark
 from eyrie_trainer.data import done_samples, heldout_ids, prompt_token_ids
 from eyrie_trainer.export import download
 from eyrie_trainer.verify_figures import SECOND, benchmark_result, k_figures, summarize  # noqa: F401 (summarize: its users')
