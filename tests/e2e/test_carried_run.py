@@ -61,10 +61,24 @@ def restore_and_continue(copy: Path, config: str, archive: Path, home: Path, tim
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)  # real_model.py stops its services and Redis on SIGTERM
             try:
-                proc.wait(120)
+                proc.wait(300)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+        for pid in running_in(copy):  # a service still stopping (each in a session of its own) goes with the copy
+            os.kill(pid, signal.SIGKILL)
     return log.read_text()
+
+
+def running_in(folder: Path) -> list[int]:
+    """The processes whose working directory is `folder` (real_model.py starts its services there)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and Path(os.readlink(proc / "cwd")) == folder.resolve():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
 
 
 @pytest.mark.parametrize("store_env", ["file"], indirect=True)
