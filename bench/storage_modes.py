@@ -126,6 +126,7 @@ def generate(a, t: Target, settings, store, work: Path) -> float:
     started = time.monotonic()
     with Served(settings, model_path(t), serve_flags(settings, None), work / "generate-vllm.log") as server:
         os.environ["EYRIE_INFERENCE_URL"] = server.url
+        os.environ["EYRIE_MODEL"] = str(model_path(t))  # the target named: that server does not say which it is
         eyrie("generate", "--dataset", str(prompts), "--run", SOURCE, "--concurrency", "16", "--max-tokens",
               str(a.max_tokens), "--shard-size", str(math.ceil(a.prompts / 2)), *t.sampling)
         eyrie("worker", "generate", "--burst")

@@ -171,7 +171,8 @@ def runs(redis_server, tiny_server, tmp_path_factory):
     service = Service(tmp)
     env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_server.replace("/0", "/6"),
            "EYRIE_STORE_URL": f"file://{tmp / 'store'}", "EYRIE_CACHE_DIR": str(tmp / "cache"),
-           "EYRIE_INFERENCE_URL": tiny_server.url, "EYRIE_SERVE_DEADLINE_S": str(START_S)}
+           "EYRIE_INFERENCE_URL": tiny_server.url, "EYRIE_SERVE_DEADLINE_S": str(START_S),
+           "EYRIE_MODEL": str(TINY)}  # the target named: a server at EYRIE_INFERENCE_URL does not say which it is
     env.pop("EYRIE_EXTRACT_VLLM_URL", None)  # the published server, as in the stack
     try:
         store = _generate(env, tmp)

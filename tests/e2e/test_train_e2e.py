@@ -37,7 +37,8 @@ def pipeline(redis_server, s3_server, tiny_server, tmp_path_factory):
     env = {**os.environ, **OFFLINE, "EYRIE_REDIS_URL": redis_server.replace("/0", "/3"),
            "EYRIE_STORE_URL": f"s3://eyrie-{uuid.uuid4().hex[:8]}/train", "EYRIE_S3_ENDPOINT": s3_server,
            **S3_KEYS,
-           "EYRIE_INFERENCE_URL": tiny_server.url, "EYRIE_CACHE_DIR": str(tmp / "cache")}
+           "EYRIE_INFERENCE_URL": tiny_server.url, "EYRIE_CACHE_DIR": str(tmp / "cache"),
+           "EYRIE_MODEL": str(TINY)}  # the target named: a server at EYRIE_INFERENCE_URL does not say which it is
     eyrie("generate", "--dataset", str(TRAIN_PROMPTS), "--run", "p", "--concurrency", "8", "--max-tokens", "64",
           "--shard-size", "80", env=env)
     eyrie("worker", "generate", "--burst", env=env, timeout=900)
