@@ -4,6 +4,8 @@ the run's manifest is told where they lie now; weights changed in place at the s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from eyrie.core.errors import EyrieError
 from eyrie.core.target import describe
 from eyrie.data import dataset
@@ -19,7 +21,8 @@ def differing_inputs(kept, config, manifest: RunManifest, sections: list[str]) -
 def _same_target(kept, config, manifest: RunManifest) -> bool:
     if kept.target.model_copy(update={"model": config.target.model}) != config.target:
         return False  # more than the path differs (the shape, the hub id)
-    return compare_target(manifest, config.target.model)[0] is True
+    same = compare_target(manifest, config.target.model)[0]
+    return same if same is not None else same_place(kept.target.model, config.target.model)
 
 
 def _same_dataset(kept, config, manifest: RunManifest) -> bool:
@@ -28,9 +31,30 @@ def _same_dataset(kept, config, manifest: RunManifest) -> bool:
     ref, source = manifest.dataset, config.dataset
     try:
         here = dataset.resolve(source.source, source.split, source.revision, source.limit)
-    except EyrieError:
-        return False
+    except EyrieError:  # not here (an API host without the data): where it lies, as the kept config names it
+        return same_place(kept.dataset.source, source.source)
     return (here.revision, here.row_start, here.row_end) == (ref.revision, ref.row_start, ref.row_end)
+
+
+def same_place(kept: str, given: str) -> bool:
+    """Where this host cannot read an input (the API's image holds no model or data): a relative path given is
+    the kept absolute one named from the directory the run's services work in (`assets/x` and
+    `/opt/eyrie/assets/x`), else nothing this host can tell is the same."""
+    given_path, kept_path = Path(given), Path(kept)
+    if given_path.is_absolute() or given_path.exists() or not kept_path.is_absolute():
+        return False
+    return kept_path.parts[-len(given_path.parts):] == given_path.parts
+
+
+def located(kept, config):
+    """`config` with the kept config's absolute paths where it names the same place by a relative path this
+    host cannot see (same_place): the stored config keeps naming where the inputs lie."""
+    update = {}
+    if same_place(kept.target.model, config.target.model):
+        update["target"] = config.target.model_copy(update={"model": kept.target.model})
+    if same_place(kept.dataset.source, config.dataset.source):
+        update["dataset"] = config.dataset.model_copy(update={"source": kept.dataset.source})
+    return config.model_copy(update=update) if update else config
 
 
 SAME_CONTENT = {"target": _same_target, "dataset": _same_dataset}
@@ -40,7 +64,10 @@ def compare_target(manifest: RunManifest, model: str) -> tuple[bool | None, str]
     """Whether `model`, as this host reads it, has the content and chat template the run was planned
     with: None where this host cannot tell (a directory it lacks, a hub id unresolved offline, or
     identities of two kinds: a local content hash against a hub commit); and a line naming both."""
-    here, recorded = describe(model), manifest.target
+    recorded = manifest.target
+    if _kind(recorded.revision) and not Path(model).is_dir():  # a directory's content, and none here to read
+        return None, f"the target {model} is not a directory on this host"
+    here = describe(model)
     line = f"the target at {model} is {_identity(here)}; run {manifest.run} was made with {_identity(recorded)}"
     if "unresolved" in (here.revision, recorded.revision) or _kind(here.revision) != _kind(recorded.revision):
         return None, line

@@ -11,7 +11,7 @@ from eyrie.core.errors import EyrieError
 from eyrie.core.run_config import RunConfigBase, ServeSection, with_absolute_paths
 from eyrie.data.manifest import Layout, config_key, load_run_manifest
 from eyrie.data.store import open_store
-from eyrie.runs.identity import differing_inputs, refuse_other_target, relocate
+from eyrie.runs.identity import differing_inputs, located, refuse_other_target, relocate
 from eyrie.runs.restart import on_planned
 from eyrie.runs.reuse import record_states
 from eyrie.stages import PIPELINE, RunView, check_stage_names, run_stages
@@ -29,6 +29,8 @@ def save_config(conn, store, config: RunConfigBase) -> None:
     planned run given its target and dataset at another path (the same content) reads them there."""
     config = with_absolute_paths(config)
     check_config(store, config)
+    kept = stored_config(store, config.run)
+    config = located(kept, config) if kept is not None else config
     if store.exists(Layout(config.run).manifest):
         relocate(store, load_run_manifest(store, config.run), config)
     # the settings as given: a field not given stays so (generate's take the planning worker's EYRIE_<FIELD>)

@@ -101,6 +101,10 @@ def test_pipeline_trains_evaluates_and_exports_a_drafter_vllm_loads(pipeline, tm
 
     from speculators.models.eagle3 import Eagle3DraftModel
 
+    # speculators loads the verifier by the name the config gives: a user with the target where no hub has it (the
+    # tiny target) names where it lies on their host, as they do in the card's serve line
+    config["speculators_config"]["verifier"]["name_or_path"] = str(TINY)
+    (drafter / "config.json").write_text(json.dumps(config))
     model = Eagle3DraftModel.from_pretrained(str(drafter))
     assert model.config.draft_vocab_size == 500 and model.target_layer_ids == [2, 4, 5]
 
