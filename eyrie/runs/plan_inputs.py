@@ -34,7 +34,7 @@ def dataset_rows(config, missing_ok: bool = False) -> tuple[int, DatasetRef | No
     source = str(published.path) if published else d.source
     if Path(source).exists() or (looks_like_path(source) and not missing_ok):
         ref = resolve(source, d.split, d.revision if published is None else None, d.limit)
-        if published is None:
+        if published is None and answers_set.find(source, d.revision) is None:  # prompts, not published answers
             usable_row(ref)
         return ref.row_end, ref
     if d.limit is None:

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from eyrie.core.config import load_settings
 from eyrie.data.manifest import Layout, RunManifest
 from eyrie.data.store import open_store
-from eyrie.stages import PLAN_TRAIN
+from eyrie.stages import PLAN_GENERATE, PLAN_TRAIN
 from eyrie.work import keys, progress
 from tests.support.deadline import bounded
 from tests.support.harness import (BIN, OFFLINE, S3_KEYS, TINY, TRAIN_PROMPTS, clone_run, eyrie, eyrie_in_process,
@@ -314,9 +314,10 @@ def test_a_run_that_differs_only_in_train_trains_on_the_earlier_runs_states(pipe
     out = eyrie("run", "--config", sweep, env=env).stdout
     assert "run sweep: trains on run p's generated answers and hidden states (306 rows" in out, out
     assert "nothing is generated or extracted again; train started" in out
-    # every task the run has, on any queue and in any registry, has a job hash: only its train stage's planning
+    # every task the run has, on any queue and in any registry, has a job hash: its planners only
     tasks = {k.decode().removeprefix("rq:job:") for k in conn.scan_iter("rq:job:*sweep*")}
-    assert tasks == {PLAN_TRAIN.task_id("sweep")}, tasks
+    # generate's planning found p's states (where the generator host resolves the settings as used)
+    assert tasks == {PLAN_GENERATE.task_id("sweep"), PLAN_TRAIN.task_id("sweep")}, tasks
     eyrie("worker", "train", "--burst", env=env, timeout=900)
 
     train = status_json("sweep", env)["stages"]["train"]
