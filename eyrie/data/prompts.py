@@ -47,10 +47,8 @@ def to_row(row) -> Row | Skip:
 def _turn_list(row: dict, name: str) -> Row | Skip:
     """`conversations`/`messages`: ShareGPT's from/value (mlabonne/open-perfectblend) or OpenAI's role/content."""
     turns = row[name]
-    if not isinstance(turns, list):
-        return Skip("conversation_not_a_list")
-    if not turns:
-        return Skip("empty_conversation")
+    if problem := _not_a_list(turns):
+        return problem
     messages = []
     for turn in turns:
         message = _to_message(turn)
@@ -58,6 +56,12 @@ def _turn_list(row: dict, name: str) -> Row | Skip:
             return message
         messages.append(message)
     return Row(messages)
+
+
+def _not_a_list(turns) -> Skip | None:
+    if not isinstance(turns, list):
+        return Skip("conversation_not_a_list")
+    return None if turns else Skip("empty_conversation")
 
 
 def _text(row: dict, name: str) -> Row | Skip:
@@ -77,10 +81,8 @@ def _instruction(row: dict, name: str) -> Row | Skip:
 def _user_turns(row: dict, name: str) -> Row | Skip:
     """`turns`: user texts (MT-Bench's), the first the prompt, each later one asked after the answer before it."""
     turns = row[name]
-    if not isinstance(turns, list):
-        return Skip("conversation_not_a_list")
-    if not turns:
-        return Skip("empty_conversation")
+    if problem := _not_a_list(turns):
+        return problem
     if not all(isinstance(turn, str) for turn in turns):
         return Skip("text_not_a_string")
     return Row([{"role": "user", "content": turns[0]}], list(turns[1:]))
